@@ -1,0 +1,236 @@
+"""The decoder skeleton the three MoE families share, and HF-checkpoint weight loading.
+
+Module tree mirrors HF names (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...,
+model.layers.{i}.mlp.gate, lm_head) so most checkpoint keys load by name. The exception is the
+routed experts: checkpoints store one tensor per expert and projection,
+
+    model.layers.1.mlp.experts.3.gate_proj.weight   [I, H]   (Mixtral: block_sparse_moe.experts.3.w1)
+    model.layers.1.mlp.experts.3.up_proj.weight     [I, H]   (Mixtral: w3)
+    model.layers.1.mlp.experts.3.down_proj.weight   [H, I]   (Mixtral: w2)
+
+and we hold them stacked: experts.w13[3] = [gate; up] ([2I, H]) and experts.w2[3] ([H, I]).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdeploy_r3.model_executor.layers.attention import Attention
+from fastdeploy_r3.model_executor.layers.moe import FusedExperts
+from fastdeploy_r3.model_executor.layers.norm import RMSNorm
+from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
+
+
+class WeightLoadingError(ValueError):
+    """A checkpoint does not match the model built from its config.json."""
+
+
+def rope_theta(hf_config: dict[str, Any], default: float = 10000.0) -> float:
+    """transformers v5 nests rope settings under rope_parameters; older configs keep them top level."""
+    rp = hf_config.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", hf_config.get("rope_theta", default)))
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        layer_idx: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T], x [T, H] -> [T, H]."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, NH, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))  # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, self_attn: SelfAttention, mlp: nn.Module, hidden_size: int, rms_norm_eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))  # [T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [T, H]
+
+
+class _Backbone(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], rms_norm_eps: float) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+
+
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+class MoeCausalLM(nn.Module):
+    """Base of every family. Subclasses parse hf_config and call _build(layers, ...)."""
+
+    # checkpoint names of an expert's (gate, up, down) projections, and the checkpoint's name for `mlp`
+    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    checkpoint_mlp_name: str = "mlp"
+
+    moe_layer_ids: list[int]
+    num_experts: int
+    top_k: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def _build(
+        self,
+        hf_config: dict[str, Any],
+        layers: list[DecoderLayer],
+        dtype: torch.dtype,
+        num_experts: int,
+        top_k: int,
+        moe_layer_ids: list[int],
+    ) -> None:
+        hidden = int(hf_config["hidden_size"])
+        vocab = int(hf_config["vocab_size"])
+        eps = float(hf_config.get("rms_norm_eps", 1e-6))
+        self.hidden_size = hidden
+        self.vocab_size = vocab
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.moe_layer_ids = moe_layer_ids
+        self.num_layers = len(layers)
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        self.model = _Backbone(vocab, hidden, layers, eps)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.to(dtype)
+        for module in self.modules():
+            # the selection-only routing bias stays float32, as in the reference implementation
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                module.e_score_correction_bias = bias.float()
+
+    # -- forward ------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> hidden [T, H] (after the final norm)."""
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        for layer in self.model.layers:
+            x = layer(positions, x)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32."""
+        return self.lm_head(hidden).float()
+
+    # -- weights ------------------------------------------------------------------------------------
+
+    def _to_checkpoint_name(self, name: str) -> str:
+        if self.checkpoint_mlp_name != "mlp":
+            name = name.replace(".mlp.", f".{self.checkpoint_mlp_name}.")
+        return name
+
+    def _from_checkpoint_name(self, name: str) -> str:
+        if self.checkpoint_mlp_name != "mlp":
+            name = name.replace(f".{self.checkpoint_mlp_name}.", ".mlp.")
+        return name
+
+    def checkpoint_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every name (and shape) an HF checkpoint of this model holds; tied lm_head omitted."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        gate_name, up_name, down_name = self.expert_proj_names
+        for mod_name, module in self.named_modules():
+            if isinstance(module, FusedExperts):
+                prefix = self._to_checkpoint_name(mod_name)
+                hidden, inter = module.w2.shape[1], module.w2.shape[2]
+                for e in range(module.num_experts):
+                    shapes[f"{prefix}.{e}.{gate_name}.weight"] = (inter, hidden)
+                    shapes[f"{prefix}.{e}.{up_name}.weight"] = (inter, hidden)
+                    shapes[f"{prefix}.{e}.{down_name}.weight"] = (hidden, inter)
+        for name, tensor in self._loadable_tensors():
+            if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), FusedExperts):
+                shapes[self._to_checkpoint_name(name)] = tuple(tensor.shape)
+        return shapes
+
+    def _loadable_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # named_parameters() drops the tied lm_head.weight as a duplicate, which is what we want
+        yield from self.named_parameters()
+        for name, buf in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                yield name, buf
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors by name; raise WeightLoadingError naming any bad or missing key."""
+        expected = self.checkpoint_weight_shapes()
+        tensors = dict(self._loadable_tensors())
+        loaded: set[str] = set()
+        gate_name, up_name, down_name = self.expert_proj_names
+        for ckpt_name, w in weights:
+            if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
+                continue  # some tied checkpoints still store it; the embedding is authoritative
+            if ckpt_name not in expected:
+                if self._skip_checkpoint_weight(ckpt_name):
+                    continue
+                raise WeightLoadingError(
+                    f"unexpected weight {ckpt_name!r} in the checkpoint: {type(self).__name__} built from "
+                    "config.json has no such parameter (config.json and the weights disagree)"
+                )
+            if tuple(w.shape) != expected[ckpt_name]:
+                raise WeightLoadingError(
+                    f"weight {ckpt_name!r} has shape {tuple(w.shape)}, the model expects {expected[ckpt_name]}"
+                )
+            name = self._from_checkpoint_name(ckpt_name)
+            m = _EXPERT_KEY.match(name)
+            if m is not None:
+                experts = self.get_submodule(m["prefix"])
+                e, inter = int(m["expert"]), experts.intermediate_size
+                if m["proj"] == gate_name:
+                    experts.w13[e, :inter].copy_(w)
+                elif m["proj"] == up_name:
+                    experts.w13[e, inter:].copy_(w)
+                else:
+                    assert m["proj"] == down_name
+                    experts.w2[e].copy_(w)
+            else:
+                tensors[name].copy_(w)
+            loaded.add(ckpt_name)
+        missing = sorted(set(expected) - loaded)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
+
+    def _skip_checkpoint_weight(self, ckpt_name: str) -> bool:
+        """Checkpoint tensors this engine deliberately ignores (e.g. GLM's multi-token-prediction layers)."""
+        return False

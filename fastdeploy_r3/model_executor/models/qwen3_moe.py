@@ -1,0 +1,47 @@
+"""Qwen3-MoE: q/k RMSNorm per head, softmax top-k routing, dense MLP on mlp_only_layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fastdeploy_r3.config import moe_layer_ids_from_hf_config
+from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
+from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
+from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
+from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, SelfAttention, rope_theta
+
+
+class Qwen3MoeForCausalLM(MoeCausalLM):
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+        super().__init__()
+        c = hf_config
+        if c.get("use_sliding_window"):
+            raise NotImplementedError("Qwen3-MoE with use_sliding_window=true is not supported")
+        hidden = int(c["hidden_size"])
+        num_heads = int(c["num_attention_heads"])
+        self.num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        self.head_dim = int(c.get("head_dim") or hidden // num_heads)
+        eps = float(c.get("rms_norm_eps", 1e-6))
+        num_experts = int(c["num_experts"])
+        top_k = int(c["num_experts_per_tok"])
+        moe_layer_ids = moe_layer_ids_from_hf_config(c)
+        rotary = RotaryEmbedding(self.head_dim, self.head_dim, rope_theta(c))
+        bias = bool(c.get("attention_bias", False))
+        layers = []
+        for i in range(int(c["num_hidden_layers"])):
+            attn = SelfAttention(
+                hidden, num_heads, self.num_kv_heads, self.head_dim, rotary, i,
+                qkv_bias=bias, o_bias=bias, qk_norm=True, rms_norm_eps=eps,
+            )
+            if i in moe_layer_ids:
+                mlp = SparseMoeBlock(
+                    hidden, num_experts, top_k, int(c["moe_intermediate_size"]),
+                    moe_index=moe_layer_ids.index(i), router="softmax",
+                    renormalize=bool(c.get("norm_topk_prob", False)),
+                )
+            else:
+                mlp = GatedMLP(hidden, int(c["intermediate_size"]))
+            layers.append(DecoderLayer(attn, mlp, hidden, eps))
+        self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids)
