@@ -1,0 +1,112 @@
+"""Routing stores: key validation, local files and a real redis-server, round-tripped through the client readers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import redis
+
+from fastdeploy_r3.cache_manager.routing_store import (
+    InvalidRolloutIdError,
+    LocalRoutingStore,
+    RedisRoutingStore,
+    make_routing_store,
+    previous_turn_rollout_id,
+    validate_rollout_id,
+)
+from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
+from fastdeploy_r3.config import RoutingReplayConfig
+
+MOE_LAYER_IDS = [1, 2, 3]  # layer 0 dense, as in GLM's first_k_dense_replace
+
+
+def _rows(seed: int, t: int = 7) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 8, size=(t, len(MOE_LAYER_IDS), 2), dtype=np.uint8)  # [T, L, K]
+
+
+@pytest.mark.parametrize("rid", ["user", "d:3:0:1", "a.b-c_d", "x" * 256])
+def test_valid_rollout_ids(rid: str) -> None:
+    assert validate_rollout_id(rid) == rid
+
+
+@pytest.mark.parametrize("rid", ["", "../etc", "a/b", "..", ".", "x" * 257, "a b", "k*", "é"])
+def test_invalid_rollout_ids(rid: str) -> None:
+    with pytest.raises(InvalidRolloutIdError):
+        validate_rollout_id(rid)
+
+
+def test_previous_turn_only_for_int_turn_and_segment() -> None:
+    assert previous_turn_rollout_id("data7:gen2:3:1") == "data7:gen2:2:1"
+    assert previous_turn_rollout_id("a:b:c:3:1") == "a:b:c:2:1"
+    assert previous_turn_rollout_id("data:gen:0:1") is None  # first turn has no predecessor
+    assert previous_turn_rollout_id("data:gen:x:1") is None
+    assert previous_turn_rollout_id("gen:3:1") is None  # not data:gen:turn:segment
+    assert previous_turn_rollout_id("user") is None
+
+
+def test_local_fused_and_per_layer_round_trip(tmp_path) -> None:
+    fused = LocalRoutingStore(str(tmp_path / "fused"), use_fused_put=True)
+    a, b = _rows(0), _rows(1)
+    paths = fused.put("r1", [a, b], MOE_LAYER_IDS)
+    assert [os.path.basename(p) for p in paths] == ["r1_0.npy", "r1_1.npy"]
+    assert np.load(paths[0]).shape == (3, 7, 2)  # fused [L, T, K]
+    assert np.array_equal(read_local_rollout(str(tmp_path / "fused"), "r1", choice=1), b)
+    assert not [n for n in os.listdir(tmp_path / "fused") if ".tmp." in n]  # no temp files left
+
+    per_layer = LocalRoutingStore(str(tmp_path / "layers"), use_fused_put=False)
+    per_layer.put("r2", [a], MOE_LAYER_IDS)
+    assert sorted(os.listdir(tmp_path / "layers" / "r2")) == ["layer_1.npy", "layer_2.npy", "layer_3.npy"]
+    assert np.array_equal(read_local_rollout(str(tmp_path / "layers"), "r2"), a)
+    assert np.array_equal(read_local_rollout(str(tmp_path / "layers"), "r2", moe_layer_ids=[3]), a[:, 2:3])
+
+
+def test_local_only_last_turn_deletes_previous_turn(tmp_path) -> None:
+    store = LocalRoutingStore(str(tmp_path), only_last_turn=True)
+    store.put("d:g:0:0", [_rows(0)], MOE_LAYER_IDS)
+    store.put("d:g:0:1", [_rows(1)], MOE_LAYER_IDS)
+    store.put("d:g:1:0", [_rows(2)], MOE_LAYER_IDS)
+    assert sorted(os.listdir(tmp_path)) == ["d:g:0:1.npy", "d:g:1:0.npy"]  # other segment untouched
+
+
+def test_make_routing_store_by_type(tmp_path) -> None:
+    assert make_routing_store(RoutingReplayConfig(enable_routing_replay=True), "ns") is None
+    cfg = RoutingReplayConfig(enable_routing_replay=True, routing_store_type="local", local_store_dir=str(tmp_path))
+    assert isinstance(make_routing_store(cfg, "ns"), LocalRoutingStore)
+
+
+def test_redis_fused_ttl_and_namespace(redis_url: str) -> None:
+    store = RedisRoutingStore(redis_url, "ns1", ttl_s=120)
+    store.ping()
+    a, b = _rows(3), _rows(4)
+    assert store.put("d:g:0:0", [a, b], MOE_LAYER_IDS) == ["ns1:d:g:0:0_0", "ns1:d:g:0:0_1"]
+    r = redis.Redis.from_url(redis_url)
+    assert 0 < r.ttl("ns1:d:g:0:0_0") <= 120
+    assert np.array_equal(read_redis_rollout(redis_url, "ns1", "d:g:0:0", choice=1), b)
+    store.close()
+
+
+def test_redis_per_layer_only_last_turn_and_no_wipe(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    r.set("ns2:someone-else", b"keep")
+    store = RedisRoutingStore(redis_url, "ns2", ttl_s=60, use_fused_put=False, only_last_turn=True)
+    a, b = _rows(5), _rows(6, t=9)
+    assert store.put("d:g:0:4", [a], MOE_LAYER_IDS) == ["ns2:d:g:0:4:1", "ns2:d:g:0:4:2", "ns2:d:g:0:4:3"]
+    assert np.array_equal(read_redis_rollout(redis_url, "ns2", "d:g:0:4", moe_layer_ids=MOE_LAYER_IDS), a)
+    store.put("d:g:1:4", [b], MOE_LAYER_IDS)
+    assert r.exists("ns2:d:g:0:4:1", "ns2:d:g:0:4:2", "ns2:d:g:0:4:3") == 0  # previous turn gone
+    assert np.array_equal(read_redis_rollout(redis_url, "ns2", "d:g:1:4", moe_layer_ids=MOE_LAYER_IDS), b)
+    assert r.get("ns2:someone-else") == b"keep"
+    # a second store on the same server (a restart) does not wipe anything
+    RedisRoutingStore(redis_url, "ns2", ttl_s=60).ping()
+    assert r.exists("ns2:d:g:1:4:1") == 1
+    store.close()
+
+
+def test_redis_put_to_dead_server_raises() -> None:
+    from fastdeploy_r3.cache_manager.routing_store import RoutingStoreError
+
+    store = RedisRoutingStore("redis://127.0.0.1:1/0", "ns", ttl_s=60)
+    with pytest.raises(RoutingStoreError, match="127.0.0.1:1"):
+        store.put("user", [_rows(0)], MOE_LAYER_IDS)
