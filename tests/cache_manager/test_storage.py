@@ -1,0 +1,115 @@
+"""Storage backends and the block blob codec, without the CTM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastdeploy_r3.cache_manager.storage import (
+    BlockDecodeError,
+    BlockLayout,
+    FileStorageBackend,
+    InvalidStorageKeyError,
+    RedisStorageBackend,
+    StorageError,
+    decode_block,
+    encode_block,
+    make_storage_backend,
+)
+
+# 2 ranks, 3 layers, block_size 4, 2 kv heads, head dim 8, float32; R3 with L=2 MoE layers, K=2, uint8.
+LAYOUT = BlockLayout(
+    num_ranks=2, kv_shape=(3, 2, 4, 2, 8), kv_dtype="float32", kv_itemsize=4, rows_shape=(4, 2, 2), rows_dtype="uint8"
+)
+
+
+def _block(seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    kv = [rng.standard_normal(LAYOUT.kv_shape).astype(np.float32) for _ in range(LAYOUT.num_ranks)]
+    rows = rng.integers(0, 64, size=LAYOUT.rows_shape, dtype=np.uint8)
+    return kv, rows
+
+
+def test_codec_roundtrip_is_bit_exact() -> None:
+    kv, rows = _block(0)
+    blob = encode_block(LAYOUT, kv, rows)
+    assert len(blob) == LAYOUT.blob_nbytes
+    got_kv, got_rows = decode_block(blob, LAYOUT)
+    for want, got in zip(kv, got_kv):
+        assert got.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(got_rows, rows)
+
+
+def test_codec_rejects_every_single_byte_flip_and_truncation() -> None:
+    """Any flipped byte (header, KV, rows or checksum) and any truncation is a typed error, never data."""
+    kv, rows = _block(1)
+    blob = encode_block(LAYOUT, kv, rows)
+    for pos in range(0, len(blob), 7):
+        bad = bytearray(blob)
+        bad[pos] ^= 0x40
+        with pytest.raises(BlockDecodeError):
+            decode_block(bytes(bad), LAYOUT)
+    for cut in (0, 10, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(BlockDecodeError, match="truncated|shorter"):
+            decode_block(blob[:cut], LAYOUT)
+
+
+def test_codec_rejects_other_engine_layout() -> None:
+    """A block stored by another TP size, dtype or R3 shape is a miss, not a reinterpretation."""
+    kv, rows = _block(2)
+    blob = encode_block(LAYOUT, kv, rows)
+    other_tp = BlockLayout(1, (3, 2, 4, 4, 8), "float32", 4, (4, 2, 2), "uint8")
+    other_k = BlockLayout(2, (3, 2, 4, 2, 8), "float32", 4, (4, 2, 4), "uint8")
+    no_rows = BlockLayout(2, (3, 2, 4, 2, 8), "float32", 4)
+    with pytest.raises(BlockDecodeError, match="KV layout"):
+        decode_block(blob, other_tp)
+    with pytest.raises(BlockDecodeError, match="routing rows"):
+        decode_block(blob, other_k)
+    with pytest.raises(BlockDecodeError, match="routing rows"):
+        decode_block(encode_block(no_rows, kv, None), LAYOUT)
+    # An engine with R3 off may use a block stored with rows: it only needs the KV.
+    got_kv, got_rows = decode_block(blob, no_rows)
+    assert got_rows is None and got_kv[1].tobytes() == kv[1].tobytes()
+
+
+def _exercise_backend(store, other_namespace_store) -> None:
+    key = "00ff" * 8
+    assert store.get(key) is None
+    assert store.exists([key, "ab"]) == [False, False]
+    store.put(key, b"v1")
+    store.put("ab", b"v2")
+    store.put(key, b"v3")  # overwrite
+    assert store.get(key) == b"v3"
+    assert store.exists([key, "ab", "cd"]) == [True, True, False]
+    assert other_namespace_store.get(key) is None  # weights of another version never see it
+    store.delete([key, "cd"])
+    assert store.exists([key, "ab"]) == [False, True]
+    for bad in ("../etc/passwd", "ABCD", "", "a" * 129, "12 34"):
+        with pytest.raises(InvalidStorageKeyError):
+            store.get(bad)
+
+
+def test_file_backend(tmp_path) -> None:
+    store = make_storage_backend(f"file://{tmp_path}", "qwen3-moe@v1")
+    assert isinstance(store, FileStorageBackend)
+    _exercise_backend(store, make_storage_backend(f"file://{tmp_path}", "qwen3-moe@v2"))
+    assert not [p for p in tmp_path.rglob("*.tmp.*")]  # atomic writes leave no temp files
+    # A new backend on the same directory keeps what is stored (never wiped on start).
+    assert make_storage_backend(f"file://{tmp_path}", "qwen3-moe@v1").get("ab") == b"v2"
+
+
+def test_redis_backend(redis_url: str) -> None:
+    store = make_storage_backend(redis_url, "qwen3-moe@v1")
+    assert isinstance(store, RedisStorageBackend)
+    _exercise_backend(store, make_storage_backend(redis_url, "qwen3-moe@v2"))
+    assert make_storage_backend(redis_url, "qwen3-moe@v1").get("ab") == b"v2"
+    store.delete(["ab"])
+
+
+def test_bad_urls_and_namespace_say_what_to_do(tmp_path) -> None:
+    with pytest.raises(StorageError, match="file:///absolute/dir"):
+        make_storage_backend("s3://bucket/x", "m@v1")
+    with pytest.raises(StorageError, match="weight version"):
+        make_storage_backend(f"file://{tmp_path}", "")
+    with pytest.raises(StorageError, match="unreachable"):
+        make_storage_backend("redis://127.0.0.1:1/0", "m@v1")
