@@ -1,0 +1,354 @@
+"""Block tables of requests over a tiered prefix cache: GPU pool → CPU tier → storage tier.
+
+    request block_table:  [ g3 | g7 | g1 | g8 ]        g = GPU block id
+                            hit  hit  load new          (hit: GPU prefix hit, load: swapped in or
+                                                          loaded from storage, new: computed now)
+
+Transfers run through the CacheTransferManager and are waited for before the blocks they touch
+are used: eviction swap-outs before anything is written into the evicted block, swap-ins and
+storage loads before the step that reads them. Write-through puts pin their block (a reference)
+until acknowledged, so a block is never rewritten while a transfer reads it.
+
+Every GPU block carries a routing_tag: the provenance of its R3 rows. A block computed here gets a
+fresh tag; a block swapped in keeps the tag its rows were swapped out with; a block loaded from
+storage gets a fresh tag that the CacheTransferManager stamps on the loaded rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
+from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
+from fastdeploy_r3.cache_manager.transfer import TransferKind, TransferTask
+
+if TYPE_CHECKING:
+    from fastdeploy_r3.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixHit:
+    """Leading full blocks of a request found in some tier, in order: GPU, then CPU, then storage."""
+
+    gpu_blocks: list[KVBlock] = field(default_factory=list)
+    cpu_blocks: list[KVBlock] = field(default_factory=list)
+    storage_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.gpu_blocks) + len(self.cpu_blocks) + len(self.storage_hashes)
+
+
+@dataclass
+class CacheCounters:
+    gpu_hit_blocks: int = 0
+    swap_in_blocks: int = 0
+    swap_out_blocks: int = 0
+    storage_load_blocks: int = 0
+    storage_load_failed_blocks: int = 0
+    storage_put_blocks: int = 0
+    evicted_blocks: int = 0
+    dropped_blocks: int = 0  # evicted with nowhere to go
+
+
+class PrefixCacheManager:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        root_hash: bytes,
+        num_cpu_blocks: int = 0,
+        storage: object | None = None,  # KVStorageBackend: exists(keys) for lookups
+        transfer: object | None = None,  # CacheTransferClient: submit / wait / poll
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash
+        self.gpu = BlockPool(num_gpu_blocks)
+        self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 and enable_prefix_caching else None
+        self.storage = storage if enable_prefix_caching else None
+        self.transfer = transfer
+        self.counters = CacheCounters()
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks so far
+        self._num_cached: dict[str, int] = {}  # leading blocks of the request registered in the pool
+        self._pinned: dict[int, list[KVBlock]] = {}  # write-through task id -> blocks it reads
+        self._next_tag = 1
+        self._next_task_id = 1
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, [])]
+
+    def block_tags(self, request_id: str) -> list[int]:
+        return [b.routing_tag for b in self._blocks.get(request_id, [])]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _request_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        tokens = req.all_token_ids
+        parent = hashes[-1] if hashes else self.root_hash
+        for i in range(len(hashes), num_blocks):
+            parent = chain_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes[:num_blocks]
+
+    def find_cached_prefix(self, req: Request) -> PrefixHit:
+        """Pure query: the longest run of leading full blocks found in some tier.
+
+        Capped so that at least the last token is computed (its logits sample the next token).
+        """
+        hit = PrefixHit()
+        if not self.enable_prefix_caching:
+            return hit
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = self._request_hashes(req, max_blocks)
+        i = 0
+        while i < len(hashes) and (b := self.gpu.lookup(hashes[i])) is not None:
+            hit.gpu_blocks.append(b)
+            i += 1
+        while self.cpu is not None and i < len(hashes) and (b := self.cpu.lookup(hashes[i])) is not None:
+            hit.cpu_blocks.append(b)
+            i += 1
+        if self.storage is not None and i < len(hashes):
+            rest = hashes[i:]
+            for h, present in zip(rest, self.storage.exists([h.hex() for h in rest])):
+                if not present:
+                    break
+                hit.storage_hashes.append(h)
+        return hit
+
+    def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
+        hit_tokens = hit.num_blocks * self.block_size
+        need = self.blocks_needed(hit_tokens + num_new_tokens) - len(hit.gpu_blocks)
+        revived = sum(1 for b in hit.gpu_blocks if b.ref_cnt == 0)  # leave the free list when touched
+        return need <= self.gpu.num_free_blocks - revived
+
+    def can_append(self, req: Request, num_new_tokens: int) -> bool:
+        have = len(self._blocks.get(req.request_id, []))
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+        return need <= self.gpu.num_free_blocks
+
+    # -- mutations ----------------------------------------------------------------------------------
+
+    def admit(self, req: Request, hit: PrefixHit, num_new_tokens: int) -> int:
+        """Give a waiting request its block table; returns its num_computed_tokens (the usable hit).
+
+        A storage block that fails to load truncates the hit there; the blocks from it on are
+        computed instead (they were allocated anyway), so the caller schedules from the returned
+        cursor.
+        """
+        assert req.request_id not in self._blocks, f"{req.request_id} admitted twice"
+        bs = self.block_size
+        self.gpu.touch(hit.gpu_blocks)
+        if self.cpu is not None:
+            self.cpu.touch(hit.cpu_blocks)  # pin the sources: allocating may evict CPU blocks
+        n_load = len(hit.cpu_blocks) + len(hit.storage_hashes)
+        hit_tokens = hit.num_blocks * bs
+        n_new = self.blocks_needed(hit_tokens + num_new_tokens) - hit.num_blocks
+        fresh = self._allocate(n_load + n_new)
+        swap_dst, load_dst, compute = (
+            fresh[: len(hit.cpu_blocks)],
+            fresh[len(hit.cpu_blocks) : n_load],
+            fresh[n_load:],
+        )
+        blocks = list(hit.gpu_blocks)
+        usable = len(hit.gpu_blocks)
+        self.counters.gpu_hit_blocks += len(hit.gpu_blocks)
+        loaded_ok = True
+        if swap_dst:
+            ack = self._run(
+                TransferKind.SWAP2GPU,
+                gpu=[b.block_id for b in swap_dst],
+                cpu=[b.block_id for b in hit.cpu_blocks],
+            )
+            for j, (dst, src) in enumerate(zip(swap_dst, hit.cpu_blocks)):
+                if j in ack.failed or not loaded_ok:
+                    loaded_ok = False
+                    continue
+                dst.routing_tag = src.routing_tag
+                self.gpu.cache(dst, src.block_hash)  # type: ignore[arg-type]
+                usable += 1
+            self.counters.swap_in_blocks += len(swap_dst) - len(ack.failed)
+            assert self.cpu is not None
+            self.cpu.free(hit.cpu_blocks)
+        if load_dst and loaded_ok:
+            tags = [self._new_tag() for _ in load_dst]
+            ack = self._run(
+                TransferKind.STORAGE2GPU,
+                gpu=[b.block_id for b in load_dst],
+                keys=[h.hex() for h in hit.storage_hashes],
+                tags=tags,
+            )
+            for j, (dst, h, tag) in enumerate(zip(load_dst, hit.storage_hashes, tags)):
+                if j in ack.failed or not loaded_ok:
+                    loaded_ok = False
+                    continue
+                dst.routing_tag = tag
+                self.gpu.cache(dst, h)
+                usable += 1
+            self.counters.storage_load_blocks += len(load_dst) - len(ack.failed)
+            self.counters.storage_load_failed_blocks += len(ack.failed)
+        blocks.extend(swap_dst)
+        blocks.extend(load_dst)
+        blocks.extend(compute)
+        for b in blocks[usable:]:
+            # computed here: blocks after a failed load lose whatever a partial load left behind
+            self.gpu.uncache(b)
+            b.routing_tag = self._new_tag()
+        self._blocks[req.request_id] = blocks
+        self._num_cached[req.request_id] = usable
+        return usable * bs
+
+    def append_slots(self, req: Request, num_new_tokens: int) -> None:
+        """Grow a running request's block table to hold num_computed_tokens + num_new_tokens."""
+        blocks = self._blocks.setdefault(req.request_id, [])
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(blocks)
+        if need > 0:
+            new = self._allocate(need)
+            for b in new:
+                b.routing_tag = self._new_tag()
+            blocks.extend(new)
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's newly full, computed blocks; write them through to storage."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(req.request_id)
+        if not blocks:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._request_hashes(req, num_full)
+        new_cached = []
+        for i in range(start, num_full):
+            if self.gpu.cache(blocks[i], hashes[i]):
+                new_cached.append((blocks[i], hashes[i]))
+        self._num_cached[req.request_id] = num_full
+        if self.storage is not None and self.transfer is not None and new_cached:
+            put_blocks = [b for b, _ in new_cached]
+            self.gpu.touch(put_blocks)  # pinned until the put is acknowledged
+            task_id = self._submit(
+                TransferKind.GPU2STORAGE,
+                gpu=[b.block_id for b in put_blocks],
+                keys=[h.hex() for _, h in new_cached],
+            )
+            self._pinned[task_id] = put_blocks
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first; cached ones stay cached."""
+        blocks = self._blocks.pop(req.request_id, [])
+        self.gpu.free(list(reversed(blocks)))
+        self._num_cached.pop(req.request_id, None)
+        self._hashes.pop(req.request_id, None)
+
+    def poll_transfers(self, block: bool = False) -> None:
+        """Unpin blocks whose write-through finished (all of them when block=True)."""
+        if self.transfer is None or not self._pinned:
+            return
+        acks = self.transfer.poll()
+        for ack in acks:
+            self._finish_put(ack)
+        if block:
+            for task_id in list(self._pinned):
+                self._finish_put(self.transfer.wait(task_id))
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _finish_put(self, ack: object) -> None:
+        blocks = self._pinned.pop(ack.task_id, None)  # type: ignore[attr-defined]
+        if blocks is None:
+            return
+        self.counters.storage_put_blocks += len(blocks) - len(ack.failed)  # type: ignore[attr-defined]
+        if not ack.ok:  # type: ignore[attr-defined]
+            logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)  # type: ignore
+        self.gpu.free(blocks)
+
+    def _new_tag(self) -> int:
+        tag, self._next_tag = self._next_tag, self._next_tag + 1
+        return tag
+
+    def _allocate(self, n: int) -> list[KVBlock]:
+        blocks = self.gpu.allocate(n)
+        self._swap_out_evicted()
+        return blocks
+
+    def _swap_out_evicted(self) -> None:
+        """Copy just-evicted cached GPU blocks into the CPU tier before anything rewrites them."""
+        evicted = self.gpu.pop_evicted()
+        self.counters.evicted_blocks += len(evicted)
+        if not evicted:
+            return
+        if self.cpu is None or self.transfer is None:
+            self.counters.dropped_blocks += len(evicted)
+            return
+        pairs: list[tuple[int, KVBlock]] = []
+        for ev in evicted:
+            existing = self.cpu.lookup(ev.block_hash)
+            if existing is not None:  # already in the CPU tier: refresh its LRU position
+                self.cpu.touch([existing])
+                self.cpu.free([existing])
+                continue
+            if not self.cpu.can_allocate(1):
+                self.counters.dropped_blocks += 1
+                continue
+            (cpu_block,) = self.cpu.allocate(1)
+            self.cpu.pop_evicted()  # the CPU tier is last in line: its evictions are dropped
+            cpu_block.routing_tag = ev.routing_tag
+            self.cpu.cache(cpu_block, ev.block_hash)
+            pairs.append((ev.block_id, cpu_block))
+        if not pairs:
+            return
+        ack = self._run(TransferKind.SWAP2CPU, gpu=[g for g, _ in pairs], cpu=[c.block_id for _, c in pairs])
+        for j, (_, cpu_block) in enumerate(pairs):
+            if j in ack.failed:
+                self.cpu.uncache(cpu_block)
+        self.cpu.free([c for _, c in pairs])
+        self.counters.swap_out_blocks += len(pairs) - len(ack.failed)
+
+    def _submit(
+        self,
+        kind: TransferKind,
+        gpu: list[int],
+        cpu: list[int] | None = None,
+        keys: list[str] | None = None,
+        tags: list[int] | None = None,
+    ) -> int:
+        assert self.transfer is not None, f"{kind} needs the cache transfer manager"
+        task_id, self._next_task_id = self._next_task_id, self._next_task_id + 1
+        task = TransferTask(task_id, kind, gpu, cpu or [], keys or [], tags or [])
+        self.transfer.submit(task)
+        return task_id
+
+    def _run(self, kind: TransferKind, **kw: list) -> object:
+        task_id = self._submit(kind, **kw)
+        ack = self.transfer.wait(task_id)  # type: ignore[union-attr]
+        if ack.failed and kind in (TransferKind.SWAP2CPU, TransferKind.SWAP2GPU):
+            logger.warning("%s failed for %d blocks: %s", kind.value, len(ack.failed), ack.error)
+        return ack
+
+    # -- tests --------------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        self.gpu.check_integrity()
+        if self.cpu is not None:
+            self.cpu.check_integrity()
+        owners: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        for blocks in self._pinned.values():
+            for b in blocks:
+                owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        for b in self.gpu.blocks:
+            assert b.ref_cnt == owners.get(b.block_id, 0), f"{b} has ref_cnt {b.ref_cnt}, owners {owners.get(b.block_id)}"

@@ -1,0 +1,91 @@
+"""Shared-memory R3 row buffers, addressed by KV slot.
+
+    routing_host_buffer  [num_gpu_blocks * block_size, L, K]  engine creates; worker rank 0 writes,
+                                                               TokenProcessor gathers, CTM swaps
+    routing_swap_buffer  [num_cpu_blocks * block_size, L, K]  CTM creates (CPU tier)
+
+Each row has a provenance tag (int64): the tag of the KV block whose computation wrote it. Tag 0
+means "never written". A row is data only when its tag equals the tag the engine recorded for the
+block that holds it (RoutingCacheManager checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastdeploy_r3.cache_manager.shm import ShmSegment
+
+NO_TAG = 0
+
+
+@dataclass(frozen=True)
+class RoutingBufferSpec:
+    """What crosses a process so that another one can attach."""
+
+    name: str
+    num_slots: int
+    num_layers: int
+    top_k: int
+    dtype: str  # numpy dtype name
+
+    @property
+    def rows_nbytes(self) -> int:
+        return self.num_slots * self.num_layers * self.top_k * np.dtype(self.dtype).itemsize
+
+    @property
+    def tags_offset(self) -> int:
+        return (self.rows_nbytes + 63) // 64 * 64
+
+    @property
+    def nbytes(self) -> int:
+        return self.tags_offset + self.num_slots * 8
+
+
+class RoutingBuffer:
+    def __init__(self, spec: RoutingBufferSpec, segment: ShmSegment) -> None:
+        self.spec = spec
+        self._segment = segment
+        self.rows = segment.numpy((spec.num_slots, spec.num_layers, spec.top_k), np.dtype(spec.dtype))
+        self.tags = segment.numpy((spec.num_slots,), np.int64, offset=spec.tags_offset)
+
+    @classmethod
+    def create(cls, spec: RoutingBufferSpec) -> RoutingBuffer:
+        buf = cls(spec, ShmSegment.create(spec.name, spec.nbytes))
+        buf.rows.fill(np.iinfo(buf.rows.dtype).max)  # sentinel: "no route"
+        buf.tags.fill(NO_TAG)
+        return buf
+
+    @classmethod
+    def attach(cls, spec: RoutingBufferSpec) -> RoutingBuffer:
+        return cls(spec, ShmSegment.attach(spec.name))
+
+    @property
+    def sentinel(self) -> int:
+        return int(np.iinfo(self.rows.dtype).max)
+
+    def write(self, slots: np.ndarray, rows: np.ndarray, tags: np.ndarray) -> None:
+        """rows [T, L, K] and tags [T] go to slots [T]."""
+        self.rows[slots] = rows
+        self.tags[slots] = tags
+
+    def read(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of rows [T, L, K] and tags [T] at slots [T]."""
+        return self.rows[slots], self.tags[slots]
+
+    def block_slots(self, block_ids: list[int] | np.ndarray, block_size: int) -> np.ndarray:
+        """All slots of the given blocks, block after block: [len(block_ids) * block_size]."""
+        b = np.asarray(block_ids, dtype=np.int64)[:, None]
+        return (b * block_size + np.arange(block_size, dtype=np.int64)[None, :]).reshape(-1)
+
+    def close(self) -> None:
+        del self.rows, self.tags
+        self._segment.close()
+
+
+def debug_rows(positions: np.ndarray, num_layers: int, top_k: int, dtype: np.dtype) -> np.ndarray:
+    """Debug mode's stand-in for routing: every id of token at position p is p mod sentinel."""
+    sentinel = int(np.iinfo(dtype).max)
+    vals = (np.asarray(positions, dtype=np.int64) % sentinel).astype(dtype)  # [T]
+    return np.broadcast_to(vals[:, None, None], (len(vals), num_layers, top_k)).copy()

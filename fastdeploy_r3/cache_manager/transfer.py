@@ -1,0 +1,73 @@
+"""Typed messages between the engine and the CacheTransferManager subprocess.
+
+A task names blocks by id in each tier; its acknowledgement comes only once the data is in place.
+Routing rows always travel in the same task as the KV of their block (DESIGN.md §5.3).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
+
+
+class TransferKind(enum.Enum):
+    SWAP2CPU = "swap2cpu"  # gpu_block_ids[i] -> cpu_block_ids[i]
+    SWAP2GPU = "swap2gpu"  # cpu_block_ids[i] -> gpu_block_ids[i]
+    GPU2STORAGE = "gpu2storage"  # gpu_block_ids[i] -> storage_keys[i]
+    STORAGE2GPU = "storage2gpu"  # storage_keys[i] -> gpu_block_ids[i], rows stamped with routing_tags[i]
+
+
+@dataclass
+class TransferTask:
+    task_id: int
+    kind: TransferKind
+    gpu_block_ids: list[int]
+    cpu_block_ids: list[int] = field(default_factory=list)
+    storage_keys: list[str] = field(default_factory=list)
+    routing_tags: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TransferAck:
+    task_id: int
+    kind: TransferKind
+    ok: bool  # every block of the task is in place
+    failed: list[int] = field(default_factory=list)  # indices into the task's lists that did not make it
+    error: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One worker rank's KV cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    name: str  # SHM segment name (CPU) ; CUDA IPC handle travels separately on GPU
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    device: str = "cpu"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.shape[3]
+
+
+@dataclass(frozen=True)
+class CacheTransferConfig:
+    """Everything the CTM subprocess needs; it takes scalars and names, not the engine config."""
+
+    kv_specs: list[KVCacheSpec]  # one per TP rank
+    num_cpu_blocks: int
+    block_size: int
+    routing_host: RoutingBufferSpec | None  # None when R3 is off
+    routing_swap_name: str | None  # SHM name of the routing_swap_buffer the CTM creates
+    kv_cpu_name: str | None  # SHM name of the CPU-tier KV the CTM creates
+    storage_url: str | None
+    storage_namespace: str
+    parent_pid: int

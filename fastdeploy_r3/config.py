@@ -1,0 +1,410 @@
+"""Engine configuration: one dataclass per concern, validated with messages that say what to change.
+
+EngineConfig
+  ├─ ModelConfig          checkpoint dir, dtype, architecture facts read from config.json
+  ├─ CacheConfig          block_size, GPU/CPU/storage tiers
+  ├─ SchedulerConfig      token budget, batch size, chunked prefill
+  ├─ ParallelConfig       tensor parallel size
+  └─ RoutingReplayConfig  R3 (DESIGN.md §6); derived fields filled by postprocess(model_config)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which and what to change."""
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+# architecture name in config.json -> model family module under model_executor/models
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Glm4MoeForCausalLM": "glm4_moe",
+}
+
+
+def moe_layer_ids_from_hf_config(hf: dict[str, Any]) -> list[int]:
+    """The explicit list of MoE layer indices of a checkpoint (dense layers are not counted)."""
+    arch = (hf.get("architectures") or [None])[0]
+    n = int(hf["num_hidden_layers"])
+    if arch == "Qwen3MoeForCausalLM":
+        step = int(hf.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        if int(hf.get("num_experts", 0) or 0) <= 0:
+            return []
+        return [i for i in range(n) if i not in mlp_only and (i + 1) % step == 0]
+    if arch == "MixtralForCausalLM":
+        return list(range(n))
+    if arch == "Glm4MoeForCausalLM":
+        first_dense = int(hf.get("first_k_dense_replace", 0) or 0)
+        return list(range(first_dense, n))
+    raise ConfigError(f"unknown architecture {arch!r}")
+
+
+def num_routed_experts_from_hf_config(hf: dict[str, Any]) -> int:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf.get(key):
+            return int(hf[key])
+    return 0
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    dtype: str = "float32"
+    load_format: str = "auto"  # "auto" reads *.safetensors, "dummy" random weights from config.json
+    max_model_len: int | None = None
+    seed: int = 0
+    weight_version: str = "0"
+    tokenizer: str | None = None
+    # read from config.json by finalize()
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    architecture: str = ""
+    num_hidden_layers: int = 0
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_layer_ids: list[int] = field(default_factory=list)
+    vocab_size: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def finalize(self) -> ModelConfig:
+        """Read config.json and validate; idempotent."""
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format {self.load_format!r} is not supported; use 'auto' or 'dummy'")
+        if not os.path.isdir(self.model):
+            raise ConfigError(
+                f"model directory {self.model!r} does not exist; pass a Hugging Face-format directory "
+                "(config.json + *.safetensors), e.g. one written by tools/make_fake_model.py"
+            )
+        cfg_path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ConfigError(f"{self.model!r} has no config.json; it is not a Hugging Face-format model directory")
+        try:
+            with open(cfg_path) as f:
+                hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_path} is not valid JSON ({e}); fix or regenerate the checkpoint") from e
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{cfg_path} must hold a JSON object")
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown architecture {arch!r} in {cfg_path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads"):
+            if key not in hf:
+                raise ConfigError(f"{cfg_path} lacks {key!r}; the checkpoint config is malformed")
+        self.hf_config = hf
+        self.architecture = arch
+        self.num_hidden_layers = int(hf["num_hidden_layers"])
+        self.vocab_size = int(hf["vocab_size"])
+        self.num_experts = num_routed_experts_from_hf_config(hf)
+        self.moe_top_k = int(hf.get("num_experts_per_tok", 0) or 0)
+        self.moe_layer_ids = moe_layer_ids_from_hf_config(hf)
+        if self.num_experts <= 0 or self.moe_top_k <= 0 or not self.moe_layer_ids:
+            raise ConfigError(
+                f"{self.model!r} is not a MoE model (no routed experts / experts per token / MoE layers); "
+                "fastdeploy_r3 serves MoE models only"
+            )
+        eos = hf.get("eos_token_id")
+        if eos is None:
+            gen_path = os.path.join(self.model, "generation_config.json")
+            if os.path.isfile(gen_path):
+                with open(gen_path) as f:
+                    eos = json.load(f).get("eos_token_id")
+        self.eos_token_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        limit = int(hf.get("max_position_embeddings", 4096))
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len} is too small; use at least 2")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        return self
+
+    @property
+    def model_identity(self) -> str:
+        """Seeds the prefix-cache hash chain and namespaces the storage tier."""
+        return f"{self.architecture}:{os.path.abspath(self.model)}:{self.dtype}"
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_space_gib: float = 0.25  # KV budget on a CPU-only machine
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB of CPU tier
+    num_cpu_blocks_override: int | None = None
+    kv_storage: str | None = None  # file:///dir or redis://host:port/db
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ConfigError(f"block_size={self.block_size}; use a value in [1, 1024] (16 is usual)")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(f"num_gpu_blocks_override={self.num_gpu_blocks_override}; use at least 2 blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}; use a fraction in (0, 1]")
+        if self.swap_space < 0:
+            raise ConfigError(f"swap_space={self.swap_space}; use 0 (no CPU tier) or a positive size in GiB")
+        if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
+            raise ConfigError(f"num_cpu_blocks_override={self.num_cpu_blocks_override}; use 0 or more")
+        if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://")):
+            raise ConfigError(
+                f"kv_storage={self.kv_storage!r}; use file:///absolute/dir or redis://127.0.0.1:6379/0"
+            )
+
+    @property
+    def has_cpu_tier(self) -> bool:
+        return bool(self.num_cpu_blocks_override) or (self.num_cpu_blocks_override is None and self.swap_space > 0)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def validate(self, max_model_len: int) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}; use at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}; use at least 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len}); raise it, lower max_model_len or enable chunked prefill"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}; use at least 1")
+
+
+def routing_dtype_for(num_experts: int) -> np.dtype:
+    """uint8 when ids fit below the sentinel 255, uint16 below 65535, else int32."""
+    if num_experts <= 255:
+        return np.dtype(np.uint8)
+    if num_experts <= 65535:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+_ROUTING_STORE_TYPES = ("response", "local", "p2pstore")
+
+
+@dataclass
+class RoutingReplayConfig:
+    enable_routing_replay: bool = False
+    routing_store_type: str = "response"
+    local_store_dir: str | None = None
+    p2pstore_url: str | None = None
+    only_last_turn: bool = False
+    use_fused_put: bool = True
+    debug_mode: bool = False
+    ttl_s: int = 3600
+    # derived once by postprocess(model_config)
+    moe_layer_ids: list[int] | None = field(default=None, repr=False)
+    num_moe_layers: int = 0
+    moe_top_k: int = 0
+    num_experts: int = 0
+    routing_dtype: np.dtype | None = None
+
+    _FIELDS = (
+        ("enable_routing_replay", bool),
+        ("routing_store_type", str),
+        ("local_store_dir", (str, type(None))),
+        ("p2pstore_url", (str, type(None))),
+        ("only_last_turn", bool),
+        ("use_fused_put", bool),
+        ("debug_mode", bool),
+        ("ttl_s", int),
+    )
+
+    @classmethod
+    def from_json(cls, value: str | dict[str, Any] | RoutingReplayConfig | None) -> RoutingReplayConfig:
+        """Parse a JSON string, a path to a JSON file, a dict, or pass a config through."""
+        if value is None:
+            return cls()
+        if isinstance(value, RoutingReplayConfig):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            if not text.startswith("{") and os.path.isfile(text):
+                with open(text) as f:
+                    text = f.read()
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"--routing-replay-config is not valid JSON ({e}); pass a JSON object such as "
+                    '\'{"enable_routing_replay": true}\' or the path of a file holding one'
+                ) from e
+        if not isinstance(value, dict):
+            raise ConfigError("--routing-replay-config must be a JSON object")
+        known = {name for name, _ in cls._FIELDS}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown routing replay key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+            )
+        types = dict(cls._FIELDS)
+        for key, v in value.items():
+            want = types[key]
+            ok = isinstance(v, want) and not (want is int and isinstance(v, bool))
+            if not ok:
+                names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+                raise ConfigError(f"routing replay key {key!r} must be {names}, got {type(v).__name__} {v!r}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.routing_store_type not in _ROUTING_STORE_TYPES:
+            raise ConfigError(
+                f"routing_store_type={self.routing_store_type!r}; use one of {', '.join(_ROUTING_STORE_TYPES)}"
+            )
+        if self.enable_routing_replay and self.routing_store_type == "local" and not self.local_store_dir:
+            raise ConfigError("routing_store_type 'local' needs local_store_dir (a directory to write .npy files)")
+        if self.enable_routing_replay and self.routing_store_type == "p2pstore" and not self.p2pstore_url:
+            raise ConfigError("routing_store_type 'p2pstore' needs p2pstore_url, e.g. redis://127.0.0.1:6379/0")
+        if self.ttl_s <= 0:
+            raise ConfigError(f"ttl_s={self.ttl_s}; use a positive number of seconds")
+
+    def postprocess(self, model_config: ModelConfig) -> None:
+        """Derive the R3 shape from the final model config; call once, after ModelConfig.finalize()."""
+        if self.moe_layer_ids is not None:
+            raise ConfigError("RoutingReplayConfig.postprocess() was called twice")
+        if not model_config.architecture:
+            raise ConfigError("RoutingReplayConfig.postprocess() needs a finalized ModelConfig")
+        self.moe_layer_ids = list(model_config.moe_layer_ids)
+        self.num_moe_layers = len(self.moe_layer_ids)
+        self.moe_top_k = model_config.moe_top_k
+        self.num_experts = model_config.num_experts
+        self.routing_dtype = routing_dtype_for(self.num_experts)
+
+    @property
+    def sentinel(self) -> int:
+        assert self.routing_dtype is not None, "postprocess() first"
+        return int(np.iinfo(self.routing_dtype).max)
+
+    def to_json(self) -> str:
+        return json.dumps({name: getattr(self, name) for name, _ in self._FIELDS})
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    routing_replay_config: RoutingReplayConfig = field(default_factory=RoutingReplayConfig)
+    device: str = "auto"  # "cpu", "cuda" or "auto"
+
+    def __post_init__(self) -> None:
+        self.model_config.finalize()
+        self.cache_config.validate()
+        self.scheduler_config.validate(self.model_config.max_model_len)
+        self.parallel_config.validate()
+        self.routing_replay_config.validate()
+        if self.routing_replay_config.moe_layer_ids is None:
+            self.routing_replay_config.postprocess(self.model_config)
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device={self.device!r}; use 'cpu', 'cuda' or 'auto'")
+
+    # -- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (the names of the CLI flags with underscores)."""
+        parts: dict[type, dict[str, Any]] = {c: {} for c in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)}
+        owners = {f.name: c for c in parts for f in dataclasses.fields(c) if f.init}
+        engine_kw: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key == "routing_replay_config":
+                engine_kw[key] = RoutingReplayConfig.from_json(value)
+            elif key == "device":
+                engine_kw[key] = value
+            elif key in owners and key not in ("hf_config",):
+                parts[owners[key]][key] = value
+            else:
+                raise ConfigError(f"unknown engine argument {key!r}; see `fastdeploy-r3 serve --help` for the flags")
+        return cls(
+            model_config=ModelConfig(model=model, **parts[ModelConfig]),
+            cache_config=CacheConfig(**parts[CacheConfig]),
+            scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+            parallel_config=ParallelConfig(**parts[ParallelConfig]),
+            **engine_kw,
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p = parser
+        p.add_argument("--model", required=True, help="Hugging Face-format model directory")
+        p.add_argument("--dtype", default="float32", choices=_DTYPES)
+        p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--weight-version", default="0")
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        p.add_argument("--kv-cache-space-gib", type=float, default=0.25)
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU tier for swapped KV")
+        p.add_argument("--num-cpu-blocks-override", type=int, default=None)
+        p.add_argument("--kv-storage", default=None, help="file:///dir or redis://127.0.0.1:6379/0")
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--tensor-parallel-size", type=int, default=1)
+        p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+        p.add_argument("--routing-replay-config", default=None, help="JSON object or path to a JSON file")
+        return p
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        kw = {
+            name: getattr(args, name)
+            for name in (
+                "dtype", "load_format", "max_model_len", "seed", "weight_version", "block_size",
+                "num_gpu_blocks_override", "gpu_memory_utilization", "kv_cache_space_gib",
+                "enable_prefix_caching", "swap_space", "num_cpu_blocks_override", "kv_storage",
+                "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                "tensor_parallel_size", "device", "routing_replay_config",
+            )
+        }
+        return cls.from_kwargs(args.model, **kw)
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.model_config.max_model_len is not None
+        return self.model_config.max_model_len

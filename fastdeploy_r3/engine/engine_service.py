@@ -1,0 +1,464 @@
+"""The engine: owns the scheduler and the cache tiers, drives the workers step by step, and starts
+and supervises its children (workers, CacheTransferManager).
+
+    EngineService
+      ├─ Scheduler ── PrefixCacheManager (GPU pool, CPU tier, storage lookups)
+      ├─ routing_host_buffer (SHM, created here once the KV cache is sized)
+      ├─ TokenProcessor ── RoutingCacheManager (gather at finish)
+      ├─ worker processes (one per TP rank)
+      └─ CacheTransferManager process (when a CPU tier or a storage tier is configured)
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdeploy_r3.cache_manager.block_hash import root_hash
+from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
+from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
+from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_all
+from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
+from fastdeploy_r3.engine.token_processor import TokenProcessor
+from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, Shutdown, StepInput, WorkerReady
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A child process of the engine died; in-flight requests were failed."""
+
+
+@dataclass
+class _Group:
+    """A user request: one child Request per choice (n > 1)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request] = field(default_factory=list)
+
+
+class EngineService:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.suffix = new_engine_suffix()
+        self._closed = False
+        self._dead: str | None = None
+        self._workers: list[tuple[mp.process.BaseProcess, Any]] = []
+        self._ctm = None
+        self._routing_host: RoutingBuffer | None = None
+        self._step_id = 0
+        self._groups: dict[str, _Group] = {}
+        self._requests: dict[str, Request] = {}
+        self._child_group: dict[str, str] = {}  # child request id -> user request id
+        self._worker_known: set[str] = set()
+        self._finished_since_step: list[str] = []
+        self._pending_outputs: list[str] = []
+        _live_engines.add(self)
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- start-up -----------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        cfg = self.config
+        mc, cc, sc, rr = cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.routing_replay_config
+        try:
+            from fastdeploy_r3.engine.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(mc.model)
+        except Exception as e:  # token-id-only models are served too
+            logger.warning("no tokenizer loaded (%s); only token-id prompts are accepted", e)
+            self.tokenizer = None
+        eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
+
+        world = cfg.parallel_config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        from fastdeploy_r3.worker.worker_process import worker_main
+
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main, args=(cfg, rank, world, self.suffix, child), name=f"fdr3-worker{rank}", daemon=True
+            )
+            proc.start()
+            child.close()
+            self._workers.append((proc, parent))
+        readies: list[WorkerReady] = [self._recv(rank, timeout=600) for rank in range(world)]
+        num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
+        self.num_gpu_blocks = num_gpu_blocks
+
+        routing_spec = None
+        if rr.enable_routing_replay:
+            routing_spec = RoutingBufferSpec(
+                name=shm_name(self.suffix, "routing_host"),
+                num_slots=num_gpu_blocks * cc.block_size,
+                num_layers=rr.num_moe_layers,
+                top_k=rr.moe_top_k,
+                dtype=rr.routing_dtype.name,  # type: ignore[union-attr]
+            )
+            self._routing_host = RoutingBuffer.create(routing_spec)
+        for rank in range(world):
+            self._workers[rank][1].send(AttachRoutingBuffer(routing_spec))
+        for rank in range(world):
+            self._recv(rank, timeout=120)
+
+        num_cpu_blocks = 0
+        if cc.enable_prefix_caching and cc.has_cpu_tier:
+            per_block = readies[0].kv_spec.shape
+            block_bytes = _nbytes(per_block, readies[0].kv_spec.dtype) // num_gpu_blocks
+            num_cpu_blocks = (
+                cc.num_cpu_blocks_override
+                if cc.num_cpu_blocks_override is not None
+                else int(cc.swap_space * 2**30 // max(block_bytes, 1))
+            )
+        storage = None
+        namespace = f"{mc.model_identity}|{mc.weight_version}"
+        if cc.enable_prefix_caching and cc.kv_storage:
+            from fastdeploy_r3.cache_manager.storage import make_storage_backend
+
+            storage = make_storage_backend(cc.kv_storage, namespace)
+        transfer = None
+        if num_cpu_blocks > 0 or storage is not None:
+            from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferClient
+            from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig
+
+            import os
+
+            transfer = CacheTransferClient()
+            self._ctm = transfer
+            transfer.start(
+                CacheTransferConfig(
+                    kv_specs=[r.kv_spec for r in readies],
+                    num_cpu_blocks=num_cpu_blocks,
+                    block_size=cc.block_size,
+                    routing_host=routing_spec,
+                    routing_swap_name=shm_name(self.suffix, "routing_swap") if routing_spec else None,
+                    kv_cpu_name=shm_name(self.suffix, "kv_cpu"),
+                    storage_url=cc.kv_storage if storage is not None else None,
+                    storage_namespace=namespace,
+                    parent_pid=os.getpid(),
+                )
+            )
+        self.num_cpu_blocks = num_cpu_blocks
+        self.kv = PrefixCacheManager(
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=cc.block_size,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            root_hash=root_hash(mc.model_identity, mc.weight_version),
+            num_cpu_blocks=num_cpu_blocks,
+            storage=storage,
+            transfer=transfer,
+        )
+        self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill)
+        routing = None
+        if self._routing_host is not None:
+            from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
+
+            routing = RoutingCacheManager(
+                self._routing_host, cc.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
+            )
+        self.token_processor = TokenProcessor(self.scheduler, self.tokenizer, eos, cfg.max_model_len, routing)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        self._check_alive()
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
+        self._validate_prompt(prompt_token_ids, params)
+        group = _Group(request_id, prompt, list(prompt_token_ids))
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                from dataclasses import replace
+
+                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, list(prompt_token_ids), child_params)
+            group.children.append(req)
+            self._requests[rid] = req
+            self._child_group[rid] = request_id
+            self.scheduler.add_request(req)
+        self._groups[request_id] = group
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        if len(ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {max_len}; shorten the prompt to at "
+                f"most {max_len - 1} tokens or start the engine with a larger --max-model-len"
+            )
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        need = self.kv.blocks_needed(min(len(ids) + params.max_tokens, max_len))
+        if need > self.num_gpu_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {need} KV blocks but the cache has {self.num_gpu_blocks}; lower "
+                "max_tokens or the prompt length, or give the engine more KV blocks"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for req in group.children:
+            if not req.is_finished:
+                self.token_processor.finish(req, RequestStatus.FINISHED_ABORTED)
+                self._finished_since_step.append(req.request_id)
+        self._pending_outputs.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self._check_alive()
+        touched: set[str] = set(self._pending_outputs)
+        self._pending_outputs.clear()
+        try:
+            self.kv.poll_transfers()
+            out = self.scheduler.schedule()
+            if out.chunks:
+                sampled = self._run_workers(out)
+                if isinstance(sampled, str):
+                    # nothing of this step is trusted: cursors stay, blocks are not cached
+                    for chunk in out.chunks:
+                        self.token_processor.finish(chunk.request, RequestStatus.FINISHED_ERROR, error=sampled)
+                else:
+                    self.scheduler.update_after_step(out)
+                    for chunk in out.chunks:
+                        if chunk.samples:
+                            self.token_processor.append_token(chunk.request, sampled[chunk.request.request_id])
+                for chunk in out.chunks:
+                    req = chunk.request
+                    touched.add(self._child_group[req.request_id])
+                    if req.is_finished:
+                        self._finished_since_step.append(req.request_id)
+        except Exception as e:
+            self._die(f"{type(e).__name__}: {e}")
+            raise EngineDeadError(self._dead) from e
+        return self._collect(touched)
+
+    def _run_workers(self, out: SchedulerOutput) -> dict[str, int] | str:
+        self._step_id += 1
+        reqs = []
+        for chunk in out.chunks:
+            r = chunk.request
+            start = chunk.start
+            first = r.request_id not in self._worker_known
+            self._worker_known.add(r.request_id)
+            reqs.append(
+                ScheduledRequestData(
+                    request_id=r.request_id,
+                    token_ids=r.all_token_ids[start : start + chunk.num_new_tokens],
+                    start_pos=start,
+                    block_table=self.kv.block_table(r.request_id),
+                    block_tags=self.kv.block_tags(r.request_id),
+                    sample=chunk.samples,
+                    sampling_params=r.sampling_params if first else None,
+                    sampling_seed=r.sampling_params.seed if first else None,
+                )
+            )
+        finished = [rid for rid in self._finished_since_step if rid in self._worker_known]
+        self._worker_known.difference_update(finished)
+        self._finished_since_step.clear()
+        step = StepInput(self._step_id, reqs, finished)
+        for _, conn in self._workers:
+            conn.send(step)
+        outs = [self._recv(rank, timeout=None) for rank in range(len(self._workers))]
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            return f"worker step failed: {errors[0]}"
+        return outs[0].sampled_token_ids
+
+    def _collect(self, group_ids: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for gid in sorted(group_ids):
+            group = self._groups.get(gid)
+            if group is None:
+                continue
+            out = self._make_output(group)
+            outputs.append(out)
+            if out.finished:
+                del self._groups[gid]
+                for req in group.children:
+                    self._requests.pop(req.request_id, None)
+                    self._child_group.pop(req.request_id, None)
+        return outputs
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        rr = self.config.routing_replay_config
+        comps = []
+        for i, req in enumerate(group.children):
+            n = req.num_returned_tokens if req.num_returned_tokens is not None else len(req.output_token_ids)
+            comps.append(
+                CompletionOutput(
+                    index=i,
+                    text=req.output_text,
+                    token_ids=req.output_token_ids[:n],
+                    finish_reason=req.status.value if req.is_finished else None,
+                    stop_reason=req.stop_reason,
+                    routed_experts=req.routed_experts,
+                    routed_experts_start=min(req.sampling_params.routed_experts_start,
+                                             req.num_prompt_tokens + n - 1),
+                    error=req.error,
+                )
+            )
+        cached = group.children[0].num_cached_tokens
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=comps,
+            finished=all(r.is_finished for r in group.children),
+            moe_layer_ids=list(rr.moe_layer_ids or []) if rr.enable_routing_replay else None,
+            num_cached_tokens=max(cached, 0),
+        )
+
+    # -- supervision --------------------------------------------------------------------------------
+
+    def _recv(self, rank: int, timeout: float | None) -> Any:
+        proc, conn = self._workers[rank]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not conn.poll(0.05):
+            if not proc.is_alive():
+                raise EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+            if self._ctm is not None and not self._ctm.is_alive():
+                raise EngineDeadError("the cache transfer manager process died")
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineDeadError(f"worker rank {rank} did not answer in {timeout} s")
+        msg = conn.recv()
+        if isinstance(msg, BaseException):
+            raise EngineDeadError(str(msg))
+        return msg
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+
+    def _die(self, reason: str) -> None:
+        """Fail every in-flight request with the reason and stop the children."""
+        self._dead = f"engine failed: {reason}"
+        logger.error(self._dead)
+        for group in self._groups.values():
+            for req in group.children:
+                if not req.is_finished:
+                    req.status = RequestStatus.FINISHED_ERROR
+                    req.error = self._dead
+                    req.routed_experts = None
+            self._pending_outputs.append(group.request_id)
+        self._stop_children()
+
+    def fail_all(self) -> list[RequestOutput]:
+        """Outputs of the requests failed by a dead engine (call after EngineDeadError)."""
+        outs = self._collect(set(self._pending_outputs))
+        self._pending_outputs.clear()
+        return outs
+
+    def metrics(self) -> dict[str, float]:
+        c = self.kv.counters
+        r3 = self.token_processor.r3
+        return {
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "num_free_gpu_blocks": self.kv.gpu.num_free_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "prefix_hit_blocks": c.gpu_hit_blocks,
+            "swap_out_blocks": c.swap_out_blocks,
+            "swap_in_blocks": c.swap_in_blocks,
+            "storage_load_blocks": c.storage_load_blocks,
+            "storage_load_failed_blocks": c.storage_load_failed_blocks,
+            "storage_put_blocks": c.storage_put_blocks,
+            "evicted_blocks": c.evicted_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "r3_rows_delivered": r3.rows_delivered,
+            "r3_bytes": r3.bytes_delivered,
+            "r3_failures": r3.failures,
+            "r3_gather_seconds": r3.gather_seconds,
+        }
+
+    def _stop_children(self) -> None:
+        for proc, conn in self._workers:
+            try:
+                if proc.is_alive():
+                    conn.send(Shutdown())
+            except Exception:
+                pass
+        for proc, conn in self._workers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+            conn.close()
+        self._workers = []
+        if self._ctm is not None:
+            try:
+                self._ctm.shutdown()
+            except Exception:
+                logger.exception("cache transfer manager shutdown")
+            self._ctm = None
+        if self._routing_host is not None:
+            self._routing_host.close()
+            self._routing_host = None
+        unlink_all(self.suffix)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._dead is None and hasattr(self, "kv"):
+            try:
+                self.kv.poll_transfers(block=True)
+            except Exception:
+                logger.exception("waiting for write-through")
+        self._stop_children()
+        _live_engines.discard(self)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    import numpy as np
+    import torch
+
+    return int(np.prod(shape)) * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+
+
+_live_engines: weakref.WeakSet[EngineService] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    for eng in list(_live_engines):
+        try:
+            eng.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,145 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Each step every scheduled request advances num_computed_tokens towards num_tokens by at most
+the budget left. Running requests go first (oldest first); when blocks run out the youngest running
+request is preempted (its blocks go back to the pool, cached ones stay cached) and recomputes later.
+Waiting requests are admitted in arrival order, each first looking up its prefix in the cache tiers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
+from fastdeploy_r3.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int  # tokens fed this step: [start, start + num_new_tokens)
+    start: int = -1  # num_computed_tokens when scheduled
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last token, so its logits sample the next one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: PrefixCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        # 1. running requests, oldest first; preempt the youngest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.can_append(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req itself was preempted: everything after it already was
+            self.kv.append_slots(req, num_new)
+            out.chunks.append(ScheduledChunk(req, num_new))
+            scheduled.add(req.request_id)
+            budget -= num_new
+            i += 1
+        # drop chunks of requests preempted after they were scheduled
+        out.chunks = [c for c in out.chunks if c.request.status is RequestStatus.RUNNING]
+        budget = self.max_num_batched_tokens - out.num_tokens
+
+        # 2. waiting requests in order, unless this step had to preempt
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.find_cached_prefix(req)
+            hit_tokens = hit.num_blocks * self.kv.block_size
+            num_new = req.num_tokens - hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.can_admit(hit, num_new):
+                break
+            self.waiting.popleft()
+            num_computed = self.kv.admit(req, hit, num_new)
+            # a failed load leaves fewer usable tokens; the allocated blocks bound what we compute now
+            covered = hit_tokens + num_new
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new = min(covered - num_computed, budget, req.num_tokens - num_computed)
+            out.chunks.append(ScheduledChunk(req, num_new))
+            budget -= num_new
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance cursors of what was computed; register newly full blocks in the prefix cache."""
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_computed_blocks(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Leave the queues and give the blocks back. R3 must have been gathered before this."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,106 @@
+"""Turns sampled tokens into request progress: append, detokenize, stop checks, and at finish
+gather R3 (before the blocks are freed), then free.
+
+    finish → gather R3 rows [start, P + N - 1) through the block table → free blocks
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager, RoutingReplayError
+from fastdeploy_r3.engine.request import Request, RequestStatus
+from fastdeploy_r3.engine.scheduler import Scheduler
+
+
+@dataclass
+class R3Counters:
+    rows_delivered: int = 0
+    bytes_delivered: int = 0
+    failures: int = 0
+    gather_seconds: float = 0.0
+
+
+class TokenProcessor:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: object | None,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        routing: RoutingCacheManager | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.routing = routing
+        self.r3 = R3Counters()
+
+    def append_token(self, req: Request, token_id: int) -> None:
+        """Record a sampled token and finish the request if it stops here."""
+        req.output_token_ids.append(token_id)
+        params = req.sampling_params
+        status: RequestStatus | None = None
+        if token_id in params.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        if self.tokenizer is not None:
+            req.output_text = self.tokenizer.decode(req.output_token_ids)  # type: ignore[attr-defined]
+            if params.stop and status is None:
+                cut = _find_stop(req.output_text, params.stop)
+                if cut is not None:
+                    req.output_text = req.output_text[: cut[0]]
+                    req.stop_reason = cut[1]
+                    status = RequestStatus.FINISHED_STOPPED
+        if status is None and (len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish(req, status)
+
+    def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Gather R3 (if wanted), then give the blocks back."""
+        if req.num_returned_tokens is None:
+            req.num_returned_tokens = len(req.output_token_ids)
+        if error is None and status is not RequestStatus.FINISHED_ABORTED and self._wants_r3(req):
+            try:
+                req.routed_experts = self._gather(req)
+            except RoutingReplayError as e:
+                self.r3.failures += 1
+                status, error = RequestStatus.FINISHED_ERROR, f"RoutingReplayError: {e}"
+        if error is not None:
+            status = RequestStatus.FINISHED_ERROR
+            req.error = error
+            req.routed_experts = None
+        self.scheduler.finish(req, status)
+
+    def _wants_r3(self, req: Request) -> bool:
+        return self.routing is not None and req.sampling_params.return_routed_experts is not False
+
+    def _gather(self, req: Request):  # -> np.ndarray [rows, L, K]
+        assert self.routing is not None
+        kv = self.scheduler.kv
+        end = req.num_prompt_tokens + (req.num_returned_tokens or 0) - 1  # the last token was never fed
+        start = min(req.sampling_params.routed_experts_start, end)
+        if req.num_computed_tokens < end:
+            raise RoutingReplayError(
+                f"request {req.request_id} has {req.num_computed_tokens} forwarded tokens but needs rows up to {end}"
+            )
+        t0 = time.perf_counter()
+        rows = self.routing.gather(req.request_id, kv.block_table(req.request_id), kv.block_tags(req.request_id),
+                                   start, end)
+        self.r3.gather_seconds += time.perf_counter() - t0
+        self.r3.rows_delivered += rows.shape[0]
+        self.r3.bytes_delivered += rows.nbytes
+        return rows
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

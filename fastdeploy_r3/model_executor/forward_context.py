@@ -1,0 +1,61 @@
+"""The one scoped global: what a forward pass needs besides its inputs, entered with a context manager.
+
+Layers read it instead of threading attention metadata, KV caches and the routing capture through
+every module signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout of one step (B requests, T tokens, flattened request after request).
+
+    token t of request b sits at position seq_lens[b] - query_lens[b] + (t - query_start_loc[b]);
+    its K/V goes to slot_mapping[t] = block_tables[b, pos // block_size] * block_size + pos % block_size.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: list[int]  # [B + 1]
+    query_lens: list[int]  # [B]   new tokens this step
+    seq_lens: list[int]  # [B]   context length after this step (computed + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    block_size: int
+
+
+class RoutingCaptureSink(Protocol):
+    def capture(self, moe_index: int, topk_ids: torch.Tensor) -> None:
+        """Record the [T, K] top-k expert ids chosen by MoE layer number moe_index (0..L-1)."""
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache) [NB, BS, KVH, D]
+    routing_capture: RoutingCaptureSink | None = None
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _forward_context
+    prev, _forward_context = _forward_context, ctx
+    try:
+        yield ctx
+    finally:
+        _forward_context = prev
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("no forward context; run the model inside set_forward_context(...)")
+    return _forward_context

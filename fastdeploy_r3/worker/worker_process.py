@@ -1,0 +1,61 @@
+"""Entry point of a worker process (one per TP rank), driven by the engine over a pipe.
+
+    engine                         worker rank r
+      ── spawn(config, rank) ──►     load model, size + allocate KV cache (SHM on CPU)
+      ◄── WorkerReady(kv_spec) ──
+      ── AttachRoutingBuffer ──►     rank 0 attaches routing_host_buffer
+      ◄── True ─────────────────
+      ── StepInput ────────────►     forward, write R3 rows, sample
+      ◄── StepOutput ───────────
+      ── Shutdown / pipe closed ►    free SHM, exit
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.worker.messages import AttachRoutingBuffer, Shutdown, StepInput, StepOutput, WorkerReady
+
+logger = logging.getLogger(__name__)
+
+
+def worker_main(config: EngineConfig, rank: int, world_size: int, engine_suffix: str, conn: Connection) -> None:
+    from fastdeploy_r3.worker.model_runner import ModelRunner
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    runner = ModelRunner(config, rank, world_size, engine_suffix)
+    try:
+        runner.load_model()
+        num_blocks = runner.determine_num_gpu_blocks()
+        spec = runner.init_kv_cache(num_blocks)
+        conn.send(WorkerReady(rank, num_blocks, spec))
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break  # the engine is gone
+            if isinstance(msg, Shutdown):
+                break
+            if isinstance(msg, AttachRoutingBuffer):
+                runner.attach_routing(msg.spec)
+                conn.send(True)
+            elif isinstance(msg, StepInput):
+                try:
+                    out = runner.execute(msg)
+                except Exception as e:  # the engine fails the step's requests, the worker lives on
+                    logger.exception("step %d failed", msg.step_id)
+                    out = StepOutput(msg.step_id, {}, error=f"{type(e).__name__}: {e}")
+                conn.send(out)
+    except Exception as e:
+        try:
+            conn.send(RuntimeError(f"worker rank {rank} failed to start: {e}\n{traceback.format_exc()}"))
+        except Exception:
+            pass
+    finally:
+        runner.close()
