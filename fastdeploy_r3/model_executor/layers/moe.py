@@ -130,7 +130,7 @@ class SparseMoeBlock(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router weight [E, H]
         if router == "sigmoid_grouped":
-            # selection-only bias; kept float32 whatever the model dtype
+            # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
         self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.model_executor.layers.attention import Attention
-from fastdeploy_r3.model_executor.layers.moe import FusedExperts
+from fastdeploy_r3.model_executor.layers.moe import FusedExperts, SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
 
@@ -31,8 +31,16 @@ class WeightLoadingError(ValueError):
 
 
 def rope_theta(hf_config: dict[str, Any], default: float = 10000.0) -> float:
-    """transformers v5 nests rope settings under rope_parameters; older configs keep them top level."""
+    """transformers v5 nests rope settings under rope_parameters; older configs keep them top level.
+
+    Only plain RoPE is implemented: scaled variants (YaRN, linear, dynamic...) are refused rather than
+    silently computed as plain RoPE, which would give wrong answers past the original context.
+    """
     rp = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only plain RoPE)")
     return float(rp.get("rope_theta", hf_config.get("rope_theta", default)))
 
 
@@ -136,10 +144,10 @@ class MoeCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
         for module in self.modules():
-            # the selection-only routing bias stays float32, as in the reference implementation
-            bias = getattr(module, "e_score_correction_bias", None)
-            if isinstance(bias, torch.Tensor):
-                module.e_score_correction_bias = bias.float()
+            # GLM's sigmoid router (weight + selection bias) stays float32 whatever the model dtype, as in the
+            # reference (_keep_in_fp32_modules_strict): routing decisions must not depend on bf16 rounding
+            if isinstance(module, SparseMoeBlock) and module.router == "sigmoid_grouped":
+                module.gate.float()
 
     # -- forward ------------------------------------------------------------------------------------
 
