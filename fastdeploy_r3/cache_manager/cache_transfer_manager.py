@@ -1,0 +1,561 @@
+"""CacheTransferManager (CTM): the subprocess that moves KV blocks with their R3 rows between tiers.
+
+    engine ── CacheTransferClient ──Pipe(TransferTask)──► CTM subprocess
+           ◄──────────────────────────Pipe(TransferAck)──┘
+    GPU tier  (per rank KV, routing_host_buffer)   created by engine/workers, CTM attaches
+    CPU tier  (per rank KV, routing_swap_buffer)   created and owned by the CTM
+    storage   (file:// or redis://)                one blob per block: KV of all ranks + its rows
+
+Tasks run one at a time in submission order, so a later task sees the effects of an earlier one
+(e.g. SWAP2CPU of block 3 then GPU2STORAGE of the block reusing GPU id 3 is safe only after the
+first ack; but the CTM itself never reorders). A block's routing rows always move in the same task
+as its KV (DESIGN.md §5.3).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
+from fastdeploy_r3.cache_manager.shm import ShmSegment, unlink_quietly
+from fastdeploy_r3.cache_manager.storage import (
+    BlockDecodeError,
+    BlockLayout,
+    KVStorageBackend,
+    StorageError,
+    decode_block,
+    encode_block,
+    make_storage_backend,
+    validate_key,
+)
+from fastdeploy_r3.cache_manager.transfer import (
+    CacheTransferConfig,
+    KVCacheSpec,
+    TransferAck,
+    TransferKind,
+    TransferTask,
+)
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 0.5
+
+
+class CacheTransferError(RuntimeError):
+    """The CTM is gone or never came up; every in-flight transfer is lost."""
+
+
+class CacheTransferTimeout(CacheTransferError, TimeoutError):
+    """No ack in time; the CTM is alive but busy or stuck."""
+
+
+@dataclass(frozen=True)
+class _Ready:
+    pid: int
+    error: str | None = None  # set when setup failed; the CTM exits right after
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    pass
+
+
+def cpu_kv_name(kv_cpu_name: str, rank: int) -> str:
+    return f"{kv_cpu_name}_rank{rank}"
+
+
+def _itemsize(torch_dtype: str) -> int:
+    dt = getattr(torch, torch_dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise TypeError(f"KV dtype {torch_dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+    return torch.empty((), dtype=dt).element_size()
+
+
+def _block_bytes(spec: KVCacheSpec) -> int:
+    """Bytes of one (layer, K|V, block): block_size * num_kv_heads * head_dim * itemsize."""
+    return int(np.prod(spec.shape[3:])) * _itemsize(spec.dtype)
+
+
+def _attach_kv(spec: KVCacheSpec) -> tuple[ShmSegment, np.ndarray]:
+    """A byte view [num_layers, 2, num_blocks, block_bytes] of one rank's KV cache.
+
+    Copies are dtype-agnostic byte copies, so bfloat16 needs no numpy support.
+    """
+    if spec.device != "cpu":
+        # ---- CUDA (not implemented yet) --------------------------------------------------------------
+        # On GPU the engine passes one CUDA IPC handle per rank next to the spec (torch.multiprocessing
+        # reductions / cudaIpcOpenMemHandle); the CTM opens it on its own stream, the CPU tier is pinned
+        # host memory, and the copies below become index_select/index_copy_ + non_blocking copies,
+        # synchronised before the ack is sent.
+        raise NotImplementedError(f"KV on {spec.device}: CUDA IPC attachment is not implemented; use device='cpu'")
+    seg = ShmSegment.attach(spec.name)
+    num_layers, _, num_blocks = spec.shape[:3]
+    return seg, seg.numpy((num_layers, 2, num_blocks, _block_bytes(spec)), np.uint8)
+
+
+class CacheTransferManager:
+    """Runs in the CTM subprocess; owns the CPU tier and the storage connection."""
+
+    def __init__(self, config: CacheTransferConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self._attached: list[ShmSegment] = []
+        self._owned: list[ShmSegment] = []
+        self.gpu_kv: list[np.ndarray] = []  # per rank [num_layers, 2, num_gpu_blocks, block_bytes]
+        self.cpu_kv: list[np.ndarray] = []  # per rank [num_layers, 2, num_cpu_blocks, block_bytes]
+        self.routing_host: RoutingBuffer | None = None
+        self.routing_swap: RoutingBuffer | None = None
+        self.storage: KVStorageBackend | None = None
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        cfg = self.config
+        if not cfg.kv_specs:
+            raise ValueError("CacheTransferConfig.kv_specs is empty; pass one KVCacheSpec per TP rank")
+        for spec in cfg.kv_specs:
+            if spec.block_size != cfg.block_size or spec.shape[1] != 2 or len(spec.shape) != 6:
+                raise ValueError(f"KV spec {spec} is not [num_layers, 2, num_blocks, {cfg.block_size}, H, D]")
+            seg, kv = _attach_kv(spec)
+            self._attached.append(seg)
+            self.gpu_kv.append(kv)
+        self.num_gpu_blocks = cfg.kv_specs[0].num_blocks
+        self.num_cpu_blocks = cfg.num_cpu_blocks if cfg.kv_cpu_name else 0
+        for rank, kv in enumerate(self.gpu_kv):
+            if self.num_cpu_blocks == 0:
+                break
+            num_layers, _, _, block_bytes = kv.shape
+            seg = ShmSegment.create(
+                cpu_kv_name(cfg.kv_cpu_name, rank), num_layers * 2 * self.num_cpu_blocks * block_bytes
+            )
+            self._owned.append(seg)
+            self.cpu_kv.append(seg.numpy((num_layers, 2, self.num_cpu_blocks, block_bytes), np.uint8))
+
+        rows_shape = rows_dtype = None
+        if cfg.routing_host is not None:
+            host = cfg.routing_host
+            self.routing_host = RoutingBuffer.attach(host)
+            if host.num_slots != self.num_gpu_blocks * self.block_size:
+                raise ValueError(f"routing_host_buffer has {host.num_slots} slots, KV has {self.num_gpu_blocks} blocks")
+            if self.num_cpu_blocks and cfg.routing_swap_name:
+                swap = RoutingBufferSpec(cfg.routing_swap_name, self.num_cpu_blocks * self.block_size,
+                                         host.num_layers, host.top_k, host.dtype)  # fmt: skip
+                self.routing_swap = RoutingBuffer.create(swap)
+            elif self.num_cpu_blocks:
+                raise ValueError("R3 is on and the CPU tier exists but routing_swap_name is None")
+            rows_shape, rows_dtype = (self.block_size, host.num_layers, host.top_k), host.dtype
+
+        spec0 = cfg.kv_specs[0]
+        num_layers, _, _, _, num_heads, head_dim = spec0.shape
+        self.layout = BlockLayout(
+            num_ranks=len(cfg.kv_specs),
+            kv_shape=(num_layers, 2, self.block_size, num_heads, head_dim),
+            kv_dtype=spec0.dtype,
+            kv_itemsize=_itemsize(spec0.dtype),
+            rows_shape=rows_shape,
+            rows_dtype=rows_dtype,
+        )
+        if cfg.storage_url:
+            self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace)
+
+    # ---- tasks -------------------------------------------------------------------------------------
+
+    def run_task(self, task: TransferTask) -> TransferAck:
+        t0 = time.perf_counter()
+        try:
+            self._validate(task)
+            run = {
+                TransferKind.SWAP2CPU: self._swap_to_cpu,
+                TransferKind.SWAP2GPU: self._swap_to_gpu,
+                TransferKind.GPU2STORAGE: self._gpu_to_storage,
+                TransferKind.STORAGE2GPU: self._storage_to_gpu,
+            }[task.kind]
+            nbytes, failed, error = run(task)
+        except Exception as e:  # a bad task must not take the CTM (and every other transfer) down
+            logger.exception("CTM: task %s (%s) failed", task.task_id, task.kind)
+            n = len(task.gpu_block_ids)
+            return TransferAck(task.task_id, task.kind, ok=False, failed=list(range(n)), error=f"{e}",
+                               seconds=time.perf_counter() - t0)  # fmt: skip
+        return TransferAck(task.task_id, task.kind, ok=not failed, failed=failed, error=error, nbytes=nbytes,
+                           seconds=time.perf_counter() - t0)  # fmt: skip
+
+    def _validate(self, task: TransferTask) -> None:
+        n = len(task.gpu_block_ids)
+        _check_ids("gpu_block_ids", task.gpu_block_ids, self.num_gpu_blocks, unique=True)
+        if task.kind in (TransferKind.SWAP2CPU, TransferKind.SWAP2GPU):
+            if not self.num_cpu_blocks:
+                raise CacheTransferError("swap task but the CPU tier is off (num_cpu_blocks=0 or kv_cpu_name=None)")
+            if len(task.cpu_block_ids) != n:
+                raise ValueError(f"task {task.task_id}: {n} gpu_block_ids but {len(task.cpu_block_ids)} cpu_block_ids")
+            _check_ids("cpu_block_ids", task.cpu_block_ids, self.num_cpu_blocks, unique=True)
+            return
+        if self.storage is None:
+            raise CacheTransferError(f"{task.kind.value} task but no storage backend is configured (storage_url)")
+        if len(task.storage_keys) != n:
+            raise ValueError(f"task {task.task_id}: {n} gpu_block_ids but {len(task.storage_keys)} storage_keys")
+        for k in task.storage_keys:
+            validate_key(k)
+        need_tags = task.kind == TransferKind.STORAGE2GPU and self.routing_host is not None
+        if (need_tags or task.routing_tags) and len(task.routing_tags) != n:
+            raise ValueError(f"task {task.task_id}: {n} blocks need {n} routing_tags, got {len(task.routing_tags)}")
+        if need_tags and NO_TAG in task.routing_tags:
+            raise ValueError(f"task {task.task_id}: routing tag {NO_TAG} means 'never written'; stamp real tags")
+
+    def _swap(self, src_kv: list[np.ndarray], src_ids: list[int], dst_kv: list[np.ndarray], dst_ids: list[int],
+              src_rows: RoutingBuffer | None, dst_rows: RoutingBuffer | None) -> int:  # fmt: skip
+        nbytes = 0
+        for src, dst in zip(src_kv, dst_kv):
+            for s, d in zip(src_ids, dst_ids):
+                dst[:, :, d] = src[:, :, s]  # [num_layers, 2, block_bytes]
+            nbytes += len(src_ids) * src.shape[0] * 2 * src.shape[3]
+        if src_rows is not None and dst_rows is not None:
+            s_slots = src_rows.block_slots(src_ids, self.block_size)
+            d_slots = dst_rows.block_slots(dst_ids, self.block_size)
+            dst_rows.rows[d_slots] = src_rows.rows[s_slots]  # [n * block_size, L, K]
+            dst_rows.tags[d_slots] = src_rows.tags[s_slots]
+            nbytes += len(s_slots) * (src_rows.rows[0].nbytes + 8)
+        return nbytes
+
+    def _swap_to_cpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
+        nbytes = self._swap(self.gpu_kv, task.gpu_block_ids, self.cpu_kv, task.cpu_block_ids,
+                            self.routing_host, self.routing_swap)  # fmt: skip
+        return nbytes, [], None
+
+    def _swap_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
+        nbytes = self._swap(self.cpu_kv, task.cpu_block_ids, self.gpu_kv, task.gpu_block_ids,
+                            self.routing_swap, self.routing_host)  # fmt: skip
+        return nbytes, [], None
+
+    def _block_rows(self, block_id: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+        if self.routing_host is None:
+            return None, None
+        lo = block_id * self.block_size
+        return self.routing_host.rows[lo : lo + self.block_size], self.routing_host.tags[lo : lo + self.block_size]
+
+    def _gpu_to_storage(self, task: TransferTask) -> tuple[int, list[int], str | None]:
+        assert self.storage is not None
+        nbytes, failed, reasons = 0, [], []
+        for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys)):
+            rows, tags = self._block_rows(block_id)
+            if tags is not None:
+                # Fail closed: rows that are unwritten or from two computations would be served as data by
+                # every engine that loads this key, so such a block is not stored at all.
+                want = task.routing_tags[i] if task.routing_tags else int(tags[0])
+                if want == NO_TAG or not np.all(tags == want):
+                    failed.append(i)
+                    reasons.append(f"{i}: routing rows of GPU block {block_id} are not all tagged {want}")
+                    continue
+            blob = encode_block(self.layout, [kv[:, :, block_id] for kv in self.gpu_kv], rows)
+            try:
+                self.storage.put(key, blob)
+            except StorageError as e:
+                failed.append(i)
+                reasons.append(f"{i}: {e}")
+                continue
+            nbytes += len(blob)
+        return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "not stored", reasons)
+
+    def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
+        assert self.storage is not None
+        nbytes, failed, reasons = 0, [], []
+        for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys)):
+            blob = self.storage.get(key)
+            if blob is None:
+                failed.append(i)
+                reasons.append(f"{i}: miss")
+                continue
+            try:
+                kv_parts, rows = decode_block(blob, self.layout)
+            except BlockDecodeError as e:
+                logger.warning("CTM: stored block %s is unusable (%s); treated as a miss", key, e)
+                failed.append(i)
+                reasons.append(f"{i}: {e}")
+                continue
+            # Only a fully verified blob reaches the GPU slots; a failed block leaves them untouched.
+            for kv, part in zip(self.gpu_kv, kv_parts):
+                kv[:, :, block_id] = part.reshape(kv.shape[0], 2, kv.shape[3])
+            dst_rows, dst_tags = self._block_rows(block_id)
+            if dst_rows is not None:
+                dst_rows[:] = rows
+                dst_tags[:] = task.routing_tags[i]  # rows are data only under this engine's fresh tag
+            nbytes += len(blob)
+        return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "missing or corrupt in storage", reasons)
+
+    def close(self) -> None:
+        for buf in (self.routing_swap, self.routing_host):
+            if buf is not None:
+                buf.close()
+        self.routing_swap = self.routing_host = None
+        self.gpu_kv, self.cpu_kv = [], []
+        for seg in self._owned + self._attached:
+            seg.close()
+        self._owned, self._attached = [], []
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
+
+
+def _check_ids(what: str, ids: list[int], num_blocks: int, unique: bool) -> None:
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{what} {bad} out of range [0, {num_blocks})")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError(f"{what} {ids} has duplicates; a block can be the target of one copy per task")
+
+
+def _summary(failed: list[int], n: int, what: str, reasons: list[str]) -> str | None:
+    if not failed:
+        return None
+    shown = "; ".join(reasons[:8]) + ("; ..." if len(reasons) > 8 else "")
+    return f"{len(failed)} of {n} blocks {what}: {shown}"
+
+
+# ---- subprocess entry ------------------------------------------------------------------------------
+
+_EOF = object()
+
+
+def _reader(conn: Connection, inbox: queue.Queue) -> None:
+    # Drain the pipe in its own thread so that the engine's submit() never blocks on a busy CTM, and a
+    # closed pipe (engine gone) is noticed even in the middle of a long task.
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(_EOF)
+
+
+def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) -> None:
+    """Entry point of the CTM subprocess: set up, say ready, run tasks FIFO until told or orphaned."""
+    logging.basicConfig(level=logging.INFO, format="[CTM %(process)d] %(levelname)s %(message)s")
+
+    def _on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(0)  # unwinds into the finally below, which unlinks the CPU tier
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    ctm = None
+    try:
+        try:
+            ctm = CacheTransferManager(config)
+        except Exception as e:
+            logger.exception("CTM setup failed")
+            conn.send(_Ready(os.getpid(), error=f"{type(e).__name__}: {e}"))
+            return
+        conn.send(_Ready(os.getpid()))
+        inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(conn, inbox), daemon=True, name="ctm-reader").start()
+        while True:
+            try:
+                item = inbox.get(timeout=_PARENT_POLL_S)
+            except queue.Empty:
+                if os.getppid() != config.parent_pid:
+                    logger.warning("engine (pid %d) is gone; CTM exits", config.parent_pid)
+                    return
+                continue
+            if item is _EOF or isinstance(item, _Shutdown):
+                return
+            conn.send(ctm.run_task(item))
+    except (BrokenPipeError, EOFError):
+        return
+    finally:
+        if ctm is not None:
+            ctm.close()
+        _unlink_owned(config)
+
+
+def _unlink_owned(config: CacheTransferConfig) -> None:
+    """Names the CTM creates; unlinking by name also covers a CTM that was killed before close()."""
+    if config.kv_cpu_name:
+        for rank in range(len(config.kv_specs)):
+            unlink_quietly(cpu_kv_name(config.kv_cpu_name, rank))
+    if config.routing_swap_name:
+        unlink_quietly(config.routing_swap_name)
+
+
+# ---- engine side -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TransferStats:
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    storage_put_blocks: int = 0
+    storage_get_blocks: int = 0
+    storage_miss_blocks: int = 0  # missing, corrupt or mismatched in storage
+    bytes_moved: int = 0
+    by_kind_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class CacheTransferClient:
+    """Engine-side handle of the CTM subprocess. Not thread-safe: use it from one engine thread.
+
+    Every ack is handed out exactly once, by `wait(task_id)` or by `poll()`.
+    """
+
+    def __init__(self) -> None:
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._config: CacheTransferConfig | None = None
+        self._pending: dict[int, TransferTask] = {}
+        self._arrived: dict[int, TransferAck] = {}
+        self.stats = TransferStats()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self, config: CacheTransferConfig, timeout: float = 120.0) -> None:
+        """Spawn the CTM and wait until its CPU tier exists and storage is reachable."""
+        if self._proc is not None:
+            raise CacheTransferError("CacheTransferClient.start() called twice; call shutdown() first")
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self._config = config
+        self._proc = ctx.Process(target=run_cache_transfer_manager, args=(config, child_conn),
+                                 name="CacheTransferManager", daemon=True)  # fmt: skip
+        self._proc.start()
+        child_conn.close()  # so that the CTM's death reads as EOF here
+        self._conn = parent_conn
+        if not parent_conn.poll(timeout):
+            self.shutdown()
+            raise CacheTransferError(f"cache transfer manager did not come up within {timeout} s")
+        try:
+            ready = parent_conn.recv()
+        except EOFError:
+            code = self._exit_code()
+            self.shutdown()
+            raise CacheTransferError(f"cache transfer manager exited with code {code} during setup; see its log")
+        if ready.error is not None:
+            self.shutdown()
+            raise CacheTransferError(f"cache transfer manager setup failed: {ready.error}")
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def submit(self, task: TransferTask) -> None:
+        if task.task_id in self._pending or task.task_id in self._arrived:
+            raise ValueError(f"task_id {task.task_id} is already in flight; task ids must be unique")
+        conn = self._require_conn()
+        try:
+            conn.send(task)
+        except (BrokenPipeError, OSError):
+            raise self._died() from None
+        self._pending[task.task_id] = task
+
+    def poll(self) -> list[TransferAck]:
+        """Acks that have arrived and were not yet handed out (non-blocking).
+
+        Raises CacheTransferError once the CTM is dead and nothing is left to hand out while tasks are pending.
+        """
+        alive = self._drain(timeout=0.0)
+        if not alive and not self._arrived and self._pending:
+            raise self._died()
+        acks = list(self._arrived.values())
+        self._arrived.clear()
+        return acks
+
+    def wait(self, task_id: int, timeout: float | None = 60) -> TransferAck:
+        """Block until the ack of `task_id` arrives; raise promptly if the CTM dies, or after `timeout`."""
+        if task_id not in self._pending and task_id not in self._arrived:
+            raise ValueError(f"task {task_id} was never submitted or its ack was already handed out")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while task_id not in self._arrived:
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                raise CacheTransferTimeout(f"no ack for task {task_id} within {timeout} s; the CTM is alive but busy")
+            if not self._drain(timeout=left) and task_id not in self._arrived:
+                raise self._died()
+        return self._arrived.pop(task_id)
+
+    def _drain(self, timeout: float) -> bool:
+        """Read every ack that is there (waiting up to `timeout` for the first); False if the CTM is gone."""
+        conn = self._require_conn()
+        try:
+            while conn.poll(timeout):
+                self._record(conn.recv())
+                timeout = 0.0
+        except (EOFError, OSError):
+            return False
+        return self._proc.is_alive()
+
+    def _record(self, ack: TransferAck) -> None:
+        task = self._pending.pop(ack.task_id)
+        n_ok = len(task.gpu_block_ids) - len(ack.failed)
+        s = self.stats
+        if ack.kind == TransferKind.SWAP2CPU:
+            s.swap_out_blocks += n_ok
+        elif ack.kind == TransferKind.SWAP2GPU:
+            s.swap_in_blocks += n_ok
+        elif ack.kind == TransferKind.GPU2STORAGE:
+            s.storage_put_blocks += n_ok
+        else:
+            s.storage_get_blocks += n_ok
+            s.storage_miss_blocks += len(ack.failed)
+        s.bytes_moved += ack.nbytes
+        s.by_kind_bytes[ack.kind.value] = s.by_kind_bytes.get(ack.kind.value, 0) + ack.nbytes
+        self._arrived[ack.task_id] = ack
+
+    def _exit_code(self) -> int | None:
+        assert self._proc is not None
+        self._proc.join(timeout=1.0)
+        return self._proc.exitcode
+
+    def _died(self) -> CacheTransferError:
+        code = self._exit_code()
+        lost = sorted(self._pending)
+        return CacheTransferError(
+            f"cache transfer manager (pid {self.pid}) exited with code {code}; tasks {lost} are lost. "
+            "Fail the requests that wait on them and restart the engine (see the CTM log for the cause)"
+        )
+
+    def _require_conn(self) -> Connection:
+        if self._conn is None or self._proc is None:
+            raise CacheTransferError("cache transfer manager is not started; call start(config) first")
+        return self._conn
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the CTM (politely, then SIGTERM, then SIGKILL) and make sure its SHM is gone."""
+        proc, conn = self._proc, self._conn
+        if proc is not None:
+            if proc.is_alive() and conn is not None:
+                try:
+                    conn.send(_Shutdown())
+                except (BrokenPipeError, OSError):
+                    pass
+                proc.join(timeout)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout)
+        if conn is not None:
+            conn.close()
+        if self._config is not None:
+            _unlink_owned(self._config)
+        self._proc = self._conn = None
+        self._pending.clear()
+
+
+__all__ = [
+    "CacheTransferClient",
+    "CacheTransferError",
+    "CacheTransferManager",
+    "CacheTransferTimeout",
+    "TransferStats",
+    "run_cache_transfer_manager",
+]
