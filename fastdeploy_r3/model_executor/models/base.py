@@ -127,10 +127,10 @@ class MoeCausalLM(nn.Module):
         num_experts: int,
         top_k: int,
         moe_layer_ids: list[int],
+        rms_norm_eps: float,
     ) -> None:
         hidden = int(hf_config["hidden_size"])
         vocab = int(hf_config["vocab_size"])
-        eps = float(hf_config.get("rms_norm_eps", 1e-6))
         self.hidden_size = hidden
         self.vocab_size = vocab
         self.num_experts = num_experts
@@ -138,7 +138,7 @@ class MoeCausalLM(nn.Module):
         self.moe_layer_ids = moe_layer_ids
         self.num_layers = len(layers)
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
-        self.model = _Backbone(vocab, hidden, layers, eps)
+        self.model = _Backbone(vocab, hidden, layers, rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -53,7 +53,7 @@ class Glm4MoeForCausalLM(MoeCausalLM):
             else:
                 mlp = GatedMLP(hidden, int(c["intermediate_size"]))
             layers.append(DecoderLayer(attn, mlp, hidden, eps))
-        self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids)
+        self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids, eps)
 
     def _skip_checkpoint_weight(self, ckpt_name: str) -> bool:
         # real GLM-4.5 checkpoints append num_nextn_predict_layers MTP layers after the last decoder layer

@@ -41,4 +41,4 @@ class MixtralForCausalLM(MoeCausalLM):
                 moe_index=moe_layer_ids.index(i), router="softmax", renormalize=True,
             )
             layers.append(DecoderLayer(attn, mlp, hidden, eps))
-        self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids)
+        self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids, eps)

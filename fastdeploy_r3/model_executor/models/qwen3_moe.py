@@ -44,4 +44,4 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
             else:
                 mlp = GatedMLP(hidden, int(c["intermediate_size"]))
             layers.append(DecoderLayer(attn, mlp, hidden, eps))
-        self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids)
+        self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids, eps)
