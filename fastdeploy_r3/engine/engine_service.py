@@ -85,15 +85,12 @@ class EngineService:
         eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
 
         world = cfg.parallel_config.tensor_parallel_size
-        ctx = mp.get_context("spawn")
+        from fastdeploy_r3.spawn import spawn_context, start_process
         from fastdeploy_r3.worker.worker_process import worker_main
 
         for rank in range(world):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main, args=(cfg, rank, world, self.suffix, child), name=f"fdr3-worker{rank}", daemon=True
-            )
-            proc.start()
+            parent, child = spawn_context().Pipe()
+            proc = start_process(worker_main, (cfg, rank, world, self.suffix, child), name=f"fdr3-worker{rank}")
             child.close()
             self._workers.append((proc, parent))
         readies: list[WorkerReady] = [self._recv(rank, timeout=600) for rank in range(world)]

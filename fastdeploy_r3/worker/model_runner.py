@@ -105,7 +105,7 @@ class ModelRunner:
         if self.rank == 0:
             self.routing_host = RoutingBuffer.attach(spec)
         self.routing_capture = RoutingCapture(
-            max_num_tokens=self.config.scheduler_config.max_num_batched_tokens,
+            max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
             num_moe_layers=rr.num_moe_layers,
             top_k=rr.moe_top_k,
             num_experts=rr.num_experts,
