@@ -76,10 +76,14 @@ class RoutingCacheManager:
             raise RoutingReplayError(f"write_step: rows {rows.shape} / tags {tags.shape} do not match "
                                      f"[{T}, {L}, {K}] / [{T}] for {T} slots")
         if rows.dtype != self.buffer.rows.dtype:
-            raise RoutingReplayError(f"write_step: rows are {rows.dtype}, the host buffer holds {self.buffer.rows.dtype}")
-        if T and (slots.min() < 0 or slots.max() >= len(self.buffer.tags)):
-            raise RoutingReplayError(f"write_step: slot out of [0, {len(self.buffer.tags)}) in {slots.tolist()}; "
-                                     "drop padded tokens before writing")
+            raise RoutingReplayError(
+                f"write_step: rows are {rows.dtype}, the host buffer holds {self.buffer.rows.dtype}"
+            )
+        bad = np.nonzero((slots < 0) | (slots >= len(self.buffer.tags)))[0]
+        if len(bad):
+            t = int(bad[0])
+            raise RoutingReplayError(f"write_step: token {t} of the step has slot {int(slots[t])}, outside "
+                                     f"[0, {len(self.buffer.tags)}); drop padded tokens before writing")
         if (tags == NO_TAG).any():
             raise RoutingReplayError(f"write_step: tag {NO_TAG} means 'never written'; give every computed block a tag")
         if self.debug_mode:
