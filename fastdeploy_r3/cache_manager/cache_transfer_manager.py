@@ -15,7 +15,6 @@ as its KV (DESIGN.md §5.3).
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -23,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
+from fastdeploy_r3.spawn import spawn_context, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +219,8 @@ class CacheTransferManager:
     def _swap(self, src_kv: list[np.ndarray], src_ids: list[int], dst_kv: list[np.ndarray], dst_ids: list[int],
               src_rows: RoutingBuffer | None, dst_rows: RoutingBuffer | None) -> int:  # fmt: skip
         nbytes = 0
-        for src, dst in zip(src_kv, dst_kv):
-            for s, d in zip(src_ids, dst_ids):
+        for src, dst in zip(src_kv, dst_kv, strict=True):
+            for s, d in zip(src_ids, dst_ids, strict=True):
                 dst[:, :, d] = src[:, :, s]  # [num_layers, 2, block_bytes]
             nbytes += len(src_ids) * src.shape[0] * 2 * src.shape[3]
         if src_rows is not None and dst_rows is not None:
@@ -249,7 +250,7 @@ class CacheTransferManager:
     def _gpu_to_storage(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         assert self.storage is not None
         nbytes, failed, reasons = 0, [], []
-        for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys)):
+        for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys, strict=True)):
             rows, tags = self._block_rows(block_id)
             if tags is not None:
                 # Fail closed: rows that are unwritten or from two computations would be served as data by
@@ -272,7 +273,7 @@ class CacheTransferManager:
     def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         assert self.storage is not None
         nbytes, failed, reasons = 0, [], []
-        for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys)):
+        for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys, strict=True)):
             blob = self.storage.get(key)
             if blob is None:
                 failed.append(i)
@@ -286,7 +287,7 @@ class CacheTransferManager:
                 reasons.append(f"{i}: {e}")
                 continue
             # Only a fully verified blob reaches the GPU slots; a failed block leaves them untouched.
-            for kv, part in zip(self.gpu_kv, kv_parts):
+            for kv, part in zip(self.gpu_kv, kv_parts, strict=True):
                 kv[:, :, block_id] = part.reshape(kv.shape[0], 2, kv.shape[3])
             dst_rows, dst_tags = self._block_rows(block_id)
             if dst_rows is not None:
@@ -347,6 +348,7 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
         raise SystemExit(0)  # unwinds into the finally below, which unlinks the CPU tier
 
     signal.signal(signal.SIGTERM, _on_sigterm)
+    ppid = os.getppid()  # reparenting means the process that started us died, even if parent_pid lives
     ctm = None
     try:
         try:
@@ -362,7 +364,7 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
             try:
                 item = inbox.get(timeout=_PARENT_POLL_S)
             except queue.Empty:
-                if os.getppid() != config.parent_pid:
+                if not _alive(config.parent_pid) or os.getppid() != ppid:
                     logger.warning("engine (pid %d) is gone; CTM exits", config.parent_pid)
                     return
                 continue
@@ -375,6 +377,16 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
         if ctm is not None:
             ctm.close()
         _unlink_owned(config)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlink_owned(config: CacheTransferConfig) -> None:
@@ -407,7 +419,7 @@ class CacheTransferClient:
     """
 
     def __init__(self) -> None:
-        self._proc: mp.process.BaseProcess | None = None
+        self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._config: CacheTransferConfig | None = None
         self._pending: dict[int, TransferTask] = {}
@@ -422,12 +434,9 @@ class CacheTransferClient:
         """Spawn the CTM and wait until its CPU tier exists and storage is reachable."""
         if self._proc is not None:
             raise CacheTransferError("CacheTransferClient.start() called twice; call shutdown() first")
-        ctx = mp.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        parent_conn, child_conn = spawn_context().Pipe(duplex=True)
         self._config = config
-        self._proc = ctx.Process(target=run_cache_transfer_manager, args=(config, child_conn),
-                                 name="CacheTransferManager", daemon=True)  # fmt: skip
-        self._proc.start()
+        self._proc = start_process(run_cache_transfer_manager, (config, child_conn), name="CacheTransferManager")
         child_conn.close()  # so that the CTM's death reads as EOF here
         self._conn = parent_conn
         if not parent_conn.poll(timeout):
@@ -438,7 +447,9 @@ class CacheTransferClient:
         except EOFError:
             code = self._exit_code()
             self.shutdown()
-            raise CacheTransferError(f"cache transfer manager exited with code {code} during setup; see its log")
+            raise CacheTransferError(
+                f"cache transfer manager exited with code {code} during setup; see its log"
+            ) from None
         if ready.error is not None:
             self.shutdown()
             raise CacheTransferError(f"cache transfer manager setup failed: {ready.error}")

@@ -79,8 +79,8 @@ class KVStorageBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, keys: list[str]) -> None: ...
 
-    def close(self) -> None:
-        pass
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
 
 class FileStorageBackend(KVStorageBackend):
@@ -136,6 +136,9 @@ class FileStorageBackend(KVStorageBackend):
                 os.unlink(self.path_for(k))
             except FileNotFoundError:
                 pass
+
+    def close(self) -> None:
+        """Nothing to release: every operation opens and closes its own file."""
 
 
 class RedisStorageBackend(KVStorageBackend):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ import torch
 
 from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferClient, CacheTransferError
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
-from fastdeploy_r3.cache_manager.shm import ShmSegment, list_segments, new_engine_suffix, shm_name
+from fastdeploy_r3.cache_manager.shm import ShmSegment, list_segments, new_engine_suffix, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.storage import make_storage_backend
 from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig, KVCacheSpec, TransferKind, TransferTask
 
@@ -246,3 +248,26 @@ def test_sigterm_ctm_unlinks_its_own_shm() -> None:
         assert left == []
     finally:
         _stop_engine(e)
+
+
+def test_ctm_exits_and_unlinks_its_shm_when_the_engine_dies() -> None:
+    """An engine process that starts a CTM and dies without shutdown() leaves no CPU tier behind."""
+    script = (
+        "import os, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_cache_transfer_manager as t; "
+        "e = t._start_engine(None); print(e.suffix, flush=True); os._exit(0)"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))
+    out = subprocess.run([sys.executable, "-c", script, here, repo], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    suffix = out.stdout.split()[-1]
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            left = [n for n in list_segments(suffix) if "kv_cpu" in n or "routing_swap" in n]
+            if not left:
+                break
+            time.sleep(0.05)
+        assert left == []
+    finally:
+        unlink_all(suffix)  # the dead engine's own "GPU" segments

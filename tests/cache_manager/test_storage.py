@@ -35,7 +35,7 @@ def test_codec_roundtrip_is_bit_exact() -> None:
     blob = encode_block(LAYOUT, kv, rows)
     assert len(blob) == LAYOUT.blob_nbytes
     got_kv, got_rows = decode_block(blob, LAYOUT)
-    for want, got in zip(kv, got_kv):
+    for want, got in zip(kv, got_kv, strict=True):
         assert got.tobytes() == want.tobytes()
     np.testing.assert_array_equal(got_rows, rows)
 
