@@ -1,0 +1,282 @@
+"""The engine in its own process, driven over ZMQ by the API server (DESIGN.md §3).
+
+    api_server ──PUSH  {ipc_dir}/input ──►  PULL  engine process (EngineService)
+    api_server ◄─PULL  {ipc_dir}/output ◄── PUSH
+                         EngineReady | EngineStartupFailed, then OutputBatch / RequestRejected /
+                         MetricsReply / HealthReply
+
+Messages are the typed dataclasses below, pickled. The loop blocks on the input socket while the
+engine is idle and steps while it has work, draining input between steps. The engine process exits
+when told to, when its parent dies, or after an unexpected error (reported first, so in-flight
+requests fail with that message rather than waiting for a timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import zmq
+
+from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.request import RequestOutput
+from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from fastdeploy_r3.engine.engine_service import EngineService
+
+# How often an idle engine wakes to check that its parent is still alive.
+_IDLE_POLL_MS = 500
+
+
+# -- API server -> engine --------------------------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class MetricsQuery:
+    query_id: int
+
+
+@dataclass
+class HealthQuery:
+    query_id: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- engine -> API server --------------------------------------------------------------------------
+
+
+@dataclass
+class EngineInfo:
+    """What the API server needs to know about the engine it talks to."""
+
+    pid: int
+    max_model_len: int
+    moe_layer_ids: list[int]
+    num_experts: int
+    moe_top_k: int
+    routing_dtype: str | None
+    enable_routing_replay: bool
+
+
+@dataclass
+class EngineReady:
+    info: EngineInfo
+
+
+@dataclass
+class EngineStartupFailed:
+    message: str
+    traceback: str = ""
+
+
+@dataclass
+class OutputBatch:
+    outputs: list[RequestOutput]
+
+
+@dataclass
+class RequestRejected:
+    """add_request raised: the request never entered the engine."""
+
+    request_id: str
+    message: str
+    invalid: bool  # True: the request was bad (HTTP 400); False: the engine failed (HTTP 500)
+
+
+@dataclass
+class MetricsReply:
+    query_id: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class HealthReply:
+    query_id: int
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class EngineCrashed:
+    """The loop died; every in-flight request must fail with this message."""
+
+    message: str
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    ipc_dir: str
+
+    @property
+    def input(self) -> str:
+        return f"ipc://{self.ipc_dir}/input"
+
+    @property
+    def output(self) -> str:
+        return f"ipc://{self.ipc_dir}/output"
+
+    @classmethod
+    def new(cls) -> EngineAddresses:
+        # mkdtemp gives a unique, private (0700) directory: two engines never share a socket
+        return cls(tempfile.mkdtemp(prefix="fdr3_ipc_"))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _engine_info(config: EngineConfig) -> EngineInfo:
+    rr = config.routing_replay_config
+    return EngineInfo(
+        pid=os.getpid(),
+        max_model_len=config.max_model_len,
+        moe_layer_ids=list(rr.moe_layer_ids or []),
+        num_experts=rr.num_experts,
+        moe_top_k=rr.moe_top_k,
+        routing_dtype=None if rr.routing_dtype is None else str(rr.routing_dtype),
+        enable_routing_replay=rr.enable_routing_replay,
+    )
+
+
+class _EngineLoop:
+    def __init__(self, svc: EngineService, input_sock: zmq.Socket, output_sock: zmq.Socket, parent_pid: int) -> None:
+        self.svc = svc
+        self.input_sock = input_sock
+        self.output_sock = output_sock
+        self.parent_pid = parent_pid
+        self.running = True
+        from fastdeploy_r3.engine.engine_service import EngineDeadError
+
+        self.engine_dead_error = EngineDeadError
+
+    def send(self, msg: object) -> None:
+        self.output_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, AddRequest):
+            try:
+                self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt)
+            except InvalidRequestError as e:
+                self.send(RequestRejected(msg.request_id, str(e), invalid=True))
+            except Exception as e:  # noqa: BLE001 - the engine refused it; other requests are unaffected
+                self.send(RequestRejected(msg.request_id, f"{type(e).__name__}: {e}", invalid=False))
+        elif isinstance(msg, AbortRequest):
+            self.svc.abort_request(msg.request_id)
+        elif isinstance(msg, MetricsQuery):
+            self.send(MetricsReply(msg.query_id, {k: float(v) for k, v in self.svc.metrics().items()}))
+        elif isinstance(msg, HealthQuery):
+            self.send(HealthReply(msg.query_id, ok=True))
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        else:
+            raise TypeError(f"engine process got an unknown message {type(msg).__name__}")
+
+    def drain(self, block_ms: int) -> None:
+        """Handle every queued message; wait up to `block_ms` for the first one."""
+        if self.input_sock.poll(block_ms) == 0:
+            return
+        while self.running:
+            try:
+                data = self.input_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(pickle.loads(data))
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.svc.has_unfinished_requests()
+            self.drain(0 if busy else _IDLE_POLL_MS)
+            if not self.running:
+                return
+            if self.svc.has_unfinished_requests():
+                try:
+                    outputs = self.svc.step()
+                except self.engine_dead_error as e:
+                    # a child of the engine died: the engine failed every in-flight request
+                    self.send(OutputBatch(self.svc.fail_all()))
+                    self.send(EngineCrashed(str(e)))
+                    return
+                if outputs:
+                    self.send(OutputBatch(outputs))
+            elif os.getppid() != self.parent_pid:
+                return  # orphaned: nobody will read our outputs
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) -> None:
+    """Entry point of the spawned engine process."""
+    # The API server drives shutdown (Ctrl-C reaches the whole process group); SIGTERM sent to this
+    # process alone must still run EngineService.shutdown() so no child or SHM segment outlives it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    ctx = zmq.Context()
+    input_sock = ctx.socket(zmq.PULL)
+    input_sock.bind(addresses.input)
+    output_sock = ctx.socket(zmq.PUSH)
+    output_sock.setsockopt(zmq.LINGER, 2000)
+    output_sock.bind(addresses.output)
+
+    def send(msg: object) -> None:
+        output_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        # imported here: the API server imports this module for the message types only
+        from fastdeploy_r3.engine.engine_service import EngineService
+
+        svc = EngineService(config)
+    except BaseException as e:  # noqa: BLE001 - any start-up failure is reported to the API server
+        send(EngineStartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
+        output_sock.close()
+        input_sock.close(linger=0)
+        ctx.term()
+        return
+    try:
+        send(EngineReady(_engine_info(config)))
+        _EngineLoop(svc, input_sock, output_sock, parent_pid).run()
+    except SystemExit:
+        with contextlib.suppress(zmq.ZMQError):
+            send(EngineCrashed("the engine process was terminated by a signal"))
+        raise
+    except BaseException as e:
+        # report before dying so that the API server fails in-flight requests with the cause
+        with contextlib.suppress(zmq.ZMQError):
+            send(EngineCrashed(f"engine loop failed: {type(e).__name__}: {e}"))
+        traceback.print_exc()
+        raise
+    finally:
+        try:
+            svc.shutdown()
+        finally:
+            output_sock.close()
+            input_sock.close(linger=0)
+            ctx.term()

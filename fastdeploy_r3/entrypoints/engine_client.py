@@ -1,0 +1,260 @@
+"""The API server's handle on the engine process (see engine/engine_process.py for the wire).
+
+One reader task routes engine messages to per-request queues; one watchdog task notices a dead
+engine process and fails everything in flight with a message that says so. After that, every call
+raises `EngineDeadError` (the API server answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import os
+import pickle
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.engine_process import (
+    AbortRequest,
+    AddRequest,
+    EngineAddresses,
+    EngineCrashed,
+    EngineInfo,
+    EngineReady,
+    EngineStartupFailed,
+    HealthQuery,
+    HealthReply,
+    MetricsQuery,
+    MetricsReply,
+    OutputBatch,
+    RequestRejected,
+    Shutdown,
+    run_engine_process,
+)
+from fastdeploy_r3.engine.request import RequestOutput
+from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+
+_WATCHDOG_PERIOD_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; restart the server."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process could not start; the message carries its cause."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine refused a request for a reason other than bad input."""
+
+
+class AsyncEngineClient:
+    """Starts the engine process and talks to it; create with `await AsyncEngineClient.start(config)`."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.info: EngineInfo | None = None
+        self.dead_message: str | None = None
+        self._addresses = EngineAddresses.new()
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, config: EngineConfig, tokenizer: Any = None, timeout_s: float = 900.0) -> AsyncEngineClient:
+        client = cls(config, tokenizer)
+        try:
+            await client._start(timeout_s)
+        except BaseException:
+            await client.shutdown()
+            raise
+        return client
+
+    async def _start(self, timeout_s: float) -> None:
+        # spawn: the engine starts its own worker processes and must not inherit this process's
+        # event loop, threads or sockets
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=run_engine_process,
+            args=(self.config, self._addresses, os.getpid()),
+            name="fdr3-engine",
+        )
+        self._proc.start()
+        self._output.connect(self._addresses.output)
+        self._input.connect(self._addresses.input)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            if await self._output.poll(200):
+                msg = pickle.loads(await self._output.recv())
+                if isinstance(msg, EngineReady):
+                    self.info = msg.info
+                    break
+                if isinstance(msg, EngineStartupFailed):
+                    raise EngineStartupError(f"engine failed to start: {msg.message}\n{msg.traceback}")
+                raise EngineStartupError(f"engine sent {type(msg).__name__} before it was ready")
+            if not self._proc.is_alive():
+                raise EngineStartupError(f"engine process exited with code {self._proc.exitcode} during start-up")
+            if loop.time() > deadline:
+                raise EngineStartupError(f"engine did not become ready within {timeout_s:.0f} s")
+        self._tasks = [
+            asyncio.create_task(self._read_outputs(), name="fdr3-engine-reader"),
+            asyncio.create_task(self._watch_process(), name="fdr3-engine-watchdog"),
+        ]
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._input.send(pickle.dumps(Shutdown()))
+            await asyncio.get_running_loop().run_in_executor(None, proc.join, timeout_s)
+            if proc.is_alive():
+                proc.terminate()  # SIGTERM: the engine process still runs EngineService.shutdown()
+                await asyncio.get_running_loop().run_in_executor(None, proc.join, 10.0)
+            if proc.is_alive():
+                proc.kill()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+        self._addresses.remove()
+
+    # -- engine liveness --------------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_message is None and not self._closed
+
+    def _mark_dead(self, message: str) -> None:
+        if self.dead_message is None:
+            self.dead_message = message
+        self._fail_all(EngineDeadError(self.dead_message))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for q in self._queues.values():
+            q.put_nowait(error)
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._replies.clear()
+
+    def _check_alive(self) -> None:
+        if self.dead_message is not None:
+            raise EngineDeadError(self.dead_message)
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+
+    async def _watch_process(self) -> None:
+        assert self._proc is not None
+        while self._proc.is_alive():
+            await asyncio.sleep(_WATCHDOG_PERIOD_S)
+        # let the reader deliver what the engine sent before it died (e.g. EngineCrashed's cause)
+        await asyncio.sleep(_WATCHDOG_PERIOD_S)
+        self._mark_dead(f"engine process (pid {self._proc.pid}) exited with code {self._proc.exitcode}")
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = pickle.loads(await self._output.recv())
+            if isinstance(msg, OutputBatch):
+                for out in msg.outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:  # None: the caller went away and aborted
+                        q.put_nowait(out)
+            elif isinstance(msg, RequestRejected):
+                q = self._queues.get(msg.request_id)
+                if q is not None:
+                    err = InvalidRequestError(msg.message) if msg.invalid else EngineRequestError(msg.message)
+                    q.put_nowait(err)
+            elif isinstance(msg, (MetricsReply, HealthReply)):
+                fut = self._replies.pop(msg.query_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, EngineCrashed):
+                self._mark_dead(msg.message)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def _send(self, msg: object) -> None:
+        await self._input.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the cumulative RequestOutput of each step that advanced the request, ending with
+        the finished one. Raises InvalidRequestError (bad input), EngineRequestError or
+        EngineDeadError. Leaving the iteration early aborts the request in the engine."""
+        self._check_alive()
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        finished = False
+        try:
+            await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt))
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # rejected or dead: nothing to abort
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.is_alive:
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._send(AbortRequest(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        if self.is_alive:
+            await self._send(AbortRequest(request_id))
+
+    async def _query(self, msg_type: type, timeout_s: float) -> Any:
+        self._check_alive()
+        query_id = next(self._query_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[query_id] = fut
+        try:
+            await self._send(msg_type(query_id))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._replies.pop(query_id, None)
+
+    async def metrics(self, timeout_s: float = 30.0) -> dict[str, float]:
+        reply: MetricsReply = await self._query(MetricsQuery, timeout_s)
+        return reply.metrics
+
+    async def check_health(self, timeout_s: float = 30.0) -> None:
+        """Raise EngineDeadError unless the engine process answers."""
+        try:
+            reply: HealthReply = await self._query(HealthQuery, timeout_s)
+        except TimeoutError as e:
+            raise EngineDeadError(f"engine did not answer a health check within {timeout_s:.0f} s") from e
+        if not reply.ok:
+            raise EngineDeadError(reply.message)
