@@ -351,4 +351,5 @@ class PrefixCacheManager:
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
         for b in self.gpu.blocks:
-            assert b.ref_cnt == owners.get(b.block_id, 0), f"{b} has ref_cnt {b.ref_cnt}, owners {owners.get(b.block_id)}"
+            owned = owners.get(b.block_id, 0)
+            assert b.ref_cnt == owned, f"{b} has ref_cnt {b.ref_cnt} but {owned} owners"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -131,8 +132,6 @@ class EngineService:
         if num_cpu_blocks > 0 or storage is not None:
             from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferClient
             from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig
-
-            import os
 
             transfer = CacheTransferClient()
             self._ctm = transfer

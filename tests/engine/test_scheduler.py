@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+from fastdeploy_r3.cache_manager.block_hash import root_hash
+from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
+from fastdeploy_r3.engine.request import Request, RequestStatus
+from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.engine.scheduler import Scheduler
+
+
+def make(num_blocks: int, budget: int = 64, max_seqs: int = 8, caching: bool = True) -> Scheduler:
+    kv = PrefixCacheManager(num_blocks, block_size=4, enable_prefix_caching=caching, root_hash=root_hash("t", "0"))
+    return Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=True)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 8) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def step(s: Scheduler, sampled: int = 99) -> list[tuple[str, int, bool]]:
+    """One engine step without a model: every chunk that reaches the last token samples `sampled`."""
+    out = s.schedule()
+    got = [(c.request.request_id, c.num_new_tokens, c.samples) for c in out.chunks]
+    s.update_after_step(out)
+    for c in out.chunks:
+        if c.samples:
+            c.request.output_token_ids.append(sampled)
+    s.kv.check_integrity()
+    return got
+
+
+def test_prefix_hit_leaves_the_last_prompt_token_to_compute():
+    """Two 8-token prompts, identical: the second reuses block 0 only, so its last token is computed."""
+    s = make(8)
+    a = req("a", list(range(8)))
+    s.add_request(a)
+    assert step(s) == [("a", 8, True)]
+    assert s.kv.block_table("a") == [0, 1]
+    b = req("b", list(range(8)))
+    s.add_request(b)
+    assert step(s) == [("a", 1, True), ("b", 4, True)]
+    assert b.num_cached_tokens == 4
+    assert s.kv.block_table("b")[0] == s.kv.block_table("a")[0] == 0
+    assert s.kv.block_tags("b")[0] == s.kv.block_tags("a")[0]
+    assert s.kv.block_table("a") == [0, 1, 2] and s.kv.block_table("b") == [0, 3]
+
+
+def test_chunked_prefill_advances_the_cursor_by_the_budget():
+    """A 10-token prompt under a 4-token budget: chunks of 4, 4, 2, and only the last one samples."""
+    s = make(8, budget=4)
+    a = req("a", list(range(10)))
+    s.add_request(a)
+    assert step(s) == [("a", 4, False)]
+    assert a.num_computed_tokens == 4
+    assert step(s) == [("a", 4, False)]
+    assert step(s) == [("a", 2, True)]
+    assert a.output_token_ids == [99] and a.num_computed_tokens == 10
+    assert step(s) == [("a", 1, True)]
+
+
+def test_youngest_request_is_preempted_when_blocks_run_out_and_recomputes():
+    """Four blocks, two 7-token prompts (2 blocks each): the first decode past 8 tokens preempts b."""
+    s = make(4, caching=False)
+    a, b = req("a", list(range(7))), req("b", list(range(100, 107)))
+    s.add_request(a)
+    s.add_request(b)
+    assert step(s) == [("a", 7, True), ("b", 7, True)]
+    assert s.kv.block_table("a") == [0, 1] and s.kv.block_table("b") == [2, 3]
+    # a now has 8 tokens: feeding its 8th needs no new block; its 9th would
+    assert step(s) == [("a", 1, True), ("b", 1, True)]
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("a", 1)]
+    assert s.kv.block_table("a") == [0, 1, 3] and s.kv.block_table("b") == []
+    assert list(s.waiting) == [b]
+    s.update_after_step(out)
+    s.kv.check_integrity()
+    # once a finishes, b is readmitted and recomputes prompt + its 2 sampled tokens in one chunk
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    assert step(s) == [("b", 9, True)]
+    assert s.num_preemptions == 1
+
+
+def test_finished_blocks_stay_cached_and_abort_leaks_nothing():
+    """A finishes; its full block is hit by b; an aborted waiting request releases nothing it never had."""
+    s = make(6)
+    a = req("a", [5, 6, 7, 8, 9])
+    s.add_request(a)
+    step(s)
+    s.finish(a, RequestStatus.FINISHED_STOPPED)
+    assert s.kv.gpu.num_free_blocks == 6
+    c = req("c", [1, 2, 3])
+    s.add_request(c)
+    s.finish(c, RequestStatus.FINISHED_ABORTED)
+    b = req("b", [5, 6, 7, 8, 1])
+    s.add_request(b)
+    assert step(s) == [("b", 1, True)]
+    assert b.num_cached_tokens == 4
+    s.kv.check_integrity()
