@@ -131,6 +131,9 @@ class CacheTransferManager:
         for spec in cfg.kv_specs:
             if spec.block_size != cfg.block_size or spec.shape[1] != 2 or len(spec.shape) != 6:
                 raise ValueError(f"KV spec {spec} is not [num_layers, 2, num_blocks, {cfg.block_size}, H, D]")
+            if (spec.shape, spec.dtype) != (cfg.kv_specs[0].shape, cfg.kv_specs[0].dtype):
+                # A stored block holds every rank's slice under one layout; ranks must shard KV heads evenly.
+                raise ValueError(f"KV spec {spec} differs from rank 0's {cfg.kv_specs[0]}; TP ranks must match")
             seg, kv = _attach_kv(spec)
             self._attached.append(seg)
             self.gpu_kv.append(kv)
