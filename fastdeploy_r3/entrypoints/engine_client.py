@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
+import multiprocessing.process
 import os
 import pickle
 from collections.abc import AsyncIterator
@@ -39,6 +39,7 @@ from fastdeploy_r3.engine.engine_process import (
 )
 from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.spawn import start_process
 
 _WATCHDOG_PERIOD_S = 0.5
 
@@ -87,15 +88,11 @@ class AsyncEngineClient:
         return client
 
     async def _start(self, timeout_s: float) -> None:
-        # spawn: the engine starts its own worker processes and must not inherit this process's
-        # event loop, threads or sockets
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=run_engine_process,
-            args=(self.config, self._addresses, os.getpid()),
-            name="fdr3-engine",
+        # spawn: the engine must not inherit this process's event loop, threads or sockets; not a
+        # daemon, because the engine starts worker processes of its own
+        self._proc = start_process(
+            run_engine_process, (self.config, self._addresses, os.getpid()), name="fdr3-engine", daemon=False
         )
-        self._proc.start()
         self._output.connect(self._addresses.output)
         self._input.connect(self._addresses.input)
         loop = asyncio.get_running_loop()

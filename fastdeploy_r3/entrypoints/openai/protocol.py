@@ -96,10 +96,15 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _R3Choice(OpenAIBaseModel):

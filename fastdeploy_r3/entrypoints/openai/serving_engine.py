@@ -29,7 +29,7 @@ from fastdeploy_r3.client.routed_experts import encode_routed_experts
 from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
-from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 
 DEFAULT_ROLLOUT_ID = "user"
 
@@ -232,7 +232,8 @@ class OpenAIServing:
     def usage(final: RequestOutput) -> UsageInfo:
         p = len(final.prompt_token_ids)
         n = sum(len(c.token_ids) for c in final.outputs)
-        return UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)
+        details = PromptTokensDetails(cached_tokens=final.num_cached_tokens)
+        return UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n, prompt_tokens_details=details)
 
 
 def sse(payload: dict | str) -> str:
