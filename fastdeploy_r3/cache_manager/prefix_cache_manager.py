@@ -242,6 +242,7 @@ class PrefixCacheManager:
                 TransferKind.GPU2STORAGE,
                 gpu=[b.block_id for b in put_blocks],
                 keys=[h.hex() for _, h in new_cached],
+                tags=[b.routing_tag for b in put_blocks],  # the CTM refuses rows not written under this tag
             )
             self._pinned[task_id] = put_blocks
 
