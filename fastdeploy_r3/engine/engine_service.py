@@ -236,6 +236,7 @@ class EngineService:
         touched: set[str] = set(self._pending_outputs)
         self._pending_outputs.clear()
         try:
+            self._check_children()
             self.kv.poll_transfers()
             out = self.scheduler.schedule()
             if out.chunks:
@@ -341,16 +342,20 @@ class EngineService:
         proc, conn = self._workers[rank]
         deadline = None if timeout is None else time.monotonic() + timeout
         while not conn.poll(0.05):
-            if not proc.is_alive():
-                raise EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
-            if self._ctm is not None and not self._ctm.is_alive():
-                raise EngineDeadError("the cache transfer manager process died")
+            self._check_children()
             if deadline is not None and time.monotonic() > deadline:
                 raise EngineDeadError(f"worker rank {rank} did not answer in {timeout} s")
         msg = conn.recv()
         if isinstance(msg, BaseException):
             raise EngineDeadError(str(msg))
         return msg
+
+    def _check_children(self) -> None:
+        for rank, (proc, _) in enumerate(self._workers):
+            if not proc.is_alive():
+                raise EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+        if self._ctm is not None and not self._ctm.is_alive():
+            raise EngineDeadError(f"the cache transfer manager (pid {self._ctm.pid}) exited")
 
     def _check_alive(self) -> None:
         if self._dead is not None:
