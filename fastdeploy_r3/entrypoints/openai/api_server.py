@@ -94,6 +94,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             return f"the request body is not valid JSON: {err.get('msg')}", None
+        if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+            return "the request body must be a JSON object (send Content-Type: application/json)", None
         param = param or (".".join(loc) or None)
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
     return "; ".join(parts) or "invalid request", param

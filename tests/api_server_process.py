@@ -1,0 +1,77 @@
+"""The real API server as a subprocess for end-to-end tests (free port, log file, clean stop)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_MODULE = "fastdeploy_r3.entrypoints.openai.api_server"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(model_dir: str, port: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", SERVER_MODULE, "--model", model_dir, "--port", str(port), "--device", "cpu", *args]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log_tail(self, n: int = 40) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+
+@contextlib.contextmanager
+def api_server(model_dir: str, log_dir: str, *args: str, timeout: float = 180.0) -> Iterator[ServerHandle]:
+    """Start `python -m fastdeploy_r3.entrypoints.openai.api_server` and wait until /health is 200."""
+    port = free_port()
+    log_path = os.path.join(log_dir, f"server_{port}.log")
+    log = open(log_path, "w")  # noqa: SIM115 - closed in finally, after the process
+    proc = subprocess.Popen(server_command(model_dir, port, *args), stdout=log, stderr=subprocess.STDOUT,
+                            env=server_env(), cwd=REPO_ROOT)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{handle.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{handle.url}/health", timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy within {timeout} s:\n{handle.log_tail()}")
+            time.sleep(0.2)
+        yield handle
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
