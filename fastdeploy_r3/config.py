@@ -203,6 +203,12 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}; use at least 1")
+        if self.tensor_parallel_size > 1:
+            # The worker interface takes a rank and a world size, but the models are not sharded yet:
+            # refusing beats running replicated copies that only look like tensor parallelism.
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1 (one worker process)"
+            )
 
 
 def routing_dtype_for(num_experts: int) -> np.dtype:
