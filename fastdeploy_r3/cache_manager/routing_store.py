@@ -31,6 +31,10 @@ from fastdeploy_r3.config import RoutingReplayConfig
 
 _ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,256}")
 
+# Most choices one request may have (the API server caps n here). only_last_turn deletes the previous
+# turn's entries for every n up to this, because that turn may have had a different n than this one.
+MAX_CHOICES = 64
+
 
 class InvalidRolloutIdError(ValueError):
     """A rollout id (or namespace) that cannot be used as a store key or file name."""
@@ -55,6 +59,11 @@ def validate_rollout_id(rollout_id: str, what: str = "rollout_id") -> str:
 def choice_rollout_id(rollout_id: str, index: int, n: int) -> str:
     """The id under which choice `index` of an `n`-choice request is stored."""
     return rollout_id if n == 1 else f"{rollout_id}_{index}"
+
+
+def any_n_rollout_ids(rollout_id: str) -> list[str]:
+    """Every id a request with this rollout id may have stored under, whatever its n."""
+    return [rollout_id] + [f"{rollout_id}_{i}" for i in range(MAX_CHOICES)]
 
 
 def previous_turn_rollout_id(rollout_id: str) -> str | None:
@@ -110,17 +119,17 @@ class RoutingStore(abc.ABC):
         if self.only_last_turn:
             prev = previous_turn_rollout_id(rollout_id)
             if prev is not None:
-                self._delete(prev, len(routed_experts), list(moe_layer_ids))
+                self._delete(prev, list(moe_layer_ids))
         return written
 
     @abc.abstractmethod
     def _put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]: ...
 
     @abc.abstractmethod
-    def _delete(self, rollout_id: str, n: int, moe_layer_ids: list[int]) -> None:
-        """Remove the entries `put(rollout_id, <n choices>, moe_layer_ids)` would have written."""
+    def _delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
+        """Remove what any put(rollout_id, ...) wrote, fused or per layer, whatever its number of choices."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: a local store holds no connection
         """Release connections; the stored data stays."""
 
 
@@ -169,10 +178,9 @@ class LocalRoutingStore(RoutingStore):
             raise RoutingStoreError(f"writing R3 of rollout {rollout_id!r} under {self.root} failed: {e}") from e
         return written
 
-    def _delete(self, rollout_id: str, n: int, moe_layer_ids: list[int]) -> None:
+    def _delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         try:
-            for i in range(n):
-                rid = choice_rollout_id(rollout_id, i, n)
+            for rid in any_n_rollout_ids(rollout_id):
                 if os.path.exists(self.fused_path(rid)):
                     os.unlink(self.fused_path(rid))
                 layer_dir = os.path.join(self.root, rid)
@@ -230,15 +238,15 @@ class RedisRoutingStore(RoutingStore):
         try:
             results = pipe.execute()
         except Exception as e:
-            raise RoutingStoreError(f"storing R3 of rollout {rollout_id!r} in {redact_url(self.url)} failed: {e}") from e
+            where = redact_url(self.url)
+            raise RoutingStoreError(f"storing R3 of rollout {rollout_id!r} in {where} failed: {e}") from e
         if not all(results):
             raise RoutingStoreError(f"storing R3 of rollout {rollout_id!r}: the store refused {written}")
         return written
 
-    def _delete(self, rollout_id: str, n: int, moe_layer_ids: list[int]) -> None:
+    def _delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         keys = []
-        for i in range(n):
-            rid = choice_rollout_id(rollout_id, i, n)
+        for rid in any_n_rollout_ids(rollout_id):
             keys.append(self.key(rid))
             keys.extend(self.key(rid, layer) for layer in moe_layer_ids)
         try:

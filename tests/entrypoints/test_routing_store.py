@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -110,3 +111,45 @@ def test_redis_put_to_dead_server_raises() -> None:
     store = RedisRoutingStore("redis://127.0.0.1:1/0", "ns", ttl_s=60)
     with pytest.raises(RoutingStoreError, match="127.0.0.1:1"):
         store.put("user", [_rows(0)], MOE_LAYER_IDS)
+
+
+# -- the real server in p2pstore mode ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def p2p_server(redis_url: str, tmp_path_factory):
+    from api_server_process import api_server
+
+    from fastdeploy_r3.model_executor.fake_model import make_fake_model
+
+    model_dir = make_fake_model("glm4_moe", str(tmp_path_factory.mktemp("glm")))
+    cfg = {"enable_routing_replay": True, "routing_store_type": "p2pstore", "p2pstore_url": redis_url,
+           "use_fused_put": False, "only_last_turn": True, "ttl_s": 300}
+    with api_server(model_dir, str(tmp_path_factory.mktemp("logs")), "--routing-replay-config", json.dumps(cfg),
+                    "--r3-namespace", "e2e") as handle:
+        yield handle
+
+
+def test_server_puts_r3_per_layer_in_redis_before_answering(p2p_server, redis_url: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{p2p_server.url}/v1", api_key="none", max_retries=0)
+    r = redis.Redis.from_url(redis_url)
+    first = client.completions.create(model=client.models.list().data[0].id, prompt="turn zero", max_tokens=4,
+                                      temperature=0, extra_body={"rollout_id": "d7:g1:0:0", "ignore_eos": True})
+    assert first.choices[0].routed_experts is None and first.moe_layer_ids == MOE_LAYER_IDS
+    arr = read_redis_rollout(redis_url, "e2e", "d7:g1:0:0", moe_layer_ids=MOE_LAYER_IDS)
+    assert arr.shape == (first.usage.prompt_tokens + 4 - 1, 3, 4)
+    assert 0 < r.ttl("e2e:d7:g1:0:0:1") <= 300
+
+    # next turn, n=2: suffixed keys, and only_last_turn removes the previous turn's keys
+    second = client.completions.create(model=first.model, prompt="turn one", max_tokens=3, n=2, temperature=1.0,
+                                       seed=3, extra_body={"rollout_id": "d7:g1:1:0", "ignore_eos": True})
+    for i in range(2):
+        got = read_redis_rollout(redis_url, "e2e", "d7:g1:1:0", choice=i, moe_layer_ids=MOE_LAYER_IDS)
+        assert got.shape == (second.usage.prompt_tokens + 3 - 1, 3, 4)
+    assert r.exists(*[f"e2e:d7:g1:0:0:{layer}" for layer in MOE_LAYER_IDS]) == 0
+
+    # without rollout_id the key is "user"
+    client.completions.create(model=first.model, prompt="anon", max_tokens=2, temperature=0)
+    assert r.exists("e2e:user:1") == 1

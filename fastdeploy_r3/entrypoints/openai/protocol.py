@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fastdeploy_r3.cache_manager.routing_store import MAX_CHOICES
 from fastdeploy_r3.engine.sampling_params import SamplingParams
 
 
@@ -45,7 +46,7 @@ class _SamplingFields(StrictModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    n: int = Field(default=1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
