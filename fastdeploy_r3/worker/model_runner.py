@@ -39,6 +39,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, NB, BS, KVH, D]
         self._kv_segment: ShmSegment | None = None
         self.routing_host: RoutingBuffer | None = None
+        self.routing_writer = None  # RoutingCacheManager on rank 0: checked writes into routing_host
         self.routing_capture = None
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -103,7 +104,12 @@ class ModelRunner:
         from fastdeploy_r3.model_executor.layers.routing_capture import RoutingCapture
 
         if self.rank == 0:
+            from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
+
             self.routing_host = RoutingBuffer.attach(spec)
+            self.routing_writer = RoutingCacheManager(
+                self.routing_host, self.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
+            )
         self.routing_capture = RoutingCapture(
             max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
             num_moe_layers=rr.num_moe_layers,
@@ -176,9 +182,9 @@ class ModelRunner:
 
         if capture is not None:
             capture.check_complete()
-            if self.routing_host is not None:
+            if self.routing_writer is not None:
                 rows = capture.step_rows(len(input_ids))  # [T, L, K]
-                self.routing_host.write(np.asarray(slots, dtype=np.int64), rows, np.asarray(tags, dtype=np.int64))
+                self.routing_writer.write_step(np.asarray(slots), rows, np.asarray(tags), np.asarray(positions))
 
         sampled: dict[str, int] = {}
         if sample_rows:
@@ -197,6 +203,7 @@ class ModelRunner:
                 self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
 
     def close(self) -> None:
+        self.routing_writer = None
         if self.routing_host is not None:
             self.routing_host.close()
             self.routing_host = None
