@@ -37,6 +37,7 @@ PROMPTS: list[list[int]] = [
     list(range(400, 411)),  # 11
     _SHARED + [100, 101, 102, 103, 104, 105],  # 22: extends #0
     [42],  # 1
+    list(_SHARED),  # 16: all 4 blocks cached after #0, but its last token must still be computed
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -91,6 +92,7 @@ def test_prefix_caching_on_matches_off(qwen3_dir: str, baseline_outs: list[Reque
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert first[0].num_cached_tokens == 0
         assert outs[0].num_cached_tokens == 16  # 4 full blocks; the 19th token is recomputed
+        assert outs[7].num_cached_tokens == 12  # the whole prompt is cached; its last block is recomputed
         assert llm.engine.metrics()["prefix_hit_blocks"] >= 4
     assert token_ids(first) == token_ids(baseline_outs[:1])
     assert_same_as(outs, baseline_outs)
@@ -141,6 +143,26 @@ def test_r3_routed_experts_start(baseline: LLM, baseline_outs: list[RequestOutpu
     np.testing.assert_array_equal(comp.routed_experts, baseline_outs[0].outputs[0].routed_experts[5:])
 
 
+def test_r3_per_choice_and_opt_out(baseline: LLM) -> None:
+    """n=2: each choice carries its own rows, equal on the prompt; return_routed_experts=False: none."""
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = baseline.generate([PROMPTS[4]], params, use_tqdm=False)
+    a, b = (c.routed_experts for c in out.outputs)
+    assert a.shape == b.shape == (11 + MAX_TOKENS - 1, 4, 4)
+    np.testing.assert_array_equal(a[:11], b[:11])  # rows of the prompt tokens (row i routes token i)
+    (out,) = baseline.generate([PROMPTS[4]], SamplingParams(max_tokens=2, return_routed_experts=False),
+                               use_tqdm=False)
+    assert out.outputs[0].routed_experts is None and out.outputs[0].error is None
+
+
+def test_generation_stops_at_max_model_len(baseline: LLM) -> None:
+    """A 61-token prompt with max_model_len 64 and max_tokens 6: 3 tokens, finish 'length', 63 rows."""
+    (out,) = baseline.generate([list(range(100, 161))], GREEDY, use_tqdm=False)
+    comp = out.outputs[0]
+    assert len(comp.token_ids) == 3 and comp.finish_reason == "length"
+    assert comp.routed_experts.shape == (63, 4, 4)
+
+
 def test_r3_debug_rows_are_positions_across_hits_chunks_and_preemption(
     qwen3_dir: str, baseline_outs: list[RequestOutput]
 ) -> None:
@@ -149,9 +171,8 @@ def test_r3_debug_rows_are_positions_across_hits_chunks_and_preemption(
              enable_chunked_prefill=True, max_num_batched_tokens=8, max_model_len=64,
              routing_replay_config=R3_DEBUG) as llm:
         first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-        params = [GREEDY] * (len(PROMPTS) - 1) + [
-            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, routed_experts_start=3)
-        ]
+        params = [GREEDY] * len(PROMPTS)
+        params[6] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, routed_experts_start=3)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         m = llm.engine.metrics()
     assert m["prefix_hit_blocks"] > 0 and outs[0].num_cached_tokens > 0
@@ -161,8 +182,8 @@ def test_r3_debug_rows_are_positions_across_hits_chunks_and_preemption(
     assert token_ids(outs) == token_ids(baseline_outs)
     for out in first + outs:
         assert_rows_are_positions(out)
-    last = outs[-1].outputs[0]  # 1-token prompt + 6 tokens = rows 0..5, from 3 on
-    assert last.routed_experts_start == 3 and last.routed_experts.shape == (3, 4, 4)
+    late = outs[6].outputs[0]  # 1-token prompt + 6 tokens = rows 0..5, from 3 on
+    assert late.routed_experts_start == 3 and late.routed_experts.shape == (3, 4, 4)
 
 
 # -- 3. no leaks -----------------------------------------------------------------------------------
