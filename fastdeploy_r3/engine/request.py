@@ -51,7 +51,7 @@ class Request:
     num_preemptions: int = 0
     # text/stop handling (TokenProcessor)
     output_text: str = ""
-    num_returned_tokens: int | None = None  # < len(output_token_ids) when a stop string cut the text
+    num_returned_tokens: int | None = None  # N: output tokens returned to the user, set at finish
     stop_reason: str | int | None = None
     error: str | None = None
     routed_experts: np.ndarray | None = None
