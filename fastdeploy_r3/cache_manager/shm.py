@@ -115,6 +115,28 @@ def list_segments(suffix: str | None = None) -> list[str]:
         return []
 
 
+def remove_stale_segments() -> list[str]:
+    """Unlink segments of engines whose process is gone (the pid is the first part of the suffix)."""
+    removed = []
+    for name in list_segments():
+        pid_part = name[len(SHM_PREFIX) :].split("_", 1)[0]
+        if not pid_part.isdigit() or _pid_alive(int(pid_part)):
+            continue
+        unlink_quietly(name)
+        removed.append(name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def unlink_all(suffix: str) -> None:
     for name in list_segments(suffix):
         unlink_quietly(name)

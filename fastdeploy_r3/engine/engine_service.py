@@ -23,7 +23,7 @@ from typing import Any
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
-from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_all
+from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -74,6 +74,8 @@ class EngineService:
     # -- start-up -----------------------------------------------------------------------------------
 
     def _start(self) -> None:
+        for name in remove_stale_segments():
+            logger.warning("removed shared memory %s left by an engine that is gone", name)
         cfg = self.config
         mc, cc, sc, rr = cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.routing_replay_config
         try:
@@ -284,8 +286,11 @@ class EngineService:
         self._worker_known.difference_update(finished)
         self._finished_since_step.clear()
         step = StepInput(self._step_id, reqs, finished)
-        for _, conn in self._workers:
-            conn.send(step)
+        for rank, (_, conn) in enumerate(self._workers):
+            try:
+                conn.send(step)
+            except OSError as e:
+                raise self._worker_gone(rank) from e
         outs = [self._recv(rank, timeout=None) for rank in range(len(self._workers))]
         errors = [o.error for o in outs if o.error]
         if errors:
@@ -345,10 +350,18 @@ class EngineService:
             self._check_children()
             if deadline is not None and time.monotonic() > deadline:
                 raise EngineDeadError(f"worker rank {rank} did not answer in {timeout} s")
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._worker_gone(rank) from e
         if isinstance(msg, BaseException):
             raise EngineDeadError(str(msg))
         return msg
+
+    def _worker_gone(self, rank: int) -> EngineDeadError:
+        proc = self._workers[rank][0]
+        proc.join(timeout=1.0)
+        return EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
     def _check_children(self) -> None:
         for rank, (proc, _) in enumerate(self._workers):

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, Shutdown, StepInput, StepOutput, WorkerReady
 
@@ -39,7 +40,9 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, engine_suffix:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                break  # the engine is gone
+                # The engine died without shutting us down: nobody else will unlink its segments.
+                unlink_all(engine_suffix)
+                break
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, AttachRoutingBuffer):
