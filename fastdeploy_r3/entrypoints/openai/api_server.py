@@ -202,12 +202,7 @@ async def run_server(args: argparse.Namespace) -> None:
     engine: AsyncEngineClient | None = None
     try:
         engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout)
-        ctx = ServingContext(
-            engine=engine,
-            served_model_name=args.served_model_name or args.model,
-            store=store,
-            store_type=config.routing_replay_config.routing_store_type,
-        )
+        ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store)
         app = build_app(ctx, args.api_key, namespace)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
         logger.info("serving %s on http://%s:%d", ctx.served_model_name, args.host, args.port)

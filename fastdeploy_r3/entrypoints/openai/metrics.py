@@ -17,8 +17,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fastdeploy_r3.entrypoints.openai.serving_engine import ServerCounters
 
-# Engine values that go up and down; every other engine value is a monotonic counter.
-_GAUGE_RE = re.compile(r"^(num_|running|waiting)|_(usage|running|waiting|free|used|blocks_total)$")
+# Engine values that go up and down (block pool sizes, queue lengths) are named num_*; every other
+# engine value is a monotonic counter.
+_GAUGE_RE = re.compile(r"^num_")
 
 
 def _metric_name(name: str) -> str:

@@ -55,7 +55,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id)
         prompt_token_ids, prompt = self.prompt(request)
-        self.check_prompt(prompt_token_ids)
         # chat default: whatever room the context leaves
         default_max_tokens = self.ctx.engine.config.max_model_len - len(prompt_token_ids)
         params = self.sampling_params(request, default_max_tokens)

@@ -31,17 +31,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self.ctx.engine.tokenizer.encode(prompt), prompt
-        vocab = self.ctx.engine.config.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
-        return list(prompt), None
+        return list(prompt), None  # the engine checks length and vocabulary
 
     async def create_completion(self, request: CompletionRequest):
         self.check_model(request.model)
         rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id)
         prompt_token_ids, prompt = self.prompt_token_ids(request)
-        self.check_prompt(prompt_token_ids)
         params = self.sampling_params(request, DEFAULT_COMPLETION_MAX_TOKENS)
         request_id = self.new_request_id("cmpl")
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt)

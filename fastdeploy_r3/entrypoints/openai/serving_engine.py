@@ -76,8 +76,7 @@ class ServerCounters:
 class ServingContext:
     engine: AsyncEngineClient
     served_model_name: str
-    store: RoutingStore | None
-    store_type: str
+    store: RoutingStore | None  # None: R3 goes in the response
     counters: ServerCounters = field(default_factory=ServerCounters)
 
     @property
@@ -128,17 +127,6 @@ class OpenAIServing:
 
     def wants_r3(self, params: SamplingParams) -> bool:
         return self.ctx.r3_enabled and params.return_routed_experts is not False
-
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise bad_request("the prompt is empty; send at least one token", "prompt")
-        max_len = self.ctx.engine.config.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise bad_request(
-                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}; shorten the prompt "
-                "(at least one token must be left for the completion)",
-                "prompt",
-            )
 
     def sampling_params(self, request, default_max_tokens: int) -> SamplingParams:
         try:
