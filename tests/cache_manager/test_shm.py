@@ -1,0 +1,50 @@
+"""Shared-memory segments: owner unlinks, stale ones go, and a too-small /dev/shm stops start-up clearly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fastdeploy_r3.cache_manager import shm
+from fastdeploy_r3.cache_manager.shm import SharedMemoryError, ShmSegment, list_segments, remove_stale_segments
+from fastdeploy_r3.config import ConfigError, EngineConfig
+from fastdeploy_r3.engine.engine_service import EngineService
+from fastdeploy_r3.model_executor.fake_model import make_fake_model
+
+
+def test_owner_unlinks_and_attacher_sees_the_same_bytes():
+    seg = ShmSegment.create("fdr3_testshm_a", 64)
+    seg.numpy((8,), "int64")[:] = range(8)
+    other = ShmSegment.attach("fdr3_testshm_a")
+    assert other.numpy((8,), "int64").tolist() == list(range(8))
+    other.close()
+    assert list_segments("testshm") == ["fdr3_testshm_a"]
+    seg.close()
+    assert list_segments("testshm") == []
+
+
+def test_segments_of_a_dead_engine_pid_are_removed():
+    dead_pid = 2**22 + 12345  # above the default pid_max: no such process
+    seg = ShmSegment.create(f"fdr3_{dead_pid}_abcd_kv_rank0", 16)
+    seg.owner = False  # pretend its engine crashed
+    seg.close()
+    assert f"fdr3_{dead_pid}_abcd_kv_rank0" in remove_stale_segments()
+    assert list_segments(f"{dead_pid}_abcd") == []
+
+
+def test_engine_refuses_to_start_when_dev_shm_cannot_hold_the_routing_buffer(tmp_path, monkeypatch):
+    """/dev/shm "has" 1 KiB: the routing host buffer cannot be created; the error says what to do."""
+    model = make_fake_model("qwen3_moe", str(tmp_path / "m"), preset="tiny")
+    cfg = EngineConfig.from_kwargs(model, block_size=4, num_gpu_blocks_override=64,
+                                   routing_replay_config={"enable_routing_replay": True})
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 1024)
+    with pytest.raises(SharedMemoryError, match=r"/dev/shm has 0.0 MiB free but fdr3_.*routing_host needs"):
+        EngineService(cfg)
+    monkeypatch.undo()
+    assert list_segments(str(os.getpid())) == []  # the engine's suffix starts with our pid
+
+
+def test_unknown_engine_argument_is_named():
+    with pytest.raises(ConfigError, match="unknown engine argument 'blocksize'"):
+        EngineConfig.from_kwargs("/nonexistent", blocksize=4)
