@@ -84,10 +84,26 @@ def previous_turn_rollout_id(rollout_id: str) -> str | None:
     return f"{prefix}:{turn - 1}:{segment_s}"
 
 
+class RoutedExpertsDecodeError(ValueError):
+    """A payload or stored value is not an R3 `.npy` array of integer expert ids."""
+
+
 def npy_bytes(arr: np.ndarray) -> bytes:
+    """The `.npy` file of `arr`: self-describing dtype and shape, the wire and store format of R3."""
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
     return buf.getvalue()
+
+
+def load_npy(data: bytes, what: str) -> np.ndarray:
+    """Inverse of npy_bytes; refuses pickles and non-integer arrays."""
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise RoutedExpertsDecodeError(f"{what} is not a .npy array: {e}") from e
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+        raise RoutedExpertsDecodeError(f"{what} holds {getattr(arr, 'dtype', type(arr))}, not integer expert ids")
+    return arr
 
 
 def _check_choices(routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> None:
@@ -122,6 +138,20 @@ class RoutingStore(abc.ABC):
                 self._delete(prev, list(moe_layer_ids))
         return written
 
+    def get(self, rollout_id: str, choice: int | None = None, moe_layer_ids: list[int] | None = None) -> np.ndarray:
+        """Read one choice back as `[T, L, K]` (the trainer side).
+
+        `choice`: the index of a choice of a request made with n > 1. `moe_layer_ids`: read the per-layer
+        entries of these layers, in this order; None reads the fused entry (local: falls back to all
+        per-layer files found). Raises KeyError when the rollout is not there.
+        """
+        validate_rollout_id(rollout_id)
+        rid = rollout_id if choice is None else f"{rollout_id}_{choice}"
+        return self._get(rid, moe_layer_ids)
+
+    @abc.abstractmethod
+    def _get(self, rid: str, moe_layer_ids: list[int] | None) -> np.ndarray: ...
+
     @abc.abstractmethod
     def _put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]: ...
 
@@ -139,13 +169,33 @@ class LocalRoutingStore(RoutingStore):
     def __init__(self, root: str, use_fused_put: bool = True, only_last_turn: bool = False) -> None:
         super().__init__(use_fused_put, only_last_turn)
         self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
 
     def fused_path(self, rid: str) -> str:
         return os.path.join(self.root, f"{rid}.npy")
 
     def layer_path(self, rid: str, layer: int) -> str:
         return os.path.join(self.root, rid, f"layer_{layer}.npy")
+
+    def _get(self, rid: str, moe_layer_ids: list[int] | None) -> np.ndarray:
+        fused = self.fused_path(rid)
+        if moe_layer_ids is None and os.path.isfile(fused):
+            with open(fused, "rb") as f:
+                return np.ascontiguousarray(load_npy(f.read(), fused).transpose(1, 0, 2))  # [L, T, K] -> [T, L, K]
+        layer_dir = os.path.join(self.root, rid)
+        if moe_layer_ids is None:
+            names = os.listdir(layer_dir) if os.path.isdir(layer_dir) else []
+            found = [re.fullmatch(r"layer_(\d+)\.npy", name) for name in names]
+            moe_layer_ids = sorted(int(m.group(1)) for m in found if m)
+            if not moe_layer_ids:
+                raise KeyError(f"no R3 for rollout {rid!r} under {self.root} (neither {fused} nor {layer_dir}/)")
+        layers = []
+        for layer in moe_layer_ids:
+            path = self.layer_path(rid, layer)
+            if not os.path.isfile(path):
+                raise KeyError(f"no R3 for rollout {rid!r} layer {layer}: {path} is missing")
+            with open(path, "rb") as f:
+                layers.append(load_npy(f.read(), path))  # [T, K]
+        return np.stack(layers, axis=1)  # [T, L, K]
 
     def _write_atomic(self, path: str, arr: np.ndarray) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -197,7 +247,7 @@ class RedisRoutingStore(RoutingStore):
         self,
         url: str,
         namespace: str,
-        ttl_s: int,
+        ttl_s: int = 3600,
         use_fused_put: bool = True,
         only_last_turn: bool = False,
     ) -> None:
@@ -218,6 +268,20 @@ class RedisRoutingStore(RoutingStore):
             self._redis.ping()
         except Exception as e:
             raise RoutingStoreError(f"cannot reach the R3 p2pstore at {redact_url(self.url)}: {e}") from e
+
+    def _get(self, rid: str, moe_layer_ids: list[int] | None) -> np.ndarray:
+        if moe_layer_ids is None:
+            key = self.key(rid)
+            data = self._redis.get(key)
+            if data is None:
+                raise KeyError(f"no R3 under key {key!r} (expired, or the server stores per layer?)")
+            return np.ascontiguousarray(load_npy(data, key).transpose(1, 0, 2))  # [L, T, K] -> [T, L, K]
+        keys = [self.key(rid, layer) for layer in moe_layer_ids]
+        values = self._redis.mget(keys)
+        missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+        if missing:
+            raise KeyError(f"no R3 under keys {missing}")
+        return np.stack([load_npy(v, k) for k, v in zip(keys, values, strict=True)], axis=1)  # [T, L, K]
 
     def _put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]:
         n = len(routed_experts)
@@ -269,6 +333,10 @@ def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore
         return None
     if cfg.routing_store_type == "local":
         assert cfg.local_store_dir is not None  # RoutingReplayConfig.validate() checked
+        try:
+            os.makedirs(cfg.local_store_dir, exist_ok=True)  # fail at start-up, not at the first rollout
+        except OSError as e:
+            raise RoutingStoreError(f"local_store_dir {cfg.local_store_dir!r} cannot be created: {e}") from e
         return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)
     if cfg.routing_store_type == "p2pstore":
         assert cfg.p2pstore_url is not None

@@ -2,40 +2,29 @@
 
 Shapes: T = tokens of a sequence (prompt + completion), L = MoE layers, K = experts per token.
 The engine returns `[T-1, L, K]` (the last token was sampled, never fed through the model).
+The store layouts and the `.npy` codec live with the stores (cache_manager/routing_store.py), so that
+what the server writes and what the trainer reads cannot drift apart.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
-import os
-import re
 
 import numpy as np
 
-_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,256}")
-
-
-class RoutedExpertsDecodeError(ValueError):
-    """A payload or stored value is not an R3 `.npy` array of the expected form."""
+from fastdeploy_r3.cache_manager.routing_store import (
+    LocalRoutingStore,
+    RedisRoutingStore,
+    RoutedExpertsDecodeError,
+    load_npy,
+    npy_bytes,
+)
 
 
 def encode_routed_experts(arr: np.ndarray) -> str:
     """`[rows, L, K]` -> base64 of an `.npy` file (the `routed_experts` field of a choice)."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _load_npy(data: bytes, what: str) -> np.ndarray:
-    try:
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise RoutedExpertsDecodeError(f"{what} is not a .npy array: {e}") from e
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
-        raise RoutedExpertsDecodeError(f"{what} holds {getattr(arr, 'dtype', type(arr))}, not integer expert ids")
-    return arr
+    return base64.b64encode(npy_bytes(arr)).decode("ascii")
 
 
 def decode_routed_experts(b64: str) -> np.ndarray:
@@ -44,20 +33,10 @@ def decode_routed_experts(b64: str) -> np.ndarray:
         data = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as e:
         raise RoutedExpertsDecodeError(f"routed_experts is not base64: {e}") from e
-    arr = _load_npy(data, "routed_experts")
+    arr = load_npy(data, "routed_experts")
     if arr.ndim != 3:
         raise RoutedExpertsDecodeError(f"routed_experts has shape {arr.shape}; expected [rows, L, K]")
     return arr
-
-
-def _check_id(rollout_id: str) -> None:
-    if not _ROLLOUT_ID_RE.fullmatch(rollout_id) or set(rollout_id) == {"."}:
-        raise ValueError(f"rollout_id {rollout_id!r} is invalid; use 1-256 characters from [A-Za-z0-9._:-]")
-
-
-def _stored_id(rollout_id: str, choice: int | None) -> str:
-    _check_id(rollout_id)
-    return rollout_id if choice is None else f"{rollout_id}_{choice}"
 
 
 def read_local_rollout(
@@ -72,25 +51,7 @@ def read_local_rollout(
     Reads the fused file `{rid}.npy` if present, else the per-layer files `{rid}/layer_{layer}.npy`
     (`moe_layer_ids` picks and orders the layers; by default all found, in layer order).
     """
-    rid = _stored_id(rollout_id, choice)
-    fused = os.path.join(store_dir, f"{rid}.npy")
-    if os.path.isfile(fused):
-        with open(fused, "rb") as f:
-            arr = _load_npy(f.read(), fused)  # [L, T, K]
-        return np.ascontiguousarray(arr.transpose(1, 0, 2))
-    layer_dir = os.path.join(store_dir, rid)
-    if moe_layer_ids is None:
-        names = os.listdir(layer_dir) if os.path.isdir(layer_dir) else []
-        found = [re.fullmatch(r"layer_(\d+)\.npy", name) for name in names]
-        moe_layer_ids = sorted(int(m.group(1)) for m in found if m)
-    if not moe_layer_ids:
-        raise FileNotFoundError(f"no R3 for rollout {rid!r} under {store_dir} (neither {fused} nor {layer_dir}/)")
-    layers = []
-    for layer in moe_layer_ids:
-        path = os.path.join(layer_dir, f"layer_{layer}.npy")
-        with open(path, "rb") as f:
-            layers.append(_load_npy(f.read(), path))  # [T, K]
-    return np.stack(layers, axis=1)  # [T, L, K]
+    return LocalRoutingStore(store_dir).get(rollout_id, choice, moe_layer_ids)
 
 
 def read_redis_rollout(
@@ -105,25 +66,11 @@ def read_redis_rollout(
     Reads the fused key `{namespace}:{rid}` when `moe_layer_ids` is None, else the per-layer keys
     `{namespace}:{rid}:{layer}` (a server started with `use_fused_put: false`).
     """
-    import redis
-
-    rid = _stored_id(rollout_id, choice)
-    client = redis.Redis.from_url(url)
+    store = RedisRoutingStore(url, namespace)
     try:
-        if moe_layer_ids is None:
-            key = f"{namespace}:{rid}"
-            data = client.get(key)
-            if data is None:
-                raise KeyError(f"no R3 under key {key!r} (expired, or the server stores per layer?)")
-            return np.ascontiguousarray(_load_npy(data, key).transpose(1, 0, 2))
-        keys = [f"{namespace}:{rid}:{layer}" for layer in moe_layer_ids]
-        values = client.mget(keys)
-        missing = [k for k, v in zip(keys, values) if v is None]
-        if missing:
-            raise KeyError(f"no R3 under keys {missing}")
-        return np.stack([_load_npy(v, k) for k, v in zip(keys, values)], axis=1)  # [T, L, K]
+        return store.get(rollout_id, choice, moe_layer_ids)
     finally:
-        client.close()
+        store.close()
 
 
 def to_megatron_router_replay(routed_experts: np.ndarray, moe_layer_ids: list[int]) -> list:

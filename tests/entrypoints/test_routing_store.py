@@ -153,3 +153,10 @@ def test_server_puts_r3_per_layer_in_redis_before_answering(p2p_server, redis_ur
     # without rollout_id the key is "user"
     client.completions.create(model=first.model, prompt="anon", max_tokens=2, temperature=0)
     assert r.exists("e2e:user:1") == 1
+
+
+def test_get_of_a_missing_rollout_is_a_key_error(tmp_path, redis_url: str) -> None:
+    with pytest.raises(KeyError):
+        read_local_rollout(str(tmp_path), "never-written")
+    with pytest.raises(KeyError):
+        read_redis_rollout(redis_url, "ns3", "never-written", moe_layer_ids=MOE_LAYER_IDS)
