@@ -26,7 +26,7 @@ from fastdeploy_r3.cache_manager.routing_store import (
     validate_rollout_id,
 )
 from fastdeploy_r3.client.routed_experts import encode_routed_experts
-from fastdeploy_r3.engine.request import RequestOutput
+from fastdeploy_r3.engine.request import CompletionOutput, RequestOutput
 from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
@@ -194,6 +194,7 @@ class OpenAIServing:
             if c.routed_experts is None:
                 # fail closed: the caller asked for R3 and a trainer would replay nothing
                 raise engine_error(f"the engine returned no routed_experts for choice {c.index} of {final.request_id}")
+            self._check_r3_rows(final, c)
             arrays.append(c.routed_experts)
         starts: list[int | None] = [c.routed_experts_start for c in sorted(final.outputs, key=lambda c: c.index)]
         store = self.ctx.store
@@ -212,6 +213,26 @@ class OpenAIServing:
             self.ctx.counters.r3_store_put_seconds += time.perf_counter() - t0
         self.ctx.counters.r3_store_puts += 1
         return R3Result([None] * n, starts)
+
+    def _check_r3_rows(self, final: RequestOutput, c: CompletionOutput) -> None:
+        """Last line of fail-closed: never hand a trainer rows that cannot be the ones it asked for."""
+        rr = self.ctx.engine.config.routing_replay_config
+        arr = c.routed_experts
+        assert arr is not None
+        rows = len(final.prompt_token_ids) + len(c.token_ids) - 1 - c.routed_experts_start
+        want = (rows, rr.num_moe_layers, rr.moe_top_k)
+        if arr.shape != want or arr.dtype != rr.routing_dtype:
+            raise engine_error(
+                f"routed_experts of choice {c.index} of {final.request_id} is {arr.dtype}{list(arr.shape)}, "
+                f"expected {rr.routing_dtype}{list(want)}; refusing to deliver it"
+            )
+        holes = np.argwhere((arr == rr.sentinel).any(axis=-1))  # [holes, 2]: (row, layer)
+        if len(holes):
+            row, layer = holes[0]
+            raise engine_error(
+                f"routed_experts of choice {c.index} of {final.request_id}: row {row + c.routed_experts_start} "
+                f"layer {self.ctx.moe_layer_ids[layer]} holds the no-route sentinel; refusing to deliver it"
+            )
 
     def response_moe_layer_ids(self, params: SamplingParams) -> list[int] | None:
         return self.ctx.moe_layer_ids if self.wants_r3(params) else None
