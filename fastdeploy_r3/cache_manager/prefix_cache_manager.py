@@ -177,7 +177,7 @@ class PrefixCacheManager:
                 dst.routing_tag = src.routing_tag
                 self.gpu.cache(dst, src.block_hash)  # type: ignore[arg-type]
                 usable += 1
-            self.counters.swap_in_blocks += len(swap_dst) - len(ack.failed)
+                self.counters.swap_in_blocks += 1
             assert self.cpu is not None
             self.cpu.free(hit.cpu_blocks)
         if load_dst and loaded_ok:
@@ -195,7 +195,7 @@ class PrefixCacheManager:
                 dst.routing_tag = tag
                 self.gpu.cache(dst, h)
                 usable += 1
-            self.counters.storage_load_blocks += len(load_dst) - len(ack.failed)
+                self.counters.storage_load_blocks += 1  # only blocks the request uses count
             self.counters.storage_load_failed_blocks += len(ack.failed)
         blocks.extend(swap_dst)
         blocks.extend(load_dst)
@@ -245,6 +245,16 @@ class PrefixCacheManager:
                 tags=[b.routing_tag for b in put_blocks],  # the CTM refuses rows not written under this tag
             )
             self._pinned[task_id] = put_blocks
+
+    def forget_cached(self, request_id: str) -> int:
+        """Drop the prefix-cache entries of a request's blocks (their R3 rows failed a check), so later
+        requests recompute them instead of failing on the same rows. Current owners keep the blocks."""
+        n = 0
+        for b in self._blocks.get(request_id, []):
+            if b.block_hash is not None:
+                self.gpu.uncache(b)
+                n += 1
+        return n
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first; cached ones stay cached."""

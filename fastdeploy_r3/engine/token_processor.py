@@ -69,6 +69,8 @@ class TokenProcessor:
                 req.routed_experts = self._gather(req)
             except RoutingReplayError as e:
                 self.r3.failures += 1
+                # fail closed for this request, and let the next one recompute instead of failing too
+                self.scheduler.kv.forget_cached(req.request_id)
                 status, error = RequestStatus.FINISHED_ERROR, f"RoutingReplayError: {e}"
         if error is not None:
             status = RequestStatus.FINISHED_ERROR

@@ -207,7 +207,7 @@ def test_gpu_hit_and_cpu_swap_in_serve_the_rows_recorded_at_compute(tiered: LLM,
 
 def test_stale_tag_on_a_cached_prefix_block_fails_closed(tiered: LLM, alone: AloneOracle) -> None:
     """PREFIX2's block 2 is cached on GPU; one of its rows gets another tag -> the request hitting it fails
-    with RoutingReplayError naming the tag, and the next unrelated request is served correctly."""
+    with RoutingReplayError naming the tag; the next request on PREFIX2 recomputes and is served correctly."""
     d_prompt, e_prompt = _with(PREFIX2, 100), _with(PREFIX2, 110)
     _one(tiered, d_prompt)
     block = tiered.engine.kv.gpu.lookup(_prefix_hashes(tiered, PREFIX2)[2])
@@ -221,6 +221,12 @@ def test_stale_tag_on_a_cached_prefix_block_fails_closed(tiered: LLM, alone: Alo
     assert (e.finish_reason, e.routed_experts) == ("error", None)
     assert "RoutingReplayError" in e.error
     assert "row 9 of request" in e.error and f"carries tag {block.routing_tag + 1000}" in e.error, e.error
+    assert tiered.engine.metrics()["r3_failures"] == failures + 1
+
+    # the failed request's blocks left the prefix cache: the next request on PREFIX2 recomputes them
+    assert tiered.engine.kv.gpu.lookup(_prefix_hashes(tiered, PREFIX2)[2]) is None
+    g_prompt = _with(PREFIX2, 120)
+    alone.check(g_prompt, _one(tiered, g_prompt))
     assert tiered.engine.metrics()["r3_failures"] == failures + 1
 
     f_prompt = FILLERS[0][:-3] + [7, 8, 9]
