@@ -6,6 +6,12 @@
     CPU tier  (per rank KV, routing_swap_buffer)   created and owned by the CTM
     storage   (file:// or redis://)                one blob per block: KV of all ranks + its rows
 
+On CUDA the GPU tier is the worker's device tensor, mapped here through its CUDA IPC handle
+(KVCacheSpec.cuda_ipc), and the CPU tier is pinned host memory laid out block-major
+[num_cpu_blocks, num_layers, 2, block_bytes], so each block (or run of consecutive blocks) is one
+contiguous DMA. Copies are queued on the current stream and synchronised before the ack. Routing
+rows live in SHM on every device and take the numpy path.
+
 Tasks run one at a time in submission order, so a later task sees the effects of an earlier one
 (e.g. SWAP2CPU of block 3 then GPU2STORAGE of the block reusing GPU id 3 is safe only after the
 first ack; but the CTM itself never reorders). A block's routing rows always move in the same task
@@ -93,16 +99,35 @@ def _attach_kv(spec: KVCacheSpec) -> tuple[ShmSegment, np.ndarray]:
 
     Copies are dtype-agnostic byte copies, so bfloat16 needs no numpy support.
     """
-    if spec.device != "cpu":
-        # ---- CUDA (not implemented yet) --------------------------------------------------------------
-        # On GPU the engine passes one CUDA IPC handle per rank next to the spec (torch.multiprocessing
-        # reductions / cudaIpcOpenMemHandle); the CTM opens it on its own stream, the CPU tier is pinned
-        # host memory, and the copies below become index_select/index_copy_ + non_blocking copies,
-        # synchronised before the ack is sent.
-        raise NotImplementedError(f"KV on {spec.device}: CUDA IPC attachment is not implemented; use device='cpu'")
     seg = ShmSegment.attach(spec.name)
     num_layers, _, num_blocks = spec.shape[:3]
     return seg, seg.numpy((num_layers, 2, num_blocks, _block_bytes(spec)), np.uint8)
+
+
+def _attach_cuda_kv(spec: KVCacheSpec) -> torch.Tensor:
+    """The worker's CUDA KV cache mapped into this process, as bytes [num_layers, 2, num_blocks, block_bytes]."""
+    if spec.cuda_ipc is None:
+        raise ValueError(
+            f"KV spec {spec.name} is on cuda but carries no cuda_ipc handle; the worker must set "
+            "KVCacheSpec.cuda_ipc = torch.multiprocessing.reductions.reduce_tensor(kv_cache)"
+        )
+    rebuild, args = spec.cuda_ipc
+    kv = rebuild(*args)
+    if tuple(kv.shape) != tuple(spec.shape) or not kv.is_contiguous():
+        raise ValueError(f"CUDA IPC tensor {tuple(kv.shape)} does not match the contiguous KV spec {spec.shape}")
+    num_layers, _, num_blocks = spec.shape[:3]
+    return kv.view(torch.uint8).view(num_layers, 2, num_blocks, _block_bytes(spec))
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in ids, first id, length) of each run of consecutive ids: [4, 5, 9] -> [(0, 4, 2), (2, 9, 1)]."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if runs and b == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
 
 
 class CacheTransferManager:
@@ -113,8 +138,13 @@ class CacheTransferManager:
         self.block_size = config.block_size
         self._attached: list[ShmSegment] = []
         self._owned: list[ShmSegment] = []
-        self.gpu_kv: list[np.ndarray] = []  # per rank [num_layers, 2, num_gpu_blocks, block_bytes]
-        self.cpu_kv: list[np.ndarray] = []  # per rank [num_layers, 2, num_cpu_blocks, block_bytes]
+        self.cuda = config.kv_specs[0].device == "cuda" if config.kv_specs else False
+        # CPU: numpy per rank [num_layers, 2, num_gpu_blocks, block_bytes] (SHM);
+        # CUDA: uint8 device tensor per rank, same shape (CUDA IPC).
+        self.gpu_kv: list = []
+        # CPU: numpy per rank [num_layers, 2, num_cpu_blocks, block_bytes] (SHM);
+        # CUDA: pinned uint8 tensor per rank [num_cpu_blocks, num_layers, 2, block_bytes].
+        self.cpu_kv: list = []
         self.routing_host: RoutingBuffer | None = None
         self.routing_swap: RoutingBuffer | None = None
         self.storage: KVStorageBackend | None = None
@@ -134,6 +164,12 @@ class CacheTransferManager:
             if (spec.shape, spec.dtype) != (cfg.kv_specs[0].shape, cfg.kv_specs[0].dtype):
                 # A stored block holds every rank's slice under one layout; ranks must shard KV heads evenly.
                 raise ValueError(f"KV spec {spec} differs from rank 0's {cfg.kv_specs[0]}; TP ranks must match")
+            if spec.device not in ("cpu", "cuda") or (spec.device == "cuda") != self.cuda:
+                raise ValueError(f"KV spec {spec.name} is on {spec.device!r}; every rank must be on 'cpu' or every "
+                                 "rank on 'cuda'")  # fmt: skip
+            if self.cuda:
+                self.gpu_kv.append(_attach_cuda_kv(spec))
+                continue
             seg, kv = _attach_kv(spec)
             self._attached.append(seg)
             self.gpu_kv.append(kv)
@@ -143,6 +179,10 @@ class CacheTransferManager:
             if self.num_cpu_blocks == 0:
                 break
             num_layers, _, _, block_bytes = kv.shape
+            if self.cuda:
+                self.cpu_kv.append(torch.empty((self.num_cpu_blocks, num_layers, 2, block_bytes),
+                                               dtype=torch.uint8, pin_memory=True))  # fmt: skip
+                continue
             seg = ShmSegment.create(
                 cpu_kv_name(cfg.kv_cpu_name, rank), num_layers * 2 * self.num_cpu_blocks * block_bytes
             )
@@ -222,6 +262,9 @@ class CacheTransferManager:
     def _swap(self, src_kv: list[np.ndarray], src_ids: list[int], dst_kv: list[np.ndarray], dst_ids: list[int],
               src_rows: RoutingBuffer | None, dst_rows: RoutingBuffer | None) -> int:  # fmt: skip
         nbytes = 0
+        if self.cuda:
+            nbytes = self._swap_cuda(src_ids, dst_ids, to_cpu=src_kv is self.gpu_kv)
+            src_kv = dst_kv = []  # KV done; the rows below take the SHM path on every device
         for src, dst in zip(src_kv, dst_kv, strict=True):
             for s, d in zip(src_ids, dst_ids, strict=True):
                 dst[:, :, d] = src[:, :, s]  # [num_layers, 2, block_bytes]
@@ -233,6 +276,51 @@ class CacheTransferManager:
             dst_rows.tags[d_slots] = src_rows.tags[s_slots]
             nbytes += len(s_slots) * (src_rows.rows[0].nbytes + 8)
         return nbytes
+
+    def _swap_cuda(self, src_ids: list[int], dst_ids: list[int], to_cpu: bool) -> int:
+        """KV of blocks src_ids -> dst_ids between the device and the pinned CPU tier; returns bytes moved.
+
+        GPU->CPU: gather the blocks on the device into block-major order, then one async D2H copy per run
+        of consecutive CPU ids. CPU->GPU: one async H2D copy per run into a device staging buffer, then
+        a scatter into the KV cache. Synchronised before returning, so the caller may ack.
+        """
+        nbytes = 0
+        for gpu, cpu in zip(self.gpu_kv, self.cpu_kv, strict=True):
+            dev = gpu.device
+            n = len(src_ids)
+            if to_cpu:
+                idx = torch.tensor(src_ids, dtype=torch.int64, device=dev)
+                staged = gpu.index_select(2, idx).permute(2, 0, 1, 3).contiguous()  # [n, num_layers, 2, block_bytes]
+                for pos, first, length in _runs(dst_ids):
+                    cpu[first : first + length].copy_(staged[pos : pos + length], non_blocking=True)
+            else:
+                staged = torch.empty((n, *cpu.shape[1:]), dtype=torch.uint8, device=dev)  # [n, num_layers, 2, bb]
+                for pos, first, length in _runs(src_ids):
+                    staged[pos : pos + length].copy_(cpu[first : first + length], non_blocking=True)
+                idx = torch.tensor(dst_ids, dtype=torch.int64, device=dev)
+                gpu.index_copy_(2, idx, staged.permute(1, 2, 0, 3))
+            torch.cuda.synchronize(dev)  # an ack only when the data is in place; `staged` lives until here
+            nbytes += staged.numel()
+        return nbytes
+
+    def _gpu_blocks_to_host(self, block_ids: list[int]) -> list[np.ndarray]:
+        """CUDA: per rank the KV bytes of block_ids as numpy [n, num_layers, 2, block_bytes] (storage put)."""
+        out = []
+        for gpu in self.gpu_kv:
+            idx = torch.tensor(block_ids, dtype=torch.int64, device=gpu.device)
+            out.append(gpu.index_select(2, idx).permute(2, 0, 1, 3).contiguous().cpu().numpy())
+        return out
+
+    def _host_blocks_to_gpu(self, block_ids: list[int], parts: list[list[np.ndarray]]) -> None:
+        """CUDA: parts[i][rank] (KV bytes of one block) into GPU block block_ids[i] of each rank (storage get)."""
+        if not block_ids:
+            return
+        for rank, gpu in enumerate(self.gpu_kv):
+            host = torch.from_numpy(np.stack([p[rank].reshape(gpu.shape[0], 2, gpu.shape[3]) for p in parts]))
+            staged = host.pin_memory().to(gpu.device, non_blocking=True)  # [n, num_layers, 2, block_bytes]
+            idx = torch.tensor(block_ids, dtype=torch.int64, device=gpu.device)
+            gpu.index_copy_(2, idx, staged.permute(1, 2, 0, 3))
+            torch.cuda.synchronize(gpu.device)
 
     def _swap_to_cpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         nbytes = self._swap(self.gpu_kv, task.gpu_block_ids, self.cpu_kv, task.cpu_block_ids,
@@ -253,6 +341,7 @@ class CacheTransferManager:
     def _gpu_to_storage(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         assert self.storage is not None
         nbytes, failed, reasons = 0, [], []
+        host_kv = self._gpu_blocks_to_host(task.gpu_block_ids) if self.cuda else None
         for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys, strict=True)):
             rows, tags = self._block_rows(block_id)
             if tags is not None:
@@ -263,7 +352,8 @@ class CacheTransferManager:
                     failed.append(i)
                     reasons.append(f"{i}: routing rows of GPU block {block_id} are not all tagged {want}")
                     continue
-            blob = encode_block(self.layout, [kv[:, :, block_id] for kv in self.gpu_kv], rows)
+            kv_parts = [kv[:, :, block_id] for kv in self.gpu_kv] if host_kv is None else [h[i] for h in host_kv]
+            blob = encode_block(self.layout, kv_parts, rows)
             try:
                 self.storage.put(key, blob)
             except StorageError as e:
@@ -276,6 +366,8 @@ class CacheTransferManager:
     def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         assert self.storage is not None
         nbytes, failed, reasons = 0, [], []
+        cuda_ids: list[int] = []  # CUDA: verified blocks, written to the device in one batch below
+        cuda_parts: list[list[np.ndarray]] = []
         for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys, strict=True)):
             blob = self.storage.get(key)
             if blob is None:
@@ -290,13 +382,18 @@ class CacheTransferManager:
                 reasons.append(f"{i}: {e}")
                 continue
             # Only a fully verified blob reaches the GPU slots; a failed block leaves them untouched.
-            for kv, part in zip(self.gpu_kv, kv_parts, strict=True):
-                kv[:, :, block_id] = part.reshape(kv.shape[0], 2, kv.shape[3])
+            if self.cuda:
+                cuda_ids.append(block_id)
+                cuda_parts.append(kv_parts)
+            else:
+                for kv, part in zip(self.gpu_kv, kv_parts, strict=True):
+                    kv[:, :, block_id] = part.reshape(kv.shape[0], 2, kv.shape[3])
             dst_rows, dst_tags = self._block_rows(block_id)
             if dst_rows is not None:
                 dst_rows[:] = rows
                 dst_tags[:] = task.routing_tags[i]  # rows are data only under this engine's fresh tag
             nbytes += len(blob)
+        self._host_blocks_to_gpu(cuda_ids, cuda_parts)
         return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "missing or corrupt in storage", reasons)
 
     def close(self) -> None:

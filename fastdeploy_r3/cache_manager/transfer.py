@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
 
@@ -44,10 +45,14 @@ class TransferAck:
 class KVCacheSpec:
     """One worker rank's KV cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
-    name: str  # SHM segment name (CPU) ; CUDA IPC handle travels separately on GPU
+    name: str  # SHM segment name on CPU; on CUDA only a label, the tensor travels as `cuda_ipc`
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
     device: str = "cpu"
+    # On CUDA: torch.multiprocessing.reductions.reduce_tensor(kv_cache) = (rebuild_fn, args), plain
+    # picklable data; another process calls rebuild_fn(*args) to map the worker's KV through CUDA IPC.
+    # The worker keeps its tensor alive for as long as the handle is in use.
+    cuda_ipc: tuple[Any, tuple] | None = None
 
     @property
     def num_blocks(self) -> int:

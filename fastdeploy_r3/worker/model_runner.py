@@ -83,8 +83,12 @@ class ModelRunner:
         dtype_name = self.config.model_config.dtype
         name = shm_name(self.engine_suffix, f"kv_rank{self.rank}")
         if self.device.type == "cuda":
-            # On GPU the cache lives in device memory; the CTM attaches through CUDA IPC handles.
+            # On GPU the cache lives in device memory; the CTM maps it through a CUDA IPC handle, valid
+            # while self.kv_cache lives (until close()).
+            from torch.multiprocessing.reductions import reduce_tensor
+
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return KVCacheSpec(name, shape, dtype_name, device="cuda", cuda_ipc=reduce_tensor(self.kv_cache))
         else:
             nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
             if nbytes > shm_free_bytes():
