@@ -1,6 +1,6 @@
 """The cost of R3 on this machine: end-to-end tokens/s with R3 on vs off, and the gather at finish.
 
-    python tools/bench_r3.py [--rounds 3] [--prompts 8] [--prompt-len 64] [--max-tokens 32]
+    python tools/bench_r3.py [--rounds 3] [--prompts 8] [--prompt-len 64] [--max-tokens 32] [--device cuda]
 
 Throughput: one engine with R3 on and one with it off, both on the fake `small` qwen3_moe (float32),
 prefix caching off so every round computes the same work; rounds alternate on/off (after one warm-up
@@ -32,13 +32,17 @@ from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_
 from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
-def bench_throughput(model_dir: str, rounds: int, num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
+def bench_throughput(
+    model_dir: str, rounds: int, num_prompts: int, prompt_len: int, max_tokens: int, device: str = "auto"
+) -> dict:
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 500, prompt_len)] for _ in range(num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    # Both engines live at once: on CUDA each would otherwise size its KV cache to 90 % of free memory.
+    blocks = None if device == "cpu" else num_prompts * (-(-(prompt_len + max_tokens) // 16)) + 16
     engines = {
-        on: LLM(model_dir, block_size=16, enable_prefix_caching=False, max_num_seqs=num_prompts,
-                routing_replay_config={"enable_routing_replay": on})
+        on: LLM(model_dir, block_size=16, enable_prefix_caching=False, max_num_seqs=num_prompts, device=device,
+                num_gpu_blocks_override=blocks, routing_replay_config={"enable_routing_replay": on})
         for on in (True, False)
     }
     tps: dict[bool, list[float]] = {True: [], False: []}
@@ -93,12 +97,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_fake_model("qwen3_moe", tmp, preset="small")
         t0 = time.perf_counter()
-        tp = bench_throughput(model_dir, args.rounds, args.prompts, args.prompt_len, args.max_tokens)
+        tp = bench_throughput(model_dir, args.rounds, args.prompts, args.prompt_len, args.max_tokens, args.device)
         t_tp = time.perf_counter() - t0
     # small preset: 8 MoE layers, top-8 of 64 experts -> 64 B per row
     gather = bench_gather([64, 1024, 8192], block_size=16, num_layers=8, top_k=8, num_experts=64)

@@ -5,7 +5,8 @@
 Per-block shape of the fake `small` model (8 layers, 4 KV heads, head dim 64, TP=1) with R3 rows of
 8 MoE layers x top-8 (uint8). GB/s = bytes the CTM reports moved / seconds the CTM reports spent (the
 best of the repeats), so pipe latency is not counted; "ack ms" is the engine-side round trip of one task.
-On CPU the "GPU" tier is shared memory, so swap numbers are memcpy bandwidth, not PCIe.
+On CPU the "GPU" tier is shared memory, so swap numbers are memcpy bandwidth, not PCIe; with
+`--device cuda` it is a CUDA tensor shared with the CTM through CUDA IPC and the CPU tier is pinned.
 """
 
 from __future__ import annotations
@@ -36,19 +37,28 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64
 MOE_LAYERS, TOP_K = 8, 8
 
 
-def bench_one(block_size: int, dtype: torch.dtype, num_blocks: int, repeats: int, storage_dir: str) -> dict[str, tuple]:
+def bench_one(
+    block_size: int, dtype: torch.dtype, num_blocks: int, repeats: int, storage_dir: str, device: str = "cpu"
+) -> dict[str, tuple]:
     suffix = new_engine_suffix()
     shape = (NUM_LAYERS, 2, 2 * num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     itemsize = torch.empty((), dtype=dtype).element_size()
     name = shm_name(suffix, "kv_gpu_rank0")
-    seg = ShmSegment.create(name, int(np.prod(shape)) * itemsize)
-    kv = seg.torch(shape, dtype)
-    kv.copy_(torch.randn(shape).to(dtype))
+    seg, cuda_ipc = None, None
+    if device == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        kv = torch.randn(shape, device="cuda").to(dtype)
+        cuda_ipc = reduce_tensor(kv)
+    else:
+        seg = ShmSegment.create(name, int(np.prod(shape)) * itemsize)
+        kv = seg.torch(shape, dtype)
+        kv.copy_(torch.randn(shape).to(dtype))
     host_spec = RoutingBufferSpec(shm_name(suffix, "routing_host"), shape[2] * block_size, MOE_LAYERS, TOP_K, "uint8")
     host = RoutingBuffer.create(host_spec)
     host.tags[:] = 1  # every slot "computed", so GPU2STORAGE accepts the blocks
     config = CacheTransferConfig(
-        kv_specs=[KVCacheSpec(name, shape, str(dtype).removeprefix("torch."))],
+        kv_specs=[KVCacheSpec(name, shape, str(dtype).removeprefix("torch."), device=device, cuda_ipc=cuda_ipc)],
         num_cpu_blocks=num_blocks,
         block_size=block_size,
         routing_host=host_spec,
@@ -92,7 +102,8 @@ def bench_one(block_size: int, dtype: torch.dtype, num_blocks: int, repeats: int
         client.shutdown()
         del kv
         host.close()
-        seg.close()
+        if seg is not None:
+            seg.close()
         unlink_all(suffix)
     return results
 
@@ -101,9 +112,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=64, help="blocks per task")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the GPU tier lives")
     args = ap.parse_args()
     print(f"fake `small` model: {NUM_LAYERS} layers x {NUM_KV_HEADS} kv heads x head dim {HEAD_DIM}, TP=1, "
-          f"R3 {MOE_LAYERS}x{TOP_K} uint8; {args.blocks} blocks per task, best of {args.repeats}")  # fmt: skip
+          f"R3 {MOE_LAYERS}x{TOP_K} uint8; {args.blocks} blocks per task, best of {args.repeats}, "
+          f"device {args.device}")  # fmt: skip
     header = f"{'dtype':>9} {'block':>5} {'KiB/blk':>8} | " + " | ".join(
         f"{k:>8} GB/s {'ack ms':>7}" for k in ("SWAP2CPU", "SWAP2GPU", "file put", "file get")
     )
@@ -112,7 +125,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fdr3_bench_") as storage_dir:
         for dtype in (torch.float32, torch.bfloat16):
             for block_size in (16, 32, 64):
-                r = bench_one(block_size, dtype, args.blocks, args.repeats, storage_dir)
+                r = bench_one(block_size, dtype, args.blocks, args.repeats, storage_dir, args.device)
                 kib = NUM_LAYERS * 2 * block_size * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize / 1024
                 cells = " | ".join(f"{r[k][0]:>13.2f} {r[k][1]:>7.1f}" for k in r)
                 print(f"{str(dtype).removeprefix('torch.'):>9} {block_size:>5} {kib:>8.0f} | {cells}", flush=True)
