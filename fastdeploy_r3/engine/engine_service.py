@@ -419,6 +419,14 @@ class EngineService:
         }
 
     def _stop_children(self) -> None:
+        # The CTM first: on CUDA it maps the workers' KV through IPC handles, which must be released
+        # before the worker that exported them exits.
+        if self._ctm is not None:
+            try:
+                self._ctm.shutdown()
+            except Exception:
+                logger.exception("cache transfer manager shutdown")
+            self._ctm = None
         for proc, conn in self._workers:
             try:
                 if proc.is_alive():
@@ -435,12 +443,6 @@ class EngineService:
                 proc.join(timeout=5)
             conn.close()
         self._workers = []
-        if self._ctm is not None:
-            try:
-                self._ctm.shutdown()
-            except Exception:
-                logger.exception("cache transfer manager shutdown")
-            self._ctm = None
         if self._routing_host is not None:
             self._routing_host.close()
             self._routing_host = None
