@@ -23,7 +23,7 @@ import torch
 # tools/ is run as a script from a checkout where the package is not necessarily installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferClient
+from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import ShmSegment, new_engine_suffix, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.transfer import (

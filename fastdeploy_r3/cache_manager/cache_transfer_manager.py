@@ -26,15 +26,14 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 
 import numpy as np
 import torch
 
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
-from fastdeploy_r3.cache_manager.shm import ShmSegment, unlink_quietly
+from fastdeploy_r3.cache_manager.shm import ShmSegment, pid_alive, unlink_quietly
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
@@ -52,7 +51,6 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
-from fastdeploy_r3.spawn import spawn_context, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +66,13 @@ class CacheTransferTimeout(CacheTransferError, TimeoutError):
 
 
 @dataclass(frozen=True)
-class _Ready:
+class CTMReady:
     pid: int
     error: str | None = None  # set when setup failed; the CTM exits right after
 
 
 @dataclass(frozen=True)
-class _Shutdown:
+class CTMShutdown:
     pass
 
 
@@ -455,20 +453,20 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
             ctm = CacheTransferManager(config)
         except Exception as e:
             logger.exception("CTM setup failed")
-            conn.send(_Ready(os.getpid(), error=f"{type(e).__name__}: {e}"))
+            conn.send(CTMReady(os.getpid(), error=f"{type(e).__name__}: {e}"))
             return
-        conn.send(_Ready(os.getpid()))
+        conn.send(CTMReady(os.getpid()))
         inbox: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(conn, inbox), daemon=True, name="ctm-reader").start()
         while True:
             try:
                 item = inbox.get(timeout=_PARENT_POLL_S)
             except queue.Empty:
-                if not _alive(config.parent_pid) or os.getppid() != ppid:
+                if not pid_alive(config.parent_pid) or os.getppid() != ppid:
                     logger.warning("engine (pid %d) is gone; CTM exits", config.parent_pid)
                     return
                 continue
-            if item is _EOF or isinstance(item, _Shutdown):
+            if item is _EOF or isinstance(item, CTMShutdown):
                 return
             conn.send(ctm.run_task(item))
     except (BrokenPipeError, EOFError):
@@ -476,197 +474,13 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
     finally:
         if ctm is not None:
             ctm.close()
-        _unlink_owned(config)
+        unlink_ctm_segments(config)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _unlink_owned(config: CacheTransferConfig) -> None:
+def unlink_ctm_segments(config: CacheTransferConfig) -> None:
     """Names the CTM creates; unlinking by name also covers a CTM that was killed before close()."""
     if config.kv_cpu_name:
         for rank in range(len(config.kv_specs)):
             unlink_quietly(cpu_kv_name(config.kv_cpu_name, rank))
     if config.routing_swap_name:
         unlink_quietly(config.routing_swap_name)
-
-
-# ---- engine side -----------------------------------------------------------------------------------
-
-
-@dataclass
-class TransferStats:
-    swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
-    storage_put_blocks: int = 0
-    storage_get_blocks: int = 0
-    storage_miss_blocks: int = 0  # missing, corrupt or mismatched in storage
-    bytes_moved: int = 0
-    by_kind_bytes: dict[str, int] = field(default_factory=dict)
-
-
-class CacheTransferClient:
-    """Engine-side handle of the CTM subprocess. Not thread-safe: use it from one engine thread.
-
-    Every ack is handed out exactly once, by `wait(task_id)` or by `poll()`.
-    """
-
-    def __init__(self) -> None:
-        self._proc: BaseProcess | None = None
-        self._conn: Connection | None = None
-        self._config: CacheTransferConfig | None = None
-        self._pending: dict[int, TransferTask] = {}
-        self._arrived: dict[int, TransferAck] = {}
-        self.stats = TransferStats()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    def start(self, config: CacheTransferConfig, timeout: float = 120.0) -> None:
-        """Spawn the CTM and wait until its CPU tier exists and storage is reachable."""
-        if self._proc is not None:
-            raise CacheTransferError("CacheTransferClient.start() called twice; call shutdown() first")
-        parent_conn, child_conn = spawn_context().Pipe(duplex=True)
-        self._config = config
-        self._proc = start_process(run_cache_transfer_manager, (config, child_conn), name="CacheTransferManager")
-        child_conn.close()  # so that the CTM's death reads as EOF here
-        self._conn = parent_conn
-        if not parent_conn.poll(timeout):
-            self.shutdown()
-            raise CacheTransferError(f"cache transfer manager did not come up within {timeout} s")
-        try:
-            ready = parent_conn.recv()
-        except EOFError:
-            code = self._exit_code()
-            self.shutdown()
-            raise CacheTransferError(
-                f"cache transfer manager exited with code {code} during setup; see its log"
-            ) from None
-        if ready.error is not None:
-            self.shutdown()
-            raise CacheTransferError(f"cache transfer manager setup failed: {ready.error}")
-
-    def is_alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
-
-    def submit(self, task: TransferTask) -> None:
-        if task.task_id in self._pending or task.task_id in self._arrived:
-            raise ValueError(f"task_id {task.task_id} is already in flight; task ids must be unique")
-        conn = self._require_conn()
-        try:
-            conn.send(task)
-        except (BrokenPipeError, OSError):
-            raise self._died() from None
-        self._pending[task.task_id] = task
-
-    def poll(self) -> list[TransferAck]:
-        """Acks that have arrived and were not yet handed out (non-blocking).
-
-        Raises CacheTransferError once the CTM is dead and nothing is left to hand out while tasks are pending.
-        """
-        alive = self._drain(timeout=0.0)
-        if not alive and not self._arrived and self._pending:
-            raise self._died()
-        acks = list(self._arrived.values())
-        self._arrived.clear()
-        return acks
-
-    def wait(self, task_id: int, timeout: float | None = 60) -> TransferAck:
-        """Block until the ack of `task_id` arrives; raise promptly if the CTM dies, or after `timeout`."""
-        if task_id not in self._pending and task_id not in self._arrived:
-            raise ValueError(f"task {task_id} was never submitted or its ack was already handed out")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while task_id not in self._arrived:
-            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
-            if left <= 0:
-                raise CacheTransferTimeout(f"no ack for task {task_id} within {timeout} s; the CTM is alive but busy")
-            if not self._drain(timeout=left) and task_id not in self._arrived:
-                raise self._died()
-        return self._arrived.pop(task_id)
-
-    def _drain(self, timeout: float) -> bool:
-        """Read every ack that is there (waiting up to `timeout` for the first); False if the CTM is gone."""
-        conn = self._require_conn()
-        try:
-            while conn.poll(timeout):
-                self._record(conn.recv())
-                timeout = 0.0
-        except (EOFError, OSError):
-            return False
-        return self._proc.is_alive()
-
-    def _record(self, ack: TransferAck) -> None:
-        task = self._pending.pop(ack.task_id)
-        n_ok = len(task.gpu_block_ids) - len(ack.failed)
-        s = self.stats
-        if ack.kind == TransferKind.SWAP2CPU:
-            s.swap_out_blocks += n_ok
-        elif ack.kind == TransferKind.SWAP2GPU:
-            s.swap_in_blocks += n_ok
-        elif ack.kind == TransferKind.GPU2STORAGE:
-            s.storage_put_blocks += n_ok
-        else:
-            s.storage_get_blocks += n_ok
-            s.storage_miss_blocks += len(ack.failed)
-        s.bytes_moved += ack.nbytes
-        s.by_kind_bytes[ack.kind.value] = s.by_kind_bytes.get(ack.kind.value, 0) + ack.nbytes
-        self._arrived[ack.task_id] = ack
-
-    def _exit_code(self) -> int | None:
-        assert self._proc is not None
-        self._proc.join(timeout=1.0)
-        return self._proc.exitcode
-
-    def _died(self) -> CacheTransferError:
-        code = self._exit_code()
-        lost = sorted(self._pending)
-        return CacheTransferError(
-            f"cache transfer manager (pid {self.pid}) exited with code {code}; tasks {lost} are lost. "
-            "Fail the requests that wait on them and restart the engine (see the CTM log for the cause)"
-        )
-
-    def _require_conn(self) -> Connection:
-        if self._conn is None or self._proc is None:
-            raise CacheTransferError("cache transfer manager is not started; call start(config) first")
-        return self._conn
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the CTM (politely, then SIGTERM, then SIGKILL) and make sure its SHM is gone."""
-        proc, conn = self._proc, self._conn
-        if proc is not None:
-            if proc.is_alive() and conn is not None:
-                try:
-                    conn.send(_Shutdown())
-                except (BrokenPipeError, OSError):
-                    pass
-                proc.join(timeout)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout)
-        if conn is not None:
-            conn.close()
-        if self._config is not None:
-            _unlink_owned(self._config)
-        self._proc = self._conn = None
-        self._pending.clear()
-
-
-__all__ = [
-    "CacheTransferClient",
-    "CacheTransferError",
-    "CacheTransferManager",
-    "CacheTransferTimeout",
-    "TransferStats",
-    "run_cache_transfer_manager",
-]

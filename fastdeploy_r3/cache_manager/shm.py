@@ -120,14 +120,14 @@ def remove_stale_segments() -> list[str]:
     removed = []
     for name in list_segments():
         pid_part = name[len(SHM_PREFIX) :].split("_", 1)[0]
-        if not pid_part.isdigit() or _pid_alive(int(pid_part)):
+        if not pid_part.isdigit() or pid_alive(int(pid_part)):
             continue
         unlink_quietly(name)
         removed.append(name)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

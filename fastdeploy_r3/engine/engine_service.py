@@ -132,7 +132,7 @@ class EngineService:
             storage = make_storage_backend(cc.kv_storage, namespace)
         transfer = None
         if num_cpu_blocks > 0 or storage is not None:
-            from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferClient
+            from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
             from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig
 
             transfer = CacheTransferClient()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferClient, CacheTransferError
+from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient, CacheTransferError
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import ShmSegment, list_segments, new_engine_suffix, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.storage import make_storage_backend

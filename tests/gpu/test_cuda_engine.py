@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fastdeploy_r3 import LLM, SamplingParams
-from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferClient
+from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig, KVCacheSpec, TransferKind, TransferTask

@@ -70,7 +70,8 @@ def _assert_same_topk(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None
     for layer, (a, b) in enumerate(zip(ours, ref, strict=True)):
         a, b = a.sort(dim=-1).values.long(), b.sort(dim=-1).values.long()
         bad = (a != b).any(dim=-1).nonzero().flatten().tolist()
-        assert not bad, f"MoE layer {layer}: top-k differs for tokens {bad}: ours {a[bad].tolist()} HF {b[bad].tolist()}"
+        assert not bad, f"MoE layer {layer}: top-k differs for tokens {bad}: ours {a[bad].tolist()} " \
+            f"HF {b[bad].tolist()}"
 
 
 def test_logits_and_router_topk_match_hf(pair: _Pair, new_routing_sink) -> None:
