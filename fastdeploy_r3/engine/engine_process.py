@@ -211,6 +211,8 @@ class _EngineLoop:
 
     def run(self) -> None:
         while self.running:
+            if os.getppid() != self.parent_pid:
+                return  # orphaned, busy or not: nobody will read our outputs
             busy = self.svc.has_unfinished_requests()
             self.drain(0 if busy else _IDLE_POLL_MS)
             if not self.running:
@@ -225,8 +227,6 @@ class _EngineLoop:
                     return
                 if outputs:
                     self.send(OutputBatch(outputs))
-            elif os.getppid() != self.parent_pid:
-                return  # orphaned: nobody will read our outputs
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
