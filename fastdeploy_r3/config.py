@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +175,11 @@ class CacheConfig:
             )
 
     @property
+    def uses_transfer_manager(self) -> bool:
+        """A CPU or storage tier exists, so the engine starts a CacheTransferManager."""
+        return self.enable_prefix_caching and (self.has_cpu_tier or self.kv_storage is not None)
+
+    @property
     def has_cpu_tier(self) -> bool:
         return bool(self.num_cpu_blocks_override) or (self.num_cpu_blocks_override is None and self.swap_space > 0)
 
@@ -203,12 +209,33 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}; use at least 1")
-        if self.tensor_parallel_size > 1:
-            # The worker interface takes a rank and a world size, but the models are not sharded yet:
-            # refusing beats running replicated copies that only look like tensor parallelism.
+
+    def validate_for_model(self, hf_config: dict[str, Any]) -> None:
+        """Every size the ranks split (heads, kv heads, intermediate sizes) must divide evenly."""
+        tp = self.tensor_parallel_size
+        sizes = tensor_parallel_split_sizes(hf_config)
+        bad = {k: v for k, v in sizes.items() if v % tp}
+        if bad:
+            g = math.gcd(*sizes.values())
+            choices = ", ".join(str(n) for n in range(1, g + 1) if g % n == 0)
             raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1 (one worker process)"
+                f"tensor_parallel_size={tp} does not divide "
+                + ", ".join(f"{k}={v}" for k, v in bad.items())
+                + f"; the ranks split {', '.join(f'{k}={v}' for k, v in sizes.items())}, "
+                f"so use one of: {choices}"
             )
+
+
+def tensor_parallel_split_sizes(hf: dict[str, Any]) -> dict[str, int]:
+    """The config.json sizes tensor parallelism splits across ranks: attention by heads (GQA groups
+    whole), dense MLPs and experts by intermediate size (GLM's shared experts are a multiple of
+    moe_intermediate_size)."""
+    num_heads = int(hf["num_attention_heads"])
+    sizes = {"num_attention_heads": num_heads, "num_key_value_heads": int(hf.get("num_key_value_heads", num_heads))}
+    for key in ("moe_intermediate_size", "intermediate_size"):
+        if hf.get(key):
+            sizes[key] = int(hf[key])
+    return sizes
 
 
 def routing_dtype_for(num_experts: int) -> np.dtype:
@@ -336,6 +363,7 @@ class EngineConfig:
         self.cache_config.validate()
         self.scheduler_config.validate(self.model_config.max_model_len)
         self.parallel_config.validate()
+        self.parallel_config.validate_for_model(self.model_config.hf_config)
         self.routing_replay_config.validate()
         if self.routing_replay_config.moe_layer_ids is None:
             self.routing_replay_config.postprocess(self.model_config)

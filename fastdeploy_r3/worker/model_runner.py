@@ -40,6 +40,7 @@ class ModelRunner:
         self._kv_segment: ShmSegment | None = None
         self.routing_host: RoutingBuffer | None = None
         self.routing_writer = None  # RoutingCacheManager on rank 0: checked writes into routing_host
+        self.mapped_writer = None  # MappedRoutingWriter on rank 0 on CUDA: the kernel path of §5.2
         self.routing_capture = None
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -50,7 +51,7 @@ class ModelRunner:
         from fastdeploy_r3.model_executor.model_loader import load_model
 
         torch.manual_seed(self.config.model_config.seed)
-        self.model = load_model(self.config.model_config, self.device)
+        self.model = load_model(self.config.model_config, self.device, self.rank, self.world_size)
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -88,7 +89,10 @@ class ModelRunner:
             from torch.multiprocessing.reductions import reduce_tensor
 
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            return KVCacheSpec(name, shape, dtype_name, device="cuda", cuda_ipc=reduce_tensor(self.kv_cache))
+            # Export a handle only for a CTM to map: an exported tensor nobody imports makes torch warn
+            # at exit that the producer died before its consumers released it.
+            ipc = reduce_tensor(self.kv_cache) if self.config.cache_config.uses_transfer_manager else None
+            return KVCacheSpec(name, shape, dtype_name, device="cuda", cuda_ipc=ipc)
         else:
             nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
             if nbytes > shm_free_bytes():
@@ -114,6 +118,10 @@ class ModelRunner:
             self.routing_writer = RoutingCacheManager(
                 self.routing_host, self.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
             )
+            if self.device.type == "cuda" and not rr.debug_mode:
+                from fastdeploy_r3.worker.mapped_routing_writer import MappedRoutingWriter
+
+                self.mapped_writer = MappedRoutingWriter(self.routing_host)
         self.routing_capture = RoutingCapture(
             max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
             num_moe_layers=rr.num_moe_layers,
@@ -186,12 +194,16 @@ class ModelRunner:
 
         if capture is not None:
             capture.check_complete()
-            if self.routing_writer is not None:
+            if self.mapped_writer is not None:
+                tags_t = torch.tensor(tags, dtype=torch.int64, device=dev)  # [T]
+                self.mapped_writer.write(capture.device_rows(len(input_ids)), slot_t, tags_t)
+            elif self.routing_writer is not None:
                 rows = capture.step_rows(len(input_ids))  # [T, L, K]
                 self.routing_writer.write_step(np.asarray(slots), rows, np.asarray(tags), np.asarray(positions))
 
         sampled: dict[str, int] = {}
-        if sample_rows:
+        # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
+        if sample_rows and self.rank == 0:
             idx = torch.tensor([i for i, _ in sample_rows], dtype=torch.int64, device=dev)
             logits = model.compute_logits(hidden[idx]).float().cpu()  # [S, V]
             for row, (_, r) in enumerate(sample_rows):
@@ -207,6 +219,9 @@ class ModelRunner:
                 self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
 
     def close(self) -> None:
+        if self.mapped_writer is not None:
+            self.mapped_writer.close()
+            self.mapped_writer = None
         self.routing_writer = None
         if self.routing_host is not None:
             self.routing_host.close()
