@@ -15,9 +15,18 @@ PromptType = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, r3_namespace: str = "fdr3", **engine_kwargs: Any) -> None:
+        from fastdeploy_r3.cache_manager.routing_store import make_routing_store
+
         self.config = EngineConfig.from_kwargs(model, **engine_kwargs)
-        self.engine = EngineService(self.config)
+        # local / p2pstore delivery (DESIGN.md §7), the same stores and keys as the API server's
+        self.routing_store = make_routing_store(self.config.routing_replay_config, r3_namespace)
+        try:
+            self.engine = EngineService(self.config)
+        except BaseException:
+            if self.routing_store is not None:
+                self.routing_store.close()
+            raise
         self._ids = itertools.count()
 
     @property
@@ -29,8 +38,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        rollout_ids: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        With a `local` or `p2pstore` routing store, each finished prompt's R3 is stored under its
+        rollout id (`rollout_ids[i]`, else the output's request_id) before generate() returns.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -41,6 +55,12 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        if rollout_ids is not None:
+            from fastdeploy_r3.cache_manager.routing_store import validate_rollout_id
+
+            rollout_ids = [validate_rollout_id(r) for r in rollout_ids]
+            if len(rollout_ids) != len(prompts):
+                raise InvalidRequestError(f"{len(prompts)} prompts but {len(rollout_ids)} rollout ids")
         order: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -69,7 +89,19 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [results[rid] for rid in order]
+        outputs = [results[rid] for rid in order]
+        if self.routing_store is not None:
+            for i, out in enumerate(outputs):
+                self._store_r3(out, rollout_ids[i] if rollout_ids is not None else out.request_id)
+        return outputs
+
+    def _store_r3(self, out: RequestOutput, rollout_id: str) -> None:
+        """Put every choice's R3; a choice without R3 (failed, or opted out) stores nothing of the rollout."""
+        arrays = [c.routed_experts for c in sorted(out.outputs, key=lambda c: c.index)]
+        if any(a is None for a in arrays):
+            return
+        assert self.routing_store is not None and out.moe_layer_ids is not None
+        self.routing_store.put(rollout_id, arrays, out.moe_layer_ids)
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
@@ -86,6 +118,8 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.routing_store is not None:
+            self.routing_store.close()
 
     def __enter__(self) -> LLM:
         return self
