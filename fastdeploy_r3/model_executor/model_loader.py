@@ -66,8 +66,11 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Model of model_config's architecture on `device`, weights loaded, eval mode, grads off."""
+def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+    """Model of model_config's architecture on `device`, weights loaded, eval mode, grads off.
+
+    With tp_size > 1 the model holds tensor-parallel rank tp_rank's shard of every split weight.
+    """
     hf = model_config.hf_config
     if not hf:
         raise ConfigError("load_model() needs a finalized ModelConfig (call model_config.finalize())")
@@ -77,8 +80,9 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         raise ConfigError(f"{model_config.model!r} is not a MoE model; fastdeploy_r3 serves MoE models only")
     dtype = _DTYPES[model_config.dtype]
     with torch.device(device):
-        model = model_cls(hf, dtype)
+        model = model_cls(hf, dtype, tp_rank, tp_size)
     if model_config.load_format == "dummy":
+        # full-size tensors drawn identically on every rank, then sliced: shards of one model
         weights = random_weights(model, model_config.seed)
         model.load_weights(weights.items())
     else:

@@ -1,4 +1,7 @@
-"""Dense gated MLP (SwiGLU): dense layers of Qwen3-MoE / GLM and GLM's shared experts."""
+"""Dense gated MLP (SwiGLU): dense layers of Qwen3-MoE / GLM and GLM's shared experts.
+
+Tensor parallel: gate/up column-parallel, down row-parallel (rank r computes I/N of the intermediate).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +9,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, tp_rank=tp_rank, tp_size=tp_size, reduce_results=reduce_results
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
+        # x: [T, H] -> gate, up [T, I/N] -> [T, H] (a partial sum when reduce_results=False)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

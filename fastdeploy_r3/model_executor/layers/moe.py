@@ -5,6 +5,11 @@ I = expert intermediate size, G = expert groups.
 
 Right after top-k the layer reports its LOGICAL expert ids [T, K] to the forward context's routing
 capture (R3); nothing after that point may change which experts a token uses.
+
+Tensor parallel over N ranks: the router is replicated (every rank picks the same experts from the
+same input, so any rank's R3 rows are every rank's); each expert is split on I, w13 by rows and w2 by
+columns, so rank r computes a partial sum over its I/N and the block does one all-reduce of the
+routed + shared experts' output.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import get_forward_context
+from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
+from fastdeploy_r3.model_executor.parallel_state import all_reduce
 
 
 def softmax_topk(
@@ -64,14 +71,35 @@ def grouped_sigmoid_topk(
 
 
 class FusedExperts(nn.Module):
-    """E SwiGLU experts stored stacked (the layout a fused kernel wants): w13 = [gate; up]."""
+    """E SwiGLU experts stored stacked (the layout a fused kernel wants): w13 = [gate; up].
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    With N ranks, I below is this rank's I/N: w13[e] = [gate[r-th I/N rows]; up[r-th I/N rows]] and
+    w2[e] = down[:, r-th I/N columns]; forward() then returns this rank's partial sum.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [E, 2I, H]
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
+        self.tp_rank = tp_rank
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = divide(intermediate_size, tp_size, "expert intermediate size")
+        inter = self.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))  # [E, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))  # [E, H, I]
+
+    def load_expert(self, expert: int, proj: str, full: torch.Tensor) -> None:
+        """Copy this rank's slice of one checkpoint tensor: proj "gate"/"up" [I_full, H], "down" [H, I_full]."""
+        inter = self.intermediate_size
+        start = self.tp_rank * inter
+        if proj == "gate":
+            self.w13[expert, :inter].copy_(full[start : start + inter])
+        elif proj == "up":
+            self.w13[expert, inter:].copy_(full[start : start + inter])
+        else:
+            assert proj == "down", proj
+            self.w2[expert].copy_(full[:, start : start + inter])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H]."""
@@ -114,6 +142,8 @@ class SparseMoeBlock(nn.Module):
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
         shared_intermediate_size: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         if router not in ("softmax", "sigmoid_grouped"):
@@ -132,8 +162,13 @@ class SparseMoeBlock(nn.Module):
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
-        self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        self.shared_experts = (
+            # partial sums: forward() reduces routed + shared in one all-reduce
+            GatedMLP(hidden_size, shared_intermediate_size, tp_rank, tp_size, reduce_results=False)
+            if shared_intermediate_size
+            else None
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)."""
@@ -155,7 +190,7 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] -> [T, H]."""
         topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
         _capture_routing(self.moe_index, topk_ids)
-        out = self.experts(x, topk_weights, topk_ids)  # [T, H]
+        out = self.experts(x, topk_weights, topk_ids)  # [T, H], this rank's partial sum
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts(x)  # [T, H]
+        return all_reduce(out)  # [T, H]

@@ -9,6 +9,14 @@ routed experts: checkpoints store one tensor per expert and projection,
     model.layers.1.mlp.experts.3.down_proj.weight   [H, I]   (Mixtral: w2)
 
 and we hold them stacked: experts.w13[3] = [gate; up] ([2I, H]) and experts.w2[3] ([H, I]).
+
+Tensor parallel (N ranks, this one r): checkpoint names and shapes stay the full HF ones
+(checkpoint_weight_shapes); load_weights copies rank r's slice into each sharded parameter.
+
+    replicated:        embed_tokens, lm_head, norms, q/k norms, router (mlp.gate + correction bias)
+    column-parallel:   q_proj, k_proj, v_proj (by heads), gate_proj, up_proj (dense + shared experts)
+    row-parallel:      o_proj, down_proj (+ all-reduce)
+    split on I:        routed experts (w13 rows, w2 columns; one all-reduce per MoE block)
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.model_executor.layers.attention import Attention
+from fastdeploy_r3.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardedLinear, divide
 from fastdeploy_r3.model_executor.layers.moe import FusedExperts, SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
@@ -57,20 +66,27 @@ class SelfAttention(nn.Module):
         o_bias: bool = False,
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        """num_heads / num_kv_heads are the model's; this rank keeps heads [r*NH/N, (r+1)*NH/N) and the
+        kv heads they read, [r*KVH/N, (r+1)*KVH/N) (GQA groups never straddle ranks)."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+        self.head_dim = head_dim
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, bias=qkv_bias, **tp)
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **tp)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **tp)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, **tp)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, layer_idx)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, layer_idx)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions [T], x [T, H] -> [T, H]."""
+        """positions [T], x [T, H] -> [T, H]. NH, KVH below are this rank's head counts."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, NH, D]
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -78,7 +94,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))  # [T, H]
+        return self.o_proj(self.attn(q, k, v))  # [T, NH * D] -> [T, H], summed over ranks
 
 
 class DecoderLayer(nn.Module):
@@ -116,7 +132,7 @@ class MoeCausalLM(nn.Module):
     num_experts: int
     top_k: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # this rank's: the worker sizes its KV cache [.., KVH, D] from it
     head_dim: int
 
     def _build(
@@ -137,6 +153,7 @@ class MoeCausalLM(nn.Module):
         self.top_k = top_k
         self.moe_layer_ids = moe_layer_ids
         self.num_layers = len(layers)
+        self.num_kv_heads = layers[0].self_attn.num_kv_heads  # this rank's share
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.model = _Backbone(vocab, hidden, layers, rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -181,13 +198,17 @@ class MoeCausalLM(nn.Module):
         for mod_name, module in self.named_modules():
             if isinstance(module, FusedExperts):
                 prefix = self._to_checkpoint_name(mod_name)
-                hidden, inter = module.w2.shape[1], module.w2.shape[2]
+                hidden, inter = module.w2.shape[1], module.full_intermediate_size
                 for e in range(module.num_experts):
                     shapes[f"{prefix}.{e}.{gate_name}.weight"] = (inter, hidden)
                     shapes[f"{prefix}.{e}.{up_name}.weight"] = (inter, hidden)
                     shapes[f"{prefix}.{e}.{down_name}.weight"] = (hidden, inter)
         for name, tensor in self._loadable_tensors():
-            if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), FusedExperts):
+            module_name, param_name = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if isinstance(module, ShardedLinear):
+                shapes[self._to_checkpoint_name(name)] = module.full_shape(param_name)
+            elif not isinstance(module, FusedExperts):
                 shapes[self._to_checkpoint_name(name)] = tuple(tensor.shape)
         return shapes
 
@@ -222,17 +243,15 @@ class MoeCausalLM(nn.Module):
             name = self._from_checkpoint_name(ckpt_name)
             m = _EXPERT_KEY.match(name)
             if m is not None:
-                experts = self.get_submodule(m["prefix"])
-                e, inter = int(m["expert"]), experts.intermediate_size
-                if m["proj"] == gate_name:
-                    experts.w13[e, :inter].copy_(w)
-                elif m["proj"] == up_name:
-                    experts.w13[e, inter:].copy_(w)
-                else:
-                    assert m["proj"] == down_name
-                    experts.w2[e].copy_(w)
+                proj = {gate_name: "gate", up_name: "up", down_name: "down"}[m["proj"]]
+                self.get_submodule(m["prefix"]).load_expert(int(m["expert"]), proj, w)
             else:
-                tensors[name].copy_(w)
+                module_name, param_name = name.rsplit(".", 1)
+                module = self.get_submodule(module_name)
+                if isinstance(module, ShardedLinear):
+                    module.load_shard(param_name, w)
+                else:
+                    tensors[name].copy_(w)
             loaded.add(ckpt_name)
         missing = sorted(set(expected) - loaded)
         if missing:

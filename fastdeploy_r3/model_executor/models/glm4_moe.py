@@ -18,12 +18,13 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Glm4MoeForCausalLM(MoeCausalLM):
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         c = hf_config
         hidden = int(c["hidden_size"])
         num_heads = int(c["num_attention_heads"])
-        self.num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.head_dim = int(c.get("head_dim") or hidden // num_heads)
         eps = float(c.get("rms_norm_eps", 1e-5))
         num_experts = int(c["n_routed_experts"])
@@ -37,9 +38,9 @@ class Glm4MoeForCausalLM(MoeCausalLM):
         layers = []
         for i in range(self.num_hidden_layers):
             attn = SelfAttention(
-                hidden, num_heads, self.num_kv_heads, self.head_dim, rotary, i,
+                hidden, num_heads, num_kv_heads, self.head_dim, rotary, i,
                 qkv_bias=bool(c.get("attention_bias", False)), o_bias=False,
-                qk_norm=bool(c.get("use_qk_norm", False)), rms_norm_eps=eps,
+                qk_norm=bool(c.get("use_qk_norm", False)), rms_norm_eps=eps, **tp,
             )
             if i in moe_layer_ids:
                 mlp = SparseMoeBlock(
@@ -48,10 +49,10 @@ class Glm4MoeForCausalLM(MoeCausalLM):
                     renormalize=bool(c.get("norm_topk_prob", True)),
                     n_group=int(c.get("n_group", 1)), topk_group=int(c.get("topk_group", 1)),
                     routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
-                    shared_intermediate_size=moe_inter * int(c.get("n_shared_experts", 1)),
+                    shared_intermediate_size=moe_inter * int(c.get("n_shared_experts", 1)), **tp,
                 )
             else:
-                mlp = GatedMLP(hidden, int(c["intermediate_size"]))
+                mlp = GatedMLP(hidden, int(c["intermediate_size"]), **tp)
             layers.append(DecoderLayer(attn, mlp, hidden, eps))
         self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids, eps)
 

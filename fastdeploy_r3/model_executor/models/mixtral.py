@@ -17,7 +17,7 @@ class MixtralForCausalLM(MoeCausalLM):
     expert_proj_names = ("w1", "w3", "w2")
     checkpoint_mlp_name = "block_sparse_moe"
 
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         c = hf_config
         window = c.get("sliding_window")
@@ -26,7 +26,8 @@ class MixtralForCausalLM(MoeCausalLM):
             raise NotImplementedError(f"Mixtral with sliding_window={window} is not supported")
         hidden = int(c["hidden_size"])
         num_heads = int(c["num_attention_heads"])
-        self.num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.head_dim = int(c.get("head_dim") or hidden // num_heads)
         eps = float(c.get("rms_norm_eps", 1e-5))
         num_experts = int(c["num_local_experts"])
@@ -35,10 +36,10 @@ class MixtralForCausalLM(MoeCausalLM):
         rotary = RotaryEmbedding(self.head_dim, self.head_dim, rope_theta(c, 1e6))
         layers = []
         for i in range(int(c["num_hidden_layers"])):
-            attn = SelfAttention(hidden, num_heads, self.num_kv_heads, self.head_dim, rotary, i, rms_norm_eps=eps)
+            attn = SelfAttention(hidden, num_heads, num_kv_heads, self.head_dim, rotary, i, rms_norm_eps=eps, **tp)
             mlp = SparseMoeBlock(
                 hidden, num_experts, top_k, int(c["intermediate_size"]),
-                moe_index=moe_layer_ids.index(i), router="softmax", renormalize=True,
+                moe_index=moe_layer_ids.index(i), router="softmax", renormalize=True, **tp,
             )
             layers.append(DecoderLayer(attn, mlp, hidden, eps))
         self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids, eps)

@@ -14,14 +14,15 @@ from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, 
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         c = hf_config
         if c.get("use_sliding_window"):
             raise NotImplementedError("Qwen3-MoE with use_sliding_window=true is not supported")
         hidden = int(c["hidden_size"])
         num_heads = int(c["num_attention_heads"])
-        self.num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.head_dim = int(c.get("head_dim") or hidden // num_heads)
         eps = float(c.get("rms_norm_eps", 1e-6))
         num_experts = int(c["num_experts"])
@@ -32,16 +33,16 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
         layers = []
         for i in range(int(c["num_hidden_layers"])):
             attn = SelfAttention(
-                hidden, num_heads, self.num_kv_heads, self.head_dim, rotary, i,
-                qkv_bias=bias, o_bias=bias, qk_norm=True, rms_norm_eps=eps,
+                hidden, num_heads, num_kv_heads, self.head_dim, rotary, i,
+                qkv_bias=bias, o_bias=bias, qk_norm=True, rms_norm_eps=eps, **tp,
             )
             if i in moe_layer_ids:
                 mlp = SparseMoeBlock(
                     hidden, num_experts, top_k, int(c["moe_intermediate_size"]),
                     moe_index=moe_layer_ids.index(i), router="softmax",
-                    renormalize=bool(c.get("norm_topk_prob", False)),
+                    renormalize=bool(c.get("norm_topk_prob", False)), **tp,
                 )
             else:
-                mlp = GatedMLP(hidden, int(c["intermediate_size"]))
+                mlp = GatedMLP(hidden, int(c["intermediate_size"]), **tp)
             layers.append(DecoderLayer(attn, mlp, hidden, eps))
         self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids, eps)
