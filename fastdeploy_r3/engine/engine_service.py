@@ -88,12 +88,15 @@ class EngineService:
         eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
 
         world = cfg.parallel_config.tensor_parallel_size
+        from fastdeploy_r3.model_executor.parallel_state import free_init_method
         from fastdeploy_r3.spawn import spawn_context, start_process
         from fastdeploy_r3.worker.worker_process import worker_main
 
+        dist_init_method = free_init_method()  # the ranks' TP group rendezvous
         for rank in range(world):
             parent, child = spawn_context().Pipe()
-            proc = start_process(worker_main, (cfg, rank, world, self.suffix, child), name=f"fdr3-worker{rank}")
+            args = (cfg, rank, world, self.suffix, child, dist_init_method)
+            proc = start_process(worker_main, args, name=f"fdr3-worker{rank}")
             child.close()
             self._workers.append((proc, parent))
         readies: list[WorkerReady] = [self._recv(rank, timeout=600) for rank in range(world)]

@@ -1,13 +1,15 @@
 """Entry point of a worker process (one per TP rank), driven by the engine over a pipe.
 
     engine                         worker rank r
-      ── spawn(config, rank) ──►     load model, size + allocate KV cache (SHM on CPU)
+      ── spawn(config, rank) ──►     join the TP group, load this rank's shard, size + allocate KV cache
       ◄── WorkerReady(kv_spec) ──
       ── AttachRoutingBuffer ──►     rank 0 attaches routing_host_buffer
       ◄── True ─────────────────
       ── StepInput ────────────►     forward, write R3 rows, sample
       ◄── StepOutput ───────────
-      ── Shutdown / pipe closed ►    free SHM, exit
+      ── Shutdown / pipe closed ►    free SHM, leave the TP group, exit
+
+Every rank runs every step (its forward all-reduces with the others); only rank 0 samples and writes R3.
 """
 
 from __future__ import annotations
@@ -26,12 +28,22 @@ from fastdeploy_r3.worker.messages import AttachRoutingBuffer, Shutdown, StepInp
 logger = logging.getLogger(__name__)
 
 
-def worker_main(config: EngineConfig, rank: int, world_size: int, engine_suffix: str, conn: Connection) -> None:
+def worker_main(
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    engine_suffix: str,
+    conn: Connection,
+    dist_init_method: str = "",
+) -> None:
+    """dist_init_method: the TP group's rendezvous (tcp://127.0.0.1:PORT); unused when world_size is 1."""
+    from fastdeploy_r3.model_executor.parallel_state import destroy_distributed, init_distributed
     from fastdeploy_r3.worker.model_runner import ModelRunner
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     runner = ModelRunner(config, rank, world_size, engine_suffix)
     try:
+        init_distributed(rank, world_size, dist_init_method, config.device)
         runner.load_model()
         num_blocks = runner.determine_num_gpu_blocks()
         spec = runner.init_kv_cache(num_blocks)
@@ -62,3 +74,4 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, engine_suffix:
             pass
     finally:
         runner.close()
+        destroy_distributed()
