@@ -15,10 +15,12 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+import torch
 
 from fastdeploy_r3 import LLM, SamplingParams
-from fastdeploy_r3.config import ConfigError, EngineConfig
+from fastdeploy_r3.config import ConfigError, EngineConfig, ModelConfig
 from fastdeploy_r3.model_executor.fake_model import make_fake_model
+from fastdeploy_r3.model_executor.model_loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 R3 = {"enable_routing_replay": True}
@@ -112,6 +114,25 @@ def test_tp2_swaps_through_the_cpu_tier_and_still_matches(model_dir, tp1) -> Non
     assert run.metrics["swap_out_blocks"] > 0 and run.metrics["swap_in_blocks"] > 0, run.metrics
     assert run.tokens == tp1("qwen3_moe").tokens
     assert_same_rows(run.rows, tp1("qwen3_moe").rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_rank_loads_its_half_of_the_full_checkpoint(model_dir, family: str) -> None:
+    """A rank's model expects the full HF tensors, holds half of every split one, and half the kv heads."""
+    mc = ModelConfig(model=model_dir(family)).finalize()
+    full = load_model(mc, torch.device("cpu"))
+    ranks = [load_model(mc, torch.device("cpu"), tp_rank=r, tp_size=2) for r in range(2)]
+    assert [m.checkpoint_weight_shapes() for m in ranks] == [full.checkpoint_weight_shapes()] * 2
+    assert [m.num_kv_heads for m in ranks] == [full.num_kv_heads // 2] * 2 == [1, 1]
+    attn = [m.model.layers[1].self_attn for m in [full, *ranks]]
+    # q_proj rows = heads: rank 0 holds heads 0-1, rank 1 heads 2-3
+    assert torch.equal(torch.cat([attn[1].q_proj.weight, attn[2].q_proj.weight]), attn[0].q_proj.weight)
+    assert torch.equal(torch.cat([attn[1].o_proj.weight, attn[2].o_proj.weight], dim=1), attn[0].o_proj.weight)
+    moe = [m.model.layers[1].mlp for m in [full, *ranks]]
+    assert torch.equal(moe[1].gate.weight, moe[0].gate.weight)  # the router is replicated
+    gate_up = [m.experts.w13.unflatten(1, (2, -1)) for m in moe]  # [E, 2 (gate, up), I, H]
+    assert torch.equal(torch.cat(gate_up[1:], dim=2), gate_up[0])
+    assert torch.equal(torch.cat([moe[1].experts.w2, moe[2].experts.w2], dim=2), moe[0].experts.w2)
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused(model_dir) -> None:

@@ -25,41 +25,48 @@ def divide(total: int, tp_size: int, what: str) -> int:
 
 
 class ShardedLinear(nn.Module):
-    """A bias-optional linear layer whose weight (and bias, when split) is sharded on `shard_dim`."""
+    """A linear layer holding one rank's shard: weight on `shard_dim`, bias as `bias_shard_dim` says."""
 
     shard_dim: int  # of the weight [O, I]: 0 = column-parallel, 1 = row-parallel
+    bias_shard_dim: int | None  # None: the bias is replicated
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [O_local, I_local]
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O_local] or [O]
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O_local]
+
+    def _param_shard_dim(self, param_name: str) -> int | None:
+        return self.shard_dim if param_name == "weight" else self.bias_shard_dim
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
-        """Shape of the checkpoint tensor this parameter is a shard of."""
+        """Shape of the checkpoint tensor `param_name` is a shard of."""
         shape = list(getattr(self, param_name).shape)
-        dim = self.shard_dim if param_name == "weight" else 0
-        if param_name == "weight" or self.shard_dim == 0:
+        dim = self._param_shard_dim(param_name)
+        if dim is not None:
             shape[dim] *= self.tp_size
         return tuple(shape)
 
     def load_shard(self, param_name: str, full: torch.Tensor) -> None:
         """Copy this rank's slice of the full checkpoint tensor into `param_name`."""
         param = getattr(self, param_name)
-        dim = self.shard_dim if param_name == "weight" else 0
-        if param_name == "bias" and self.shard_dim == 1:
-            param.copy_(full)  # a row-parallel bias is added once, after the reduction: replicated
-            return
-        size = param.shape[dim]
-        param.copy_(full.narrow(dim, self.tp_rank * size, size))
+        dim = self._param_shard_dim(param_name)
+        if dim is None:
+            param.copy_(full)
+        else:
+            size = param.shape[dim]
+            param.copy_(full.narrow(dim, self.tp_rank * size, size))
 
 
 class ColumnParallelLinear(ShardedLinear):
     """x [T, I] (replicated) -> [T, O / N], this rank's slice of the output features."""
 
     shard_dim = 0
+    bias_shard_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         super().__init__(in_features, divide(out_features, tp_size, "output features"), bias, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +81,7 @@ class RowParallelLinear(ShardedLinear):
     """
 
     shard_dim = 1
+    bias_shard_dim = None  # added once, after the reduction
 
     def __init__(
         self,
