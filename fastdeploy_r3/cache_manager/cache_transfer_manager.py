@@ -80,18 +80,6 @@ def cpu_kv_name(kv_cpu_name: str, rank: int) -> str:
     return f"{kv_cpu_name}_rank{rank}"
 
 
-def _itemsize(torch_dtype: str) -> int:
-    dt = getattr(torch, torch_dtype, None)
-    if not isinstance(dt, torch.dtype):
-        raise TypeError(f"KV dtype {torch_dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
-    return torch.empty((), dtype=dt).element_size()
-
-
-def _block_bytes(spec: KVCacheSpec) -> int:
-    """Bytes of one (layer, K|V, block): block_size * num_kv_heads * head_dim * itemsize."""
-    return int(np.prod(spec.shape[3:])) * _itemsize(spec.dtype)
-
-
 def _attach_kv(spec: KVCacheSpec) -> tuple[ShmSegment, np.ndarray]:
     """A byte view [num_layers, 2, num_blocks, block_bytes] of one rank's KV cache.
 
@@ -99,7 +87,7 @@ def _attach_kv(spec: KVCacheSpec) -> tuple[ShmSegment, np.ndarray]:
     """
     seg = ShmSegment.attach(spec.name)
     num_layers, _, num_blocks = spec.shape[:3]
-    return seg, seg.numpy((num_layers, 2, num_blocks, _block_bytes(spec)), np.uint8)
+    return seg, seg.numpy((num_layers, 2, num_blocks, spec.layer_block_nbytes), np.uint8)
 
 
 def _attach_cuda_kv(spec: KVCacheSpec) -> torch.Tensor:
@@ -114,7 +102,7 @@ def _attach_cuda_kv(spec: KVCacheSpec) -> torch.Tensor:
     if tuple(kv.shape) != tuple(spec.shape) or not kv.is_contiguous():
         raise ValueError(f"CUDA IPC tensor {tuple(kv.shape)} does not match the contiguous KV spec {spec.shape}")
     num_layers, _, num_blocks = spec.shape[:3]
-    return kv.view(torch.uint8).view(num_layers, 2, num_blocks, _block_bytes(spec))
+    return kv.view(torch.uint8).view(num_layers, 2, num_blocks, spec.layer_block_nbytes)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -207,7 +195,7 @@ class CacheTransferManager:
             num_ranks=len(cfg.kv_specs),
             kv_shape=(num_layers, 2, self.block_size, num_heads, head_dim),
             kv_dtype=spec0.dtype,
-            kv_itemsize=_itemsize(spec0.dtype),
+            kv_itemsize=spec0.itemsize,
             rows_shape=rows_shape,
             rows_dtype=rows_dtype,
         )

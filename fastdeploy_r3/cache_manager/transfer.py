@@ -10,6 +10,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
 
 
@@ -57,6 +60,23 @@ class KVCacheSpec:
     @property
     def num_blocks(self) -> int:
         return self.shape[2]
+
+    @property
+    def itemsize(self) -> int:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise TypeError(f"KV dtype {self.dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+        return torch.empty((), dtype=dt).element_size()
+
+    @property
+    def layer_block_nbytes(self) -> int:
+        """Bytes of one (layer, K|V, block): block_size * num_kv_heads * head_dim * itemsize."""
+        return int(np.prod(self.shape[3:])) * self.itemsize
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return self.shape[0] * 2 * self.layer_block_nbytes
 
     @property
     def block_size(self) -> int:

@@ -17,7 +17,7 @@ import multiprocessing as mp
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
@@ -59,7 +59,6 @@ class EngineService:
         self._routing_host: RoutingBuffer | None = None
         self._step_id = 0
         self._groups: dict[str, _Group] = {}
-        self._requests: dict[str, Request] = {}
         self._child_group: dict[str, str] = {}  # child request id -> user request id
         self._worker_known: set[str] = set()
         self._finished_since_step: list[str] = []
@@ -120,12 +119,10 @@ class EngineService:
 
         num_cpu_blocks = 0
         if cc.enable_prefix_caching and cc.has_cpu_tier:
-            per_block = readies[0].kv_spec.shape
-            block_bytes = _nbytes(per_block, readies[0].kv_spec.dtype) // num_gpu_blocks
-            num_cpu_blocks = (
+            num_cpu_blocks = (  # swap_space is per worker rank, as in vLLM
                 cc.num_cpu_blocks_override
                 if cc.num_cpu_blocks_override is not None
-                else int(cc.swap_space * 2**30 // max(block_bytes, 1))
+                else int(cc.swap_space * 2**30 // readies[0].kv_spec.block_nbytes)
             )
         storage = None
         namespace = f"{mc.model_identity}|{mc.weight_version}"
@@ -190,13 +187,10 @@ class EngineService:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                from dataclasses import replace
-
                 child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, list(prompt_token_ids), child_params)
             group.children.append(req)
-            self._requests[rid] = req
             self._child_group[rid] = request_id
             self.scheduler.add_request(req)
         self._groups[request_id] = group
@@ -311,7 +305,6 @@ class EngineService:
             if out.finished:
                 del self._groups[gid]
                 for req in group.children:
-                    self._requests.pop(req.request_id, None)
                     self._child_group.pop(req.request_id, None)
         return outputs
 
@@ -462,13 +455,6 @@ class EngineService:
                 logger.exception("waiting for write-through")
         self._stop_children()
         _live_engines.discard(self)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    import numpy as np
-    import torch
-
-    return int(np.prod(shape)) * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
 
 
 _live_engines: weakref.WeakSet[EngineService] = weakref.WeakSet()
