@@ -101,6 +101,13 @@ class EngineService:
         readies: list[WorkerReady] = [self._recv(rank, timeout=600) for rank in range(world)]
         num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
         self.num_gpu_blocks = num_gpu_blocks
+        capacity = num_gpu_blocks * cc.block_size
+        if capacity < cfg.max_model_len:
+            # A longer sequence could never fit even alone (preemption cannot help it), so the
+            # engine's own limit, and the server's default max_tokens, follow the cache.
+            logger.warning("max_model_len %d lowered to %d, what %d KV blocks of %d tokens hold",
+                           cfg.max_model_len, capacity, num_gpu_blocks, cc.block_size)
+            mc.max_model_len = capacity
 
         routing_spec = None
         if rr.enable_routing_replay:
@@ -182,7 +189,7 @@ class EngineService:
         self._check_alive()
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
-        self._validate_prompt(prompt_token_ids, params)
+        self._validate_prompt(prompt_token_ids)
         group = _Group(request_id, prompt, list(prompt_token_ids))
         for i in range(params.n):
             child_params = params
@@ -195,7 +202,7 @@ class EngineService:
             self.scheduler.add_request(req)
         self._groups[request_id] = group
 
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate_prompt(self, ids: list[int]) -> None:
         max_len = self.config.max_model_len
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
@@ -208,12 +215,6 @@ class EngineService:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        need = self.kv.blocks_needed(min(len(ids) + params.max_tokens, max_len))
-        if need > self.num_gpu_blocks:
-            raise InvalidRequestError(
-                f"the request needs up to {need} KV blocks but the cache has {self.num_gpu_blocks}; lower "
-                "max_tokens or the prompt length, or give the engine more KV blocks"
-            )
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)

@@ -163,6 +163,18 @@ def test_generation_stops_at_max_model_len(baseline: LLM) -> None:
     assert comp.routed_experts.shape == (63, 4, 4)
 
 
+def test_max_model_len_follows_a_cache_too_small_for_it(qwen3_dir: str) -> None:
+    """8 blocks of 4 tokens hold 32 tokens: max_model_len 512 becomes 32, and a 30-token prompt asking
+    for 100 tokens ends at 32 with 'length' and 31 rows instead of being refused."""
+    with LLM(qwen3_dir, block_size=BLOCK, num_gpu_blocks_override=8, routing_replay_config=R3) as llm:
+        assert llm.engine.config.max_model_len == 32
+        (out,) = llm.generate([list(range(100, 130))], SamplingParams(max_tokens=100, ignore_eos=True),
+                              use_tqdm=False)
+    comp = out.outputs[0]
+    assert (len(comp.token_ids), comp.finish_reason) == (2, "length")
+    assert comp.routed_experts.shape == (31, 4, 4)
+
+
 def test_r3_debug_rows_are_positions_across_hits_chunks_and_preemption(
     qwen3_dir: str, baseline_outs: list[RequestOutput]
 ) -> None:

@@ -85,7 +85,8 @@ def _model_card(ctx: ServingContext, store: RoutingStore | None, namespace: str)
         "local_store_dir": os.path.abspath(rr.local_store_dir) if rr.local_store_dir else None,
         "block_size": cfg.cache_config.block_size,
     }
-    return ModelCard(id=ctx.served_model_name, root=cfg.model_config.model, max_model_len=cfg.max_model_len, r3=r3)
+    return ModelCard(id=ctx.served_model_name, root=cfg.model_config.model, max_model_len=ctx.engine.info.max_model_len,
+                     r3=r3)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
