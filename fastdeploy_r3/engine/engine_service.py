@@ -187,15 +187,15 @@ class EngineService:
         prompt: str | None = None,
     ) -> None:
         self._check_alive()
-        if request_id in self._groups:
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._groups or any(rid in self._child_group for rid in child_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
         self._validate_prompt(prompt_token_ids)
         group = _Group(request_id, prompt, list(prompt_token_ids))
-        for i in range(params.n):
+        for i, rid in enumerate(child_ids):
             child_params = params
             if params.n > 1:
                 child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, list(prompt_token_ids), child_params)
             group.children.append(req)
             self._child_group[rid] = request_id

@@ -336,3 +336,17 @@ def test_other_families_generate_with_r3(fake_model_dir, family: str, moe_layer_
         assert out.moe_layer_ids == moe_layer_ids
         assert comp.routed_experts.shape == (len(out.prompt_token_ids) + MAX_TOKENS - 1, len(moe_layer_ids), 4)
         assert comp.routed_experts.dtype == np.uint8 and comp.routed_experts.max() < 16
+
+
+def test_request_ids_in_flight_are_unique_across_choices(baseline: LLM) -> None:
+    """'x' with n=2 runs as choices 'x#0' and 'x#1': a second 'x' or an 'x#1' is refused, then 'x' finishes."""
+    eng = baseline.engine
+    eng.add_request("x", [5, 6, 7], SamplingParams(n=2, max_tokens=2, seed=1))
+    for dup in ("x", "x#1"):
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            eng.add_request(dup, [5, 6, 7], SamplingParams(max_tokens=2))
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["x"] and len(done[0].outputs) == 2
+
