@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing as mp
 import os
-import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
@@ -29,13 +26,10 @@ from fastdeploy_r3.engine.request import CompletionOutput, Request, RequestOutpu
 from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.token_processor import TokenProcessor
-from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, Shutdown, StepInput, WorkerReady
+from fastdeploy_r3.engine.worker_group import EngineDeadError, WorkerGroup
+from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """A child process of the engine died; in-flight requests were failed."""
 
 
 @dataclass
@@ -54,7 +48,7 @@ class EngineService:
         self.suffix = new_engine_suffix()
         self._closed = False
         self._dead: str | None = None
-        self._workers: list[tuple[mp.process.BaseProcess, Any]] = []
+        self.workers: WorkerGroup | None = None
         self._ctm = None
         self._routing_host: RoutingBuffer | None = None
         self._step_id = 0
@@ -86,19 +80,8 @@ class EngineService:
             self.tokenizer = None
         eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
 
-        world = cfg.parallel_config.tensor_parallel_size
-        from fastdeploy_r3.model_executor.parallel_state import free_init_method
-        from fastdeploy_r3.spawn import spawn_context, start_process
-        from fastdeploy_r3.worker.worker_process import worker_main
-
-        dist_init_method = free_init_method()  # the ranks' TP group rendezvous
-        for rank in range(world):
-            parent, child = spawn_context().Pipe()
-            args = (cfg, rank, world, self.suffix, child, dist_init_method)
-            proc = start_process(worker_main, args, name=f"fdr3-worker{rank}")
-            child.close()
-            self._workers.append((proc, parent))
-        readies: list[WorkerReady] = [self._recv(rank, timeout=600) for rank in range(world)]
+        self.workers = WorkerGroup(cfg, self.suffix, also_check=self._check_ctm)
+        readies: list[WorkerReady] = self.workers.gather(timeout=600)
         num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
         self.num_gpu_blocks = num_gpu_blocks
         capacity = num_gpu_blocks * cc.block_size
@@ -119,10 +102,7 @@ class EngineService:
                 dtype=rr.routing_dtype.name,  # type: ignore[union-attr]
             )
             self._routing_host = RoutingBuffer.create(routing_spec)
-        for rank in range(world):
-            self._workers[rank][1].send(AttachRoutingBuffer(routing_spec))
-        for rank in range(world):
-            self._recv(rank, timeout=120)
+        self.workers.call(AttachRoutingBuffer(routing_spec), timeout=120)
 
         num_cpu_blocks = 0
         if cc.enable_prefix_caching and cc.has_cpu_tier:
@@ -283,13 +263,8 @@ class EngineService:
         finished = [rid for rid in self._finished_since_step if rid in self._worker_known]
         self._worker_known.difference_update(finished)
         self._finished_since_step.clear()
-        step = StepInput(self._step_id, reqs, finished)
-        for rank, (_, conn) in enumerate(self._workers):
-            try:
-                conn.send(step)
-            except OSError as e:
-                raise self._worker_gone(rank) from e
-        outs = [self._recv(rank, timeout=None) for rank in range(len(self._workers))]
+        assert self.workers is not None
+        outs = self.workers.call(StepInput(self._step_id, reqs, finished))
         errors = [o.error for o in outs if o.error]
         if errors:
             return f"worker step failed: {errors[0]}"
@@ -340,30 +315,12 @@ class EngineService:
 
     # -- supervision --------------------------------------------------------------------------------
 
-    def _recv(self, rank: int, timeout: float | None) -> Any:
-        proc, conn = self._workers[rank]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not conn.poll(0.05):
-            self._check_children()
-            if deadline is not None and time.monotonic() > deadline:
-                raise EngineDeadError(f"worker rank {rank} did not answer in {timeout} s")
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError) as e:
-            raise self._worker_gone(rank) from e
-        if isinstance(msg, BaseException):
-            raise EngineDeadError(str(msg))
-        return msg
-
-    def _worker_gone(self, rank: int) -> EngineDeadError:
-        proc = self._workers[rank][0]
-        proc.join(timeout=1.0)
-        return EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
-
     def _check_children(self) -> None:
-        for rank, (proc, _) in enumerate(self._workers):
-            if not proc.is_alive():
-                raise EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+        if self.workers is not None:
+            self.workers.check_alive()
+        self._check_ctm()
+
+    def _check_ctm(self) -> None:
         if self._ctm is not None and not self._ctm.is_alive():
             raise EngineDeadError(f"the cache transfer manager (pid {self._ctm.pid}) exited")
 
@@ -424,22 +381,8 @@ class EngineService:
             except Exception:
                 logger.exception("cache transfer manager shutdown")
             self._ctm = None
-        for proc, conn in self._workers:
-            try:
-                if proc.is_alive():
-                    conn.send(Shutdown())
-            except Exception:
-                pass
-        for proc, conn in self._workers:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-            conn.close()
-        self._workers = []
+        if self.workers is not None:
+            self.workers.stop()
         if self._routing_host is not None:
             self._routing_host.close()
             self._routing_host = None

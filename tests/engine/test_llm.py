@@ -214,7 +214,7 @@ def test_shutdown_leaves_no_worker_and_no_shm(qwen3_dir: str) -> None:
     """After shutdown(): the worker pids are gone and no /dev/shm/fdr3_<suffix>_* remains."""
     llm = LLM(qwen3_dir, block_size=BLOCK, num_gpu_blocks_override=16, routing_replay_config=R3)
     llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)
-    pids = [proc.pid for proc, _ in llm.engine._workers]
+    pids = llm.engine.workers.pids
     suffix = llm.engine.suffix
     assert pids and shm_segments(suffix)  # the check below would be vacuous otherwise
     llm.shutdown()
@@ -226,7 +226,7 @@ def test_with_block_leaves_no_worker_and_no_shm(qwen3_dir: str) -> None:
     """Leaving `with LLM(...)` by an exception shuts the engine down just the same."""
     with pytest.raises(RuntimeError, match="leave"):
         with LLM(qwen3_dir, block_size=BLOCK, num_gpu_blocks_override=16, routing_replay_config=R3) as llm:
-            pids = [proc.pid for proc, _ in llm.engine._workers]
+            pids = llm.engine.workers.pids
             suffix = llm.engine.suffix
             assert shm_segments(suffix)
             raise RuntimeError("leave the block")

@@ -50,7 +50,7 @@ def test_killed_worker_fails_every_in_flight_request(model_dir: str) -> None:
         engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         engine.add_request("b", [10, 11, 12], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         engine.step()
-        os.kill(engine._workers[0][0].pid, signal.SIGKILL)
+        os.kill(engine.workers.pids[0], signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="worker rank 0"):
             for _ in range(100):
                 engine.step()
@@ -73,7 +73,7 @@ def test_sigkilled_engine_leaves_no_children_and_no_shared_memory(model_dir: str
                   routing_replay_config={{"enable_routing_replay": True}})
         llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)
         eng = llm.engine
-        print(eng.suffix, eng._workers[0][0].pid, eng._ctm.pid, flush=True)
+        print(eng.suffix, eng.workers.pids[0], eng._ctm.pid, flush=True)
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

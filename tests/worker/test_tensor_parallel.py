@@ -50,7 +50,7 @@ def _shm_segments(suffix: str) -> list[str]:
 def generate(model: str, tp: int, **kw: object) -> Run:
     """Greedy tokens, R3 rows and metrics of one engine run; checks that shutdown leaves nothing behind."""
     with LLM(model, tensor_parallel_size=tp, block_size=4, max_num_seqs=2, routing_replay_config=R3, **kw) as llm:
-        pids = [proc.pid for proc, _ in llm.engine._workers]
+        pids = llm.engine.workers.pids
         suffix = llm.engine.suffix
         assert len(pids) == tp and _shm_segments(suffix)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

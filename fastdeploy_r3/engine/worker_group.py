@@ -1,0 +1,104 @@
+"""The engine's worker processes, one per TP rank: start, broadcast, gather, supervise, stop.
+
+Every message goes to all ranks and every rank answers; rank 0's answer carries the sampled
+tokens. A rank that dies or stops answering surfaces as EngineDeadError naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.worker.messages import Shutdown
+
+
+class EngineDeadError(RuntimeError):
+    """A child process of the engine died; in-flight requests were failed."""
+
+
+class WorkerGroup:
+    def __init__(self, config: EngineConfig, engine_suffix: str, also_check: Callable[[], None] = lambda: None) -> None:
+        """Spawn the ranks. `also_check` runs while waiting for answers (the engine's other children)."""
+        from fastdeploy_r3.model_executor.parallel_state import free_init_method
+        from fastdeploy_r3.spawn import spawn_context, start_process
+        from fastdeploy_r3.worker.worker_process import worker_main
+
+        self._also_check = also_check
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        world = config.parallel_config.tensor_parallel_size
+        dist_init_method = free_init_method()  # the ranks' TP group rendezvous
+        for rank in range(world):
+            parent, child = spawn_context().Pipe()
+            args = (config, rank, world, engine_suffix, child, dist_init_method)
+            self._procs.append(start_process(worker_main, args, name=f"fdr3-worker{rank}"))
+            child.close()  # so that a dead worker reads as EOF here
+            self._conns.append(parent)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]  # type: ignore[misc]
+
+    def broadcast(self, msg: object) -> None:
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(msg)
+            except OSError as e:
+                raise self._gone(rank) from e
+
+    def gather(self, timeout: float | None = None) -> list[Any]:
+        """One answer per rank, in rank order."""
+        return [self._recv(rank, timeout) for rank in range(len(self._conns))]
+
+    def call(self, msg: object, timeout: float | None = None) -> list[Any]:
+        self.broadcast(msg)
+        return self.gather(timeout)
+
+    def check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                raise EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def _recv(self, rank: int, timeout: float | None) -> Any:
+        conn = self._conns[rank]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not conn.poll(0.05):
+            self.check_alive()
+            self._also_check()
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineDeadError(f"worker rank {rank} did not answer in {timeout} s")
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._gone(rank) from e
+        if isinstance(msg, BaseException):  # a rank that failed to start sends its error
+            raise EngineDeadError(str(msg))
+        return msg
+
+    def _gone(self, rank: int) -> EngineDeadError:
+        proc = self._procs[rank]
+        proc.join(timeout=1.0)
+        return EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def stop(self) -> None:
+        """Ask politely, then terminate, then kill; idempotent."""
+        for proc, conn in zip(self._procs, self._conns):
+            try:
+                if proc.is_alive():
+                    conn.send(Shutdown())
+            except Exception:
+                pass
+        for proc, conn in zip(self._procs, self._conns):
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+            conn.close()
+        self._procs, self._conns = [], []
