@@ -1,9 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from redis_server import RedisServerMissing, redis_server
+
+from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +16,18 @@ def redis_url() -> Iterator[str]:
             yield url
     except RedisServerMissing as e:
         pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def fake_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """fake_model_dir(arch, preset="tiny", seed=0) -> directory of a cached fake checkpoint."""
+    cache: dict[tuple[str, str, int], str] = {}
+
+    def get(arch: str, preset: str = "tiny", seed: int = 0) -> str:
+        key = (arch, preset, seed)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-{preset}-{seed}")
+            cache[key] = make_fake_model(arch, str(out), preset=preset, seed=seed)
+        return cache[key]
+
+    return get

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+from collections.abc import Callable
 
 import pytest
 
@@ -14,14 +15,13 @@ from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.shm import list_segments
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineDeadError, EngineService
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_fake_model("qwen3_moe", str(tmp_path_factory.mktemp("qwen3-tiny")), preset="tiny", seed=0)
+def model_dir(fake_model_dir: Callable[..., str]) -> str:
+    return fake_model_dir("qwen3_moe")
 
 
 @pytest.fixture(scope="module")

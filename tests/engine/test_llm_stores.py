@@ -3,20 +3,21 @@ trainer client, equal to what generate() returned."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.routing_store import InvalidRolloutIdError
 from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_fake_model("glm4_moe", str(tmp_path_factory.mktemp("glm-tiny")), preset="tiny", seed=0)
+def model_dir(fake_model_dir: Callable[..., str]) -> str:
+    return fake_model_dir("glm4_moe")
 
 
 def test_local_store_per_layer_files_with_two_choices(model_dir: str, tmp_path) -> None:

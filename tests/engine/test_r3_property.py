@@ -9,6 +9,7 @@ prefixes, and aborts mid-flight.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,12 +17,11 @@ import pytest
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
 from fastdeploy_r3.engine.sampling_params import SamplingParams
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_fake_model("qwen3_moe", str(tmp_path_factory.mktemp("qwen3-tiny")), preset="tiny", seed=0)
+def model_dir(fake_model_dir: Callable[..., str]) -> str:
+    return fake_model_dir("qwen3_moe")
 
 
 def positions_rows(start: int, end: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -24,7 +24,6 @@ from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain
 from fastdeploy_r3.config import ModelConfig
 from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, softmax_topk
 from fastdeploy_r3.model_executor.model_loader import load_model
@@ -128,8 +127,8 @@ class AloneOracle:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_fake_model("qwen3_moe", str(tmp_path_factory.mktemp("qwen3-tiny")), preset="tiny")
+def model_dir(fake_model_dir: Callable[..., str]) -> str:
+    return fake_model_dir("qwen3_moe")
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -15,12 +16,11 @@ from fastdeploy_r3.cache_manager.shm import list_segments
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineDeadError, EngineService
 from fastdeploy_r3.engine.sampling_params import SamplingParams
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_fake_model("mixtral", str(tmp_path_factory.mktemp("mixtral-tiny")), preset="tiny", seed=0)
+def model_dir(fake_model_dir: Callable[..., str]) -> str:
+    return fake_model_dir("mixtral")
 
 
 def alive(pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""Fixtures for model-executor tests: tiny fake checkpoints (one per family, built once per session)."""
+"""Fixtures for model-executor tests (fake checkpoints: fake_model_dir in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
 class ListRoutingSink:
@@ -22,21 +20,6 @@ class ListRoutingSink:
     def per_layer(self, num_moe_layers: int) -> list[torch.Tensor]:
         """[L] tensors [T_total, K]: the captures of each MoE layer concatenated over calls."""
         return [torch.cat([ids for i, ids in self.calls if i == layer]) for layer in range(num_moe_layers)]
-
-
-@pytest.fixture(scope="session")
-def fake_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """fake_model_dir(arch, preset="tiny", seed=0) -> directory of a cached fake checkpoint."""
-    cache: dict[tuple[str, str, int], str] = {}
-
-    def get(arch: str, preset: str = "tiny", seed: int = 0) -> str:
-        key = (arch, preset, seed)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"{arch}-{preset}-{seed}")
-            cache[key] = make_fake_model(arch, str(out), preset=preset, seed=seed)
-        return cache[key]
-
-    return get
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import torch
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.config import ConfigError, EngineConfig, ModelConfig
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 from fastdeploy_r3.model_executor.model_loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -75,51 +74,38 @@ def assert_same_rows(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
-    """model_dir(family) -> a tiny fake checkpoint of that family, written once per module."""
-    cache: dict[str, str] = {}
-
-    def get(family: str) -> str:
-        if family not in cache:
-            cache[family] = make_fake_model(family, str(tmp_path_factory.mktemp(f"{family}-tiny")), preset="tiny")
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def tp1(model_dir: Callable[[str], str]) -> Callable[[str], Run]:
+def tp1(fake_model_dir: Callable[[str], str]) -> Callable[[str], Run]:
     """tp1(family) -> the TP=1 reference run (big cache, no swapping), computed once per family."""
     cache: dict[str, Run] = {}
 
     def get(family: str) -> Run:
         if family not in cache:
-            cache[family] = generate(model_dir(family), tp=1, num_gpu_blocks_override=128)
+            cache[family] = generate(fake_model_dir(family), tp=1, num_gpu_blocks_override=128)
         return cache[family]
 
     return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_tokens_and_r3_rows_equal_tp1(model_dir, tp1, family: str) -> None:
+def test_tp2_tokens_and_r3_rows_equal_tp1(fake_model_dir, tp1, family: str) -> None:
     """Same prompts, same big cache: TP=2 samples the same tokens and writes the same R3 rows, bit for bit."""
-    run = generate(model_dir(family), tp=2, num_gpu_blocks_override=128)
+    run = generate(fake_model_dir(family), tp=2, num_gpu_blocks_override=128)
     assert run.tokens == tp1(family).tokens
     assert_same_rows(run.rows, tp1(family).rows)
 
 
-def test_tp2_swaps_through_the_cpu_tier_and_still_matches(model_dir, tp1) -> None:
+def test_tp2_swaps_through_the_cpu_tier_and_still_matches(fake_model_dir, tp1) -> None:
     """10 GPU blocks hold two requests: shared prefixes leave for the CPU tier (both ranks' KV) and come back."""
-    run = generate(model_dir("qwen3_moe"), tp=2, num_gpu_blocks_override=10, num_cpu_blocks_override=32)
+    run = generate(fake_model_dir("qwen3_moe"), tp=2, num_gpu_blocks_override=10, num_cpu_blocks_override=32)
     assert run.metrics["swap_out_blocks"] > 0 and run.metrics["swap_in_blocks"] > 0, run.metrics
     assert run.tokens == tp1("qwen3_moe").tokens
     assert_same_rows(run.rows, tp1("qwen3_moe").rows)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_rank_loads_its_half_of_the_full_checkpoint(model_dir, family: str) -> None:
+def test_each_rank_loads_its_half_of_the_full_checkpoint(fake_model_dir, family: str) -> None:
     """A rank's model expects the full HF tensors, holds half of every split one, and half the kv heads."""
-    mc = ModelConfig(model=model_dir(family)).finalize()
+    mc = ModelConfig(model=fake_model_dir(family)).finalize()
     full = load_model(mc, torch.device("cpu"))
     ranks = [load_model(mc, torch.device("cpu"), tp_rank=r, tp_size=2) for r in range(2)]
     assert [m.checkpoint_weight_shapes() for m in ranks] == [full.checkpoint_weight_shapes()] * 2
@@ -135,9 +121,9 @@ def test_each_rank_loads_its_half_of_the_full_checkpoint(model_dir, family: str)
     assert torch.equal(torch.cat([moe[1].experts.w2, moe[2].experts.w2], dim=2), moe[0].experts.w2)
 
 
-def test_tp_that_does_not_divide_the_heads_is_refused(model_dir) -> None:
+def test_tp_that_does_not_divide_the_heads_is_refused(fake_model_dir) -> None:
     """TP=3 splits neither 4 heads nor 2 kv heads; TP=4 splits the heads but not the kv heads."""
-    model = model_dir("qwen3_moe")
+    model = fake_model_dir("qwen3_moe")
     with pytest.raises(ConfigError, match=r"num_attention_heads=4, num_key_value_heads=2.*use one of: 1, 2$"):
         EngineConfig.from_kwargs(model, tensor_parallel_size=3)
     with pytest.raises(ConfigError, match=r"does not divide num_key_value_heads=2;"):
