@@ -27,6 +27,7 @@ from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingPa
 from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.token_processor import TokenProcessor
 from fastdeploy_r3.engine.worker_group import EngineDeadError, WorkerGroup
+from fastdeploy_r3.r3.layouts import row_range
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
 logger = logging.getLogger(__name__)
@@ -297,8 +298,8 @@ class EngineService:
                     finish_reason=req.status.value if req.is_finished else None,
                     stop_reason=req.stop_reason,
                     routed_experts=req.routed_experts,
-                    routed_experts_start=min(req.sampling_params.routed_experts_start,
-                                             req.num_prompt_tokens + n - 1),
+                    routed_experts_start=row_range(req.num_prompt_tokens, n,
+                                                   req.sampling_params.routed_experts_start)[0],
                     error=req.error,
                 )
             )

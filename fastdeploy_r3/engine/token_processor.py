@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager, RoutingReplayError
+from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler
+from fastdeploy_r3.r3.errors import RoutingReplayError
+from fastdeploy_r3.r3.layouts import row_range
 
 
 @dataclass
@@ -84,8 +86,8 @@ class TokenProcessor:
     def _gather(self, req: Request):  # -> np.ndarray [rows, L, K]
         assert self.routing is not None
         kv = self.scheduler.kv
-        end = req.num_prompt_tokens + (req.num_returned_tokens or 0) - 1  # the last token was never fed
-        start = min(req.sampling_params.routed_experts_start, end)
+        start, end = row_range(req.num_prompt_tokens, req.num_returned_tokens or 0,
+                               req.sampling_params.routed_experts_start)
         if req.num_computed_tokens < end:
             raise RoutingReplayError(
                 f"request {req.request_id} has {req.num_computed_tokens} forwarded tokens but needs rows up to {end}"

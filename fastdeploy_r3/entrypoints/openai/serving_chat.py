@@ -53,13 +53,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         self.check_model(request.model)
-        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id)
+        request_id = self.new_request_id("chatcmpl")
+        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
         prompt_token_ids, prompt = self.prompt(request)
         # chat default: whatever room the context leaves (the engine's limit, which follows its KV cache);
         # at least 1, so that a prompt with no room gets the engine's "prompt too long" error
         default_max_tokens = max(1, self.ctx.engine.info.max_model_len - len(prompt_token_ids))
         params = self.sampling_params(request, default_max_tokens)
-        request_id = self.new_request_id("chatcmpl")
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)

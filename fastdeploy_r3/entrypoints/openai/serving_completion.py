@@ -35,10 +35,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest):
         self.check_model(request.model)
-        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id)
+        request_id = self.new_request_id("cmpl")
+        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
         prompt_token_ids, prompt = self.prompt_token_ids(request)
         params = self.sampling_params(request, DEFAULT_COMPLETION_MAX_TOKENS)
-        request_id = self.new_request_id("cmpl")
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
