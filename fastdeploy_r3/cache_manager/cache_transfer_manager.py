@@ -34,6 +34,7 @@ import torch
 
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import ShmSegment, pid_alive, unlink_quietly
+from fastdeploy_r3.cache_manager.slots import block_slots
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
@@ -256,8 +257,8 @@ class CacheTransferManager:
                 dst[:, :, d] = src[:, :, s]  # [num_layers, 2, block_bytes]
             nbytes += len(src_ids) * src.shape[0] * 2 * src.shape[3]
         if src_rows is not None and dst_rows is not None:
-            s_slots = src_rows.block_slots(src_ids, self.block_size)
-            d_slots = dst_rows.block_slots(dst_ids, self.block_size)
+            s_slots = block_slots(src_ids, self.block_size)
+            d_slots = block_slots(dst_ids, self.block_size)
             dst_rows.rows[d_slots] = src_rows.rows[s_slots]  # [n * block_size, L, K]
             dst_rows.tags[d_slots] = src_rows.tags[s_slots]
             nbytes += len(s_slots) * (src_rows.rows[0].nbytes + 8)
