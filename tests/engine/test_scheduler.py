@@ -97,3 +97,22 @@ def test_finished_blocks_stay_cached_and_abort_leaks_nothing():
     assert step(s) == [("b", 1, True)]
     assert b.num_cached_tokens == 4
     s.kv.check_integrity()
+
+
+def test_forced_hash_collision_is_recomputed_not_served(monkeypatch):
+    """Every block hashes alike: 'b' (tokens 100..) finds a's block 0 under its hash but not its tokens,
+    so it gets no prefix hit and its own blocks; an exact repeat of 'a' still hits."""
+    from fastdeploy_r3.cache_manager import prefix_cache_manager
+
+    monkeypatch.setattr(prefix_cache_manager, "chain_hash", lambda parent, tokens: b"\x00" * 16)
+    s = make(8)
+    s.add_request(req("a", list(range(8))))
+    step(s)
+    b = req("b", list(range(100, 108)))
+    s.add_request(b)
+    assert step(s) == [("a", 1, True), ("b", 8, True)]
+    assert b.num_cached_tokens == 0 and s.kv.block_table("b") == [3, 4]
+    c = req("c", list(range(8)))
+    s.add_request(c)
+    step(s)
+    assert c.num_cached_tokens == 4 and s.kv.block_table("c")[0] == 0
