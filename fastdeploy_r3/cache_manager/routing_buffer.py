@@ -66,10 +66,10 @@ class RoutingBuffer:
     def sentinel(self) -> int:
         return sentinel_of(self.rows.dtype)
 
-    def write(self, slots: np.ndarray, rows: np.ndarray, tags: np.ndarray) -> None:
-        """rows [T, L, K] and tags [T] go to slots [T]."""
-        self.rows[slots] = rows
-        self.tags[slots] = tags
+    def write(self, rows: np.ndarray, slot_mapping: np.ndarray, tags: np.ndarray) -> None:
+        """rows [T, L, K] and tags [T] go to slots slot_mapping [T] (the argument order of every R3 write)."""
+        self.rows[slot_mapping] = rows
+        self.tags[slot_mapping] = tags
 
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Copies of rows [T, L, K] and tags [T] at slots [T]."""

@@ -1,4 +1,4 @@
-"""Trainer-side R3: decode payloads, read stores, lay rows out for a Megatron-style router replay.
+"""Trainer-side R3: read stores, lay rows out for a Megatron-style router replay (payloads: r3/codec.py).
 
 Shapes: T = tokens of a sequence (prompt + completion), L = MoE layers, K = experts per token.
 The engine returns `[T-1, L, K]` (the last token was sampled, never fed through the model).
@@ -10,18 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError, decode_routed_experts, encode_routed_experts
 from fastdeploy_r3.r3.layouts import check_moe_rows
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore
-
-__all__ = [
-    "RoutedExpertsDecodeError",
-    "decode_routed_experts",
-    "encode_routed_experts",
-    "read_local_rollout",
-    "read_redis_rollout",
-    "to_megatron_router_replay",
-]
 
 
 def read_local_rollout(

@@ -83,7 +83,7 @@ class CpuRoutingWriter(RoutingWriter):
             )
         if self.debug_mode:
             self._check_debug_rows(rows, slots, positions)
-        self.buffer.write(slots, rows, tags_np)
+        self.buffer.write(rows, slots, tags_np)
 
     def _check_debug_rows(self, rows: np.ndarray, slots: np.ndarray, positions: object) -> None:
         if positions is None:

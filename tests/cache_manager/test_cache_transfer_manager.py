@@ -52,14 +52,14 @@ class Engine:
             kv[:, :, block_id] = torch.randn(kv[:, :, block_id].shape, generator=g).to(kv.dtype)
         slots = block_slots([block_id], BS)
         rows = np.random.default_rng(seed).integers(0, 128, size=(BS, L, K), dtype=np.uint8)
-        self.host.write(slots, rows, np.full(BS, tag, dtype=np.int64))
+        self.host.write(rows, slots, np.full(BS, tag, dtype=np.int64))
 
     def clear(self, block_id: int) -> None:
         """The block is freed and reused: KV zeroed, rows back to the sentinel, tags to 0."""
         for kv in self.kv:
             kv[:, :, block_id] = 0
         slots = block_slots([block_id], BS)
-        self.host.write(slots, np.full((BS, L, K), self.host.sentinel, np.uint8), np.zeros(BS, np.int64))
+        self.host.write(np.full((BS, L, K), self.host.sentinel, np.uint8), slots, np.zeros(BS, np.int64))
 
     def snapshot(self, block_id: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         slots = block_slots([block_id], BS)

@@ -31,7 +31,7 @@ def _fill(mgr: RoutingCacheManager, block_table: list[int], block_tags: list[int
     rng = np.random.default_rng(0)
     rows = debug_rows(pos, L, K, np.dtype(np.uint8)) if debug else rng.integers(0, NUM_EXPERTS, (num_rows, L, K),
                                                                                 dtype=np.uint8)
-    mgr.buffer.write(slots_of(block_table, pos, BS), rows, np.asarray(block_tags)[pos // BS])
+    mgr.buffer.write(rows, slots_of(block_table, pos, BS), np.asarray(block_tags)[pos // BS])
     return rows
 
 
