@@ -16,9 +16,9 @@ import numpy as np
 import openai
 import pytest
 from api_server_process import ServerHandle, api_server, free_port, server_command, server_env
+from fake_model import make_fake_model
 
 from fastdeploy_r3.client import decode_routed_experts
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 API_KEY = "test-key-123"
 MOE_LAYER_IDS = [1, 2, 3]  # glm4_moe tiny: 4 layers, first_k_dense_replace=1
