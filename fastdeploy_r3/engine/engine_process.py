@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import zmq
 
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.outputs import RequestOutput
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from fastdeploy_r3.engine.engine_service import EngineService

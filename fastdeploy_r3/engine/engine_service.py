@@ -22,11 +22,12 @@ from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.token_processor import TokenProcessor
 from fastdeploy_r3.engine.worker_group import EngineDeadError, WorkerGroup
+from fastdeploy_r3.outputs import CompletionOutput, RequestOutput
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
 logger = logging.getLogger(__name__)

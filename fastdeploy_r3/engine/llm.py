@@ -8,8 +8,8 @@ from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.outputs import RequestOutput
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 PromptType = str | list[int]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -71,26 +71,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    routed_experts: np.ndarray | None = None  # [rows, L, K]
-    routed_experts_start: int = 0
-    error: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    moe_layer_ids: list[int] | None = None
-    num_cached_tokens: int = 0

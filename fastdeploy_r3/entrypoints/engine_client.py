@@ -37,8 +37,8 @@ from fastdeploy_r3.engine.engine_process import (
     Shutdown,
     run_engine_process,
 )
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.outputs import RequestOutput
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.spawn import start_process
 
 _WATCHDOG_PERIOD_S = 0.5

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 @dataclass

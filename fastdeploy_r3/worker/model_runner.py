@@ -16,8 +16,8 @@ from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBuf
 from fastdeploy_r3.cache_manager.shm import ShmSegment, shm_free_bytes, shm_name
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.sampling_params import SamplingParams
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
 from fastdeploy_r3.worker.sampler import sample_token
 

@@ -18,8 +18,8 @@ import pytest
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.config import ConfigError
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError
+from fastdeploy_r3.outputs import RequestOutput
+from fastdeploy_r3.sampling_params import InvalidRequestError
 
 BLOCK = 4
 MAX_TOKENS = 6

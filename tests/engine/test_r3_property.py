@@ -16,7 +16,7 @@ import pytest
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ from __future__ import annotations
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.engine.request import Request, RequestStatus
-from fastdeploy_r3.engine.sampling_params import SamplingParams
 from fastdeploy_r3.engine.scheduler import Scheduler
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 def make(num_blocks: int, budget: int = 64, max_seqs: int = 8, caching: bool = True) -> Scheduler:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fastdeploy_r3.config import ConfigError
-from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -22,6 +21,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     bad_request,
     stream_events,
 )
+from fastdeploy_r3.outputs import RequestOutput
 
 
 def _message_dicts(request: ChatCompletionRequest) -> list[dict]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -18,6 +17,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     bad_request,
     stream_events,
 )
+from fastdeploy_r3.outputs import RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

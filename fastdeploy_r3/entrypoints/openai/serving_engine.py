@@ -26,10 +26,10 @@ from fastdeploy_r3.cache_manager.routing_store import (
     validate_rollout_id,
 )
 from fastdeploy_r3.client.routed_experts import encode_routed_experts
-from fastdeploy_r3.engine.request import CompletionOutput, RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
+from fastdeploy_r3.outputs import CompletionOutput, RequestOutput
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 DEFAULT_ROLLOUT_ID = "user"
 
