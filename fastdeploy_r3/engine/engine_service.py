@@ -82,7 +82,7 @@ class EngineService:
         eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
 
         self.workers = WorkerGroup(cfg, self.suffix, also_check=self._check_ctm)
-        readies: list[WorkerReady] = self.workers.gather(timeout=600)
+        readies: list[WorkerReady] = self.workers.collect(timeout=600)
         num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
         self.num_gpu_blocks = num_gpu_blocks
         capacity = num_gpu_blocks * cc.block_size

@@ -1,7 +1,7 @@
 """Turns sampled tokens into request progress: append, detokenize, stop checks, and at finish
 gather R3 (before the blocks are freed), then free.
 
-    finish → gather R3 rows [start, P + N - 1) through the block table → free blocks
+    finish → gather R3 rows [start, P + N - 1) through the block table → Scheduler.release (free blocks)
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class TokenProcessor:
             req.num_returned_tokens = len(req.output_token_ids)
         if error is None and status is not RequestStatus.FINISHED_ABORTED and self._wants_r3(req):
             try:
-                req.routed_experts = self._gather(req)
+                req.routed_experts = self._gather_r3(req)
             except RoutingReplayError as e:
                 self.r3.failures += 1
                 # fail closed for this request, and let the next one recompute instead of failing too
@@ -76,12 +76,12 @@ class TokenProcessor:
             status = RequestStatus.FINISHED_ERROR
             req.error = error
             req.routed_experts = None
-        self.scheduler.finish(req, status)
+        self.scheduler.release(req, status)
 
     def _wants_r3(self, req: Request) -> bool:
         return self.routing is not None and req.sampling_params.return_routed_experts is not False
 
-    def _gather(self, req: Request):  # -> np.ndarray [rows, L, K]
+    def _gather_r3(self, req: Request):  # -> np.ndarray [rows, L, K]
         assert self.routing is not None
         kv = self.scheduler.kv
         end = req.num_prompt_tokens + (req.num_returned_tokens or 0) - 1  # the last token was never fed
