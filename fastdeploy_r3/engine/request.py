@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
 from fastdeploy_r3.sampling_params import SamplingParams
 
 
@@ -49,8 +50,12 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission, -1 until admitted
     num_preemptions: int = 0
-    # text/stop handling (TokenProcessor)
-    output_text: str = ""
+    # text/stop handling and deltas (TokenProcessor): text decoded but not yet sent, held back while
+    # a stop string could still begin in it; cursors of what the last delta carried
+    detokenizer: IncrementalDetokenizer | None = None
+    pending_text: str = ""
+    num_sent_tokens: int = 0
+    delta_finished: bool = False  # the delta carrying its finish went out
     num_returned_tokens: int | None = None  # N: output tokens returned to the user, set at finish
     stop_reason: str | int | None = None
     error: str | None = None

@@ -13,11 +13,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.worker.messages import Shutdown
-
-
-class EngineDeadError(RuntimeError):
-    """A child process of the engine died; in-flight requests were failed."""
+from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 
 
 class WorkerGroup:
