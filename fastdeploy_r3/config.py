@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from fastdeploy_r3.dtypes import MODEL_DTYPES
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message says which and what to change."""
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = MODEL_DTYPES
 
 # architecture name in config.json -> model family module under model_executor/models
 SUPPORTED_ARCHITECTURES = {
