@@ -18,16 +18,29 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
 from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind, TransferTask
 
-if TYPE_CHECKING:
-    from fastdeploy_r3.engine.request import Request
-
 logger = logging.getLogger(__name__)
+
+
+class Request(Protocol):
+    """What the prefix cache reads of a request (engine.request.Request): its id and token cursors."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 
 class BlockStorage(Protocol):

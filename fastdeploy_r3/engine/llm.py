@@ -8,11 +8,11 @@ from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.outputs import OutputAssembler, RequestOutput
 from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError
 from fastdeploy_r3.r3.rollout_id import resolve_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import make_routing_store
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 PromptType = str | list[int]
 
@@ -75,6 +75,7 @@ class LLM:
                 self.engine.abort_request(rid)
             self._drain()
             raise
+        assemblers = {rid: OutputAssembler(rid) for rid in order}
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(order) >= 8:
@@ -83,9 +84,11 @@ class LLM:
             bar = tqdm(total=len(order), desc="Generating", unit="req")
         try:
             while len(results) < len(order):
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
+                for delta in self.engine.step():
+                    assembler = assemblers[delta.request_id]
+                    assembler.add(delta)
+                    if delta.finished:
+                        results[delta.request_id] = assembler.output()
                         if bar is not None:
                             bar.update(1)
         finally:

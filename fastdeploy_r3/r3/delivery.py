@@ -22,7 +22,7 @@ from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
 
 if TYPE_CHECKING:
-    from fastdeploy_r3.engine.request import RequestOutput
+    from fastdeploy_r3.outputs import RequestOutput
 
 
 class R3DeliveryError(RuntimeError):

@@ -17,8 +17,9 @@ from fastdeploy_r3.cache_manager.shm import ShmSegment, shm_free_bytes, shm_name
 from fastdeploy_r3.cache_manager.slots import slots_of
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
@@ -26,7 +27,6 @@ from fastdeploy_r3.worker.sampler import sample_token
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
@@ -36,7 +36,7 @@ class ModelRunner:
         self.world_size = world_size
         self.engine_suffix = engine_suffix
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
-        self.dtype = _TORCH_DTYPES[config.model_config.dtype]
+        self.dtype = torch_dtype(config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.model: torch.nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, NB, BS, KVH, D]

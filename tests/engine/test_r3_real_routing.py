@@ -23,10 +23,10 @@ import torch
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain
 from fastdeploy_r3.config import ModelConfig
-from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, softmax_topk
 from fastdeploy_r3.model_executor.model_loader import load_model
+from fastdeploy_r3.outputs import RequestOutput
 
 BS = 4
 PREFIX_BLOCKS = 6

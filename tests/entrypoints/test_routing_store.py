@@ -121,8 +121,7 @@ def test_redis_errors_never_show_the_password() -> None:
 @pytest.fixture(scope="module")
 def p2p_server(redis_url: str, tmp_path_factory):
     from api_server_process import api_server
-
-    from fastdeploy_r3.model_executor.fake_model import make_fake_model
+    from fake_model import make_fake_model
 
     model_dir = make_fake_model("glm4_moe", str(tmp_path_factory.mktemp("glm")))
     cfg = {"enable_routing_replay": True, "routing_store_type": "p2pstore", "p2pstore_url": redis_url,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fastdeploy_r3.config import ConfigError
-from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -18,10 +17,10 @@ from fastdeploy_r3.entrypoints.openai.protocol import (
 from fastdeploy_r3.entrypoints.openai.serving_engine import (
     OpenAIServing,
     R3Result,
-    StreamDeltas,
     bad_request,
     stream_events,
 )
+from fastdeploy_r3.outputs import RequestDelta, RequestOutput
 
 
 def _message_dicts(request: ChatCompletionRequest) -> list[dict]:
@@ -71,18 +70,18 @@ class OpenAIServingChat(OpenAIServing):
                 resp = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, **kw)
                 return resp.model_dump(exclude_none=True)
 
-            def delta_chunks(out: RequestOutput, deltas: StreamDeltas) -> list[dict]:
+            def delta_chunks(delta: RequestDelta, streamed: set[int]) -> list[dict]:
                 chunks = []
-                for c in out.outputs:
-                    if c.index not in deltas.sent_text:  # first chunk of a choice announces the role
+                for c in delta.outputs:
+                    if c.index not in streamed:  # first chunk of a choice announces the role
+                        streamed.add(c.index)
                         role = ChatCompletionStreamChoice(
                             index=c.index, delta=DeltaMessage(role="assistant", content="")
                         )
                         chunks.append(chunk([role]))
-                    text = deltas.delta(c.index, c.text)
-                    if text:
+                    if c.text:
                         chunks.append(
-                            chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=text))])
+                            chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text))])
                         )
                 return chunks
 

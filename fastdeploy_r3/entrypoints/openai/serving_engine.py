@@ -15,13 +15,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
-from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
+from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.outputs import OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3Result, R3StoreFailedError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import RoutingStore
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -134,8 +135,8 @@ class OpenAIServing:
 
     async def start_generation(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
-    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
-        """Submit and wait for the first output, so that a rejected request still gets its 4xx
+    ) -> tuple[RequestDelta, AsyncIterator[RequestDelta]]:
+        """Submit and wait for the first delta, so that a rejected request still gets its 4xx
         status (a stream cannot change its status once started)."""
         gen = self.ctx.engine.generate(request_id, prompt_token_ids, params, prompt)
         try:
@@ -148,7 +149,7 @@ class OpenAIServing:
             raise engine_unavailable(str(e)) from e
         return first, gen
 
-    async def iterate(self, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def iterate(self, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
         try:
             async for out in gen:
                 yield out
@@ -157,14 +158,16 @@ class OpenAIServing:
         except EngineRequestError as e:
             raise engine_error(str(e)) from e
 
-    async def run_to_completion(self, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-        final = first
+    async def run_to_completion(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> RequestOutput:
+        assembler = OutputAssembler(first.request_id)
+        assembler.add(first)
         try:
             if not first.finished:
-                async for out in self.iterate(gen):
-                    final = out
+                async for delta in self.iterate(gen):
+                    assembler.add(delta)
         finally:
             await gen.aclose()
+        final = assembler.output()
         self.check_finished_ok(final)
         return final
 
@@ -212,41 +215,32 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-class StreamDeltas:
-    """Turns cumulative outputs into per-choice text deltas."""
-
-    def __init__(self) -> None:
-        self.sent_text: dict[int, int] = {}
-
-    def delta(self, index: int, text: str) -> str:
-        start = self.sent_text.get(index, 0)
-        self.sent_text[index] = len(text)
-        return text[start:]
-
-
 async def stream_events(
     serving: OpenAIServing,
-    first: RequestOutput,
-    gen: AsyncIterator[RequestOutput],
+    first: RequestDelta,
+    gen: AsyncIterator[RequestDelta],
     params: SamplingParams,
     rollout_id: str,
-    make_delta_chunks: Callable[[RequestOutput, StreamDeltas], list[dict]],
+    make_delta_chunks: Callable[[RequestDelta, set[int]], list[dict]],
     make_final_chunks: Callable[[RequestOutput, R3Result], list[dict]],
     make_usage_chunk: Callable[[RequestOutput], dict] | None,
 ) -> AsyncIterator[str]:
-    """SSE for one request: text deltas as they come; then, once the request finished and its R3
-    is delivered, each choice's final chunk (finish_reason + routed_experts); then [DONE].
+    """SSE for one request: the engine's text deltas as they come (make_delta_chunks gets the set of
+    choice indices already streamed, to add to); then, once the request finished and its R3 is
+    delivered, each choice's final chunk (finish_reason + routed_experts); then [DONE].
     An error after the stream started is sent as an OpenAI error event."""
-    deltas = StreamDeltas()
+    assembler = OutputAssembler(first.request_id)
+    streamed: set[int] = set()
     try:
-        final = first
-        for chunk in make_delta_chunks(first, deltas):
+        assembler.add(first)
+        for chunk in make_delta_chunks(first, streamed):
             yield sse(chunk)
         if not first.finished:
-            async for out in serving.iterate(gen):
-                final = out
-                for chunk in make_delta_chunks(out, deltas):
+            async for delta in serving.iterate(gen):
+                assembler.add(delta)
+                for chunk in make_delta_chunks(delta, streamed):
                     yield sse(chunk)
+        final = assembler.output()
         serving.check_finished_ok(final)
         r3 = await serving.deliver_r3(final, params, rollout_id)
         for chunk in make_final_chunks(final, r3):
