@@ -38,7 +38,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 # the installed transformers' defaults (Qwen3MoeConfig, MixtralConfig, Glm4MoeConfig) of every key the
-# engine reads; rope defaults live in _ROPE_DEFAULTS
+# engine reads; rope defaults live in ROPE_DEFAULTS
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {
         "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
@@ -53,7 +53,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_nextn_predict_layers": 1,
     },
 }
-_ROPE_DEFAULTS: dict[str, dict[str, float]] = {
+ROPE_DEFAULTS: dict[str, dict[str, float]] = {
     "qwen3_moe": {"rope_theta": 10000.0},
     "mixtral": {"rope_theta": 1000000.0},
     "glm4_moe": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
@@ -120,7 +120,7 @@ def _rope_parameters(hf: dict[str, Any], family: str) -> dict[str, Any]:
         if "type" in rp:  # the oldest spelling of rope_type
             rp.setdefault("rope_type", rp.pop("type"))
     rp.setdefault("rope_type", "default")
-    for key, default in _ROPE_DEFAULTS[family].items():
+    for key, default in ROPE_DEFAULTS[family].items():
         if rp.get(key) is None:
             rp[key] = float(hf[key]) if hf.get(key) is not None else default
     return rp
