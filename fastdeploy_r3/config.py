@@ -54,8 +54,8 @@ class ModelConfig:
     moe_layer_ids: list[int] = field(default_factory=list)
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
-    # generation_config.json's sampling fields (hf_config.GENERATION_DEFAULT_KEYS): the defaults of a
-    # request that leaves them unset, as vLLM applies them
+    # generation_config.json's sampling fields under SamplingParams names (hf_config.GENERATION_DEFAULT_KEYS):
+    # the defaults of a request that leaves them unset, as vLLM applies them
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def finalize(self) -> ModelConfig:

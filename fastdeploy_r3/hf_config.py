@@ -65,9 +65,12 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "dtype": ("torch_dtype",),
 }
 _REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
-# generation_config.json fields that become per-request sampling defaults (vLLM's list, less min_p and
-# max_new_tokens, which SamplingParams does not have)
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# generation_config.json field -> the SamplingParams field it is the default of (vLLM's list less min_p,
+# which SamplingParams lacks); max_new_tokens caps the engine's own max_tokens default, as in vLLM
+GENERATION_DEFAULT_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
@@ -89,15 +92,15 @@ def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     hf = dict(raw)
     for canonical, aliases in _ALIASES.items():
         names = [k for k in (canonical, *aliases) if hf.get(k) is not None]
-        values = {json.dumps(hf[k]) for k in names}
-        if len(values) > 1:
+        if len({json.dumps(hf[k]) for k in names}) > 1:
             raise ConfigError(
                 "config.json gives one fact different values under " + ", ".join(f"{k}={hf[k]!r}" for k in names)
                 + "; keep one of these keys"
             )
+        value = hf[names[0]] if names else None
         for k in aliases:
             hf.pop(k, None)
-        hf[canonical] = raw[names[0]] if names else hf.get(canonical)
+        hf[canonical] = value
     hf["rope_parameters"] = _rope_parameters(hf, family)
     for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
         hf.pop(key, None)
@@ -183,7 +186,7 @@ class GenerationDefaults:
     and the tokenizer's), and its sampling fields are the defaults of requests that leave them unset."""
 
     eos_token_ids: list[int] = field(default_factory=list)
-    sampling: dict[str, Any] = field(default_factory=dict)  # subset of GENERATION_DEFAULT_KEYS
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field names -> defaults
 
     @classmethod
     def read(cls, model_dir: str) -> GenerationDefaults:
@@ -192,7 +195,7 @@ class GenerationDefaults:
         if not os.path.isfile(path):
             return cls()
         gen = _read_json_object(path)
-        sampling = {k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
+        sampling = {ours: gen[k] for k, ours in GENERATION_DEFAULT_KEYS.items() if gen.get(k) is not None}
         return cls(token_ids(gen.get("eos_token_id")), sampling)
 
 

@@ -110,13 +110,15 @@ def test_dtype_auto_without_a_dtype_key_says_what_to_pass(tmp_path: Path) -> Non
 
 
 def test_generation_config_gives_eos_ids_and_sampling_defaults(tmp_path: Path) -> None:
-    """As vLLM: eos ids joined (config.json's first), temperature/top_p/top_k/repetition_penalty as defaults;
-    fields transformers writes but vLLM does not apply (do_sample, max_new_tokens) are not defaults."""
+    """As vLLM: eos ids joined (config.json's first), temperature/top_p/top_k/repetition_penalty and
+    max_new_tokens (as max_tokens) are defaults; do_sample, which vLLM ignores, is not."""
     gen = {"eos_token_id": [7, 5], "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
            "do_sample": True, "max_new_tokens": 100}
     mc = ModelConfig(model=_write(tmp_path, {**QWEN3_V5, "eos_token_id": 5}, gen)).finalize()
     assert mc.eos_token_ids == [5, 7]
-    assert mc.generation_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    assert mc.generation_defaults == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 100,
+    }
 
 
 def test_no_generation_config_means_no_defaults(tmp_path: Path) -> None:

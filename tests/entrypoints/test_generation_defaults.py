@@ -30,6 +30,16 @@ def test_without_model_defaults_the_openai_defaults_apply() -> None:
     assert _sampling(request.to_sampling_params(16)) == (1.0, 1.0, 0)
 
 
+def test_the_models_max_new_tokens_only_lowers_the_servers_default() -> None:
+    """generation_config.json max_new_tokens=50: a chat with room for 200 gets 50, with room for 30 gets 30;
+    a request that names its max tokens gets them."""
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES})
+    assert request.to_sampling_params(200, {"max_tokens": 50}).max_tokens == 50
+    assert request.to_sampling_params(30, {"max_tokens": 50}).max_tokens == 30
+    named = ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_completion_tokens": 80})
+    assert named.to_sampling_params(200, {"max_tokens": 50}).max_tokens == 80
+
+
 def test_chat_requests_accept_tools() -> None:
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
     assert ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools}).tools == tools

@@ -63,7 +63,12 @@ class _SamplingFields(StrictModel):
         self, default_max_tokens: int, generation_defaults: dict[str, Any] | None = None
     ) -> SamplingParams:
         """generation_defaults (the model's generation_config.json, ModelConfig.generation_defaults) fill
-        the sampling fields this request did not set, as vLLM does; a field the request sets wins."""
+        the sampling fields this request did not set, as vLLM does; a field the request sets wins, and
+        the model's max_tokens only lowers default_max_tokens."""
+        defaults = dict(generation_defaults or {})
+        if self._max_tokens() is None and "max_tokens" in defaults:
+            default_max_tokens = min(default_max_tokens, int(defaults["max_tokens"]))
+        defaults.pop("max_tokens", None)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
             n=self.n,
@@ -78,7 +83,7 @@ class _SamplingFields(StrictModel):
             return_routed_experts=self.return_routed_experts,
             routed_experts_start=self.routed_experts_start,
         )
-        for name, value in (generation_defaults or {}).items():
+        for name, value in defaults.items():
             if name in kw and name not in self.model_fields_set:
                 kw[name] = value
         return SamplingParams(**kw)
