@@ -2,7 +2,7 @@
 it means to transformers: the chat template from tokenizer_config.json or chat_template.jinja, special
 tokens added as the tokenizer's own config says, and tools handed to the template.
 
-transformers is imported only when a tokenizer is built (about half a second), never at module import.
+transformers is imported only when a tokenizer is built (it costs a second or more), never at module import.
 """
 
 from __future__ import annotations
