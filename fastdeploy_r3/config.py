@@ -23,45 +23,20 @@ from typing import Any
 import numpy as np
 
 from fastdeploy_r3.dtypes import MODEL_DTYPES
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message says which and what to change."""
-
+from fastdeploy_r3.errors import ConfigError
+from fastdeploy_r3.hf_config import (
+    SUPPORTED_ARCHITECTURES,
+    GenerationDefaults,
+    checkpoint_dtype,
+    moe_layer_ids_from_hf_config,
+    num_routed_experts_from_hf_config,
+    read_hf_config,
+    token_ids,
+)
 
 _DTYPES = MODEL_DTYPES
-
-# architecture name in config.json -> model family module under model_executor/models
-SUPPORTED_ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "Glm4MoeForCausalLM": "glm4_moe",
-}
-
-
-def moe_layer_ids_from_hf_config(hf: dict[str, Any]) -> list[int]:
-    """The explicit list of MoE layer indices of a checkpoint (dense layers are not counted)."""
-    arch = (hf.get("architectures") or [None])[0]
-    n = int(hf["num_hidden_layers"])
-    if arch == "Qwen3MoeForCausalLM":
-        step = int(hf.get("decoder_sparse_step", 1) or 1)
-        mlp_only = set(hf.get("mlp_only_layers") or [])
-        if int(hf.get("num_experts", 0) or 0) <= 0:
-            return []
-        return [i for i in range(n) if i not in mlp_only and (i + 1) % step == 0]
-    if arch == "MixtralForCausalLM":
-        return list(range(n))
-    if arch == "Glm4MoeForCausalLM":
-        first_dense = int(hf.get("first_k_dense_replace", 0) or 0)
-        return list(range(first_dense, n))
-    raise ConfigError(f"unknown architecture {arch!r}")
-
-
-def num_routed_experts_from_hf_config(hf: dict[str, Any]) -> int:
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if hf.get(key):
-            return int(hf[key])
-    return 0
+# "auto": the dtype config.json says the weights were saved in
+_DTYPE_CHOICES = (*_DTYPES, "auto")
 
 
 def flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:  # noqa: A002
@@ -77,7 +52,8 @@ def derived(**kwargs: Any) -> Any:
 @dataclass
 class ModelConfig:
     model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors)"})
-    dtype: str = flag("float32", "weights and KV cache dtype", MODEL_DTYPES)
+    dtype: str = flag("float32", "weights and KV cache dtype ('auto': the dtype config.json names)",
+                      _DTYPE_CHOICES)
     load_format: str = flag("auto", "'auto' reads *.safetensors; 'dummy' draws random weights from config.json",
                             ("auto", "dummy"))
     max_model_len: int | None = flag(None, "longest prompt + output in tokens (default: the model's "
@@ -94,11 +70,14 @@ class ModelConfig:
     moe_layer_ids: list[int] = derived(default_factory=list)
     vocab_size: int = derived(default=0)
     eos_token_ids: list[int] = derived(default_factory=list)
+    # generation_config.json's sampling fields under SamplingParams names (hf_config.GENERATION_DEFAULT_KEYS):
+    # the defaults of a request that leaves them unset, as vLLM applies them
+    generation_defaults: dict[str, Any] = derived(default_factory=dict)
 
     def finalize(self) -> ModelConfig:
-        """Read config.json and validate; idempotent."""
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        """Read config.json (normalized by hf_config) and generation_config.json, and validate; idempotent."""
+        if self.dtype not in _DTYPE_CHOICES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPE_CHOICES)}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format {self.load_format!r} is not supported; use 'auto' or 'dummy'")
         if not os.path.isdir(self.model):
@@ -106,27 +85,9 @@ class ModelConfig:
                 f"model directory {self.model!r} does not exist; pass a Hugging Face-format directory "
                 "(config.json + *.safetensors), e.g. one written by tools/make_fake_model.py"
             )
-        cfg_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ConfigError(f"{self.model!r} has no config.json; it is not a Hugging Face-format model directory")
-        try:
-            with open(cfg_path) as f:
-                hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path} is not valid JSON ({e}); fix or regenerate the checkpoint") from e
-        if not isinstance(hf, dict):
-            raise ConfigError(f"{cfg_path} must hold a JSON object")
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unknown architecture {arch!r} in {cfg_path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads"):
-            if key not in hf:
-                raise ConfigError(f"{cfg_path} lacks {key!r}; the checkpoint config is malformed")
+        hf = read_hf_config(self.model)
         self.hf_config = hf
-        self.architecture = arch
+        self.architecture = hf["architectures"][0]
         self.num_hidden_layers = int(hf["num_hidden_layers"])
         self.vocab_size = int(hf["vocab_size"])
         self.num_experts = num_routed_experts_from_hf_config(hf)
@@ -137,14 +98,20 @@ class ModelConfig:
                 f"{self.model!r} is not a MoE model (no routed experts / experts per token / MoE layers); "
                 "fastdeploy_r3 serves MoE models only"
             )
-        eos = hf.get("eos_token_id")
-        if eos is None:
-            gen_path = os.path.join(self.model, "generation_config.json")
-            if os.path.isfile(gen_path):
-                with open(gen_path) as f:
-                    eos = json.load(f).get("eos_token_id")
-        self.eos_token_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        limit = int(hf.get("max_position_embeddings", 4096))
+        if self.dtype == "auto":
+            saved = checkpoint_dtype(hf)
+            if saved not in _DTYPES:
+                raise ConfigError(
+                    f"dtype 'auto': config.json of {self.model!r} says the weights are {saved!r}; "
+                    f"pass one of {', '.join(_DTYPES)} explicitly"
+                )
+            self.dtype = saved
+        generation = GenerationDefaults.read(self.model)
+        # vLLM: generation stops at config.json's eos ids and generation_config.json's (the tokenizer's
+        # eos is added by the engine)
+        self.eos_token_ids = list(dict.fromkeys(token_ids(hf.get("eos_token_id")) + generation.eos_token_ids))
+        self.generation_defaults = dict(generation.sampling)
+        limit = int(hf["max_position_embeddings"])
         if self.max_model_len is None:
             self.max_model_len = limit
         if self.max_model_len < 2:

@@ -30,3 +30,19 @@ def fake_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., st
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """hf_checkpoint_dir(family) -> directory of a tiny checkpoint written by the installed transformers's
+    save_pretrained (tests/hf_checkpoints.py), written once per session."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    cache: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in cache:
+            cache[family] = write_hf_checkpoint(family, str(tmp_path_factory.mktemp(f"hf-{family}")))
+        return cache[family]
+
+    return get

@@ -15,7 +15,7 @@ import atexit
 import logging
 import os
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
@@ -82,7 +82,12 @@ class EngineService:
         except Exception as e:  # token-id-only models are served too
             logger.warning("no tokenizer loaded (%s); only token-id prompts are accepted", e)
             self.tokenizer = None
-        eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
+        # as vLLM: the tokenizer's eos stops generation too, besides config.json's and generation_config.json's
+        eos = list(dict.fromkeys([*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else [])]))
+        ignored = sorted(set(mc.generation_defaults) - {f.name for f in fields(SamplingParams)})
+        if ignored:
+            logger.warning("generation_config.json sets %s, which this engine does not implement; requests are "
+                           "sampled without it", ", ".join(f"{k}={mc.generation_defaults[k]}" for k in ignored))
 
         self.workers = WorkerGroup(cfg, self.suffix, also_check=self._check_ctm)
         readies: list[WorkerReady] = self.workers.collect(timeout=600)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -53,7 +54,10 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            # as vLLM: without sampling params, sample as the model's generation_config.json says
+            known = {f.name for f in dataclasses.fields(SamplingParams)}
+            defaults = self.config.model_config.generation_defaults
+            sampling_params = SamplingParams(**{k: v for k, v in defaults.items() if k in known})
         params_list = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )

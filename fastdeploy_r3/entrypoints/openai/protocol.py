@@ -59,9 +59,18 @@ class _SamplingFields(StrictModel):
     routed_experts_start: int = Field(default=0, ge=0)
     rollout_id: str | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, generation_defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """generation_defaults (the model's generation_config.json, ModelConfig.generation_defaults) fill
+        the sampling fields this request did not set, as vLLM does; a field the request sets wins, and
+        the model's max_tokens only lowers default_max_tokens."""
+        defaults = dict(generation_defaults or {})
+        if self._max_tokens() is None and "max_tokens" in defaults:
+            default_max_tokens = min(default_max_tokens, int(defaults["max_tokens"]))
+        defaults.pop("max_tokens", None)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
+        kw: dict[str, Any] = dict(
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -74,6 +83,10 @@ class _SamplingFields(StrictModel):
             return_routed_experts=self.return_routed_experts,
             routed_experts_start=self.routed_experts_start,
         )
+        for name, value in defaults.items():
+            if name in kw and name not in self.model_fields_set:
+                kw[name] = value
+        return SamplingParams(**kw)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -91,6 +104,7 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None  # handed to the chat template, as transformers does
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def _max_tokens(self) -> int | None:

@@ -45,10 +45,11 @@ class OpenAIServingChat(OpenAIServing):
     def prompt(self, request: ChatCompletionRequest) -> tuple[list[int], str]:
         tokenizer = self.ctx.engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(_message_dicts(request))
+            text = tokenizer.apply_chat_template(_message_dicts(request), tools=request.tools)
         except ConfigError as e:
             raise bad_request(str(e), "messages") from e
-        return tokenizer.encode(text), text
+        # the rendered template holds its own special tokens (vLLM encodes chat prompts the same way)
+        return tokenizer.encode(text, add_special_tokens=False), text
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         self.check_model(request.model)

@@ -123,7 +123,9 @@ class OpenAIServing:
 
     def sampling_params(self, request, default_max_tokens: int) -> SamplingParams:
         try:
-            return request.to_sampling_params(default_max_tokens)
+            return request.to_sampling_params(
+                default_max_tokens, self.ctx.engine.config.model_config.generation_defaults
+            )
         except InvalidRequestError as e:
             raise bad_request(str(e)) from e
 

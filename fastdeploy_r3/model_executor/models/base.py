@@ -39,18 +39,17 @@ class WeightLoadingError(ValueError):
     """A checkpoint does not match the model built from its config.json."""
 
 
-def rope_theta(hf_config: dict[str, Any], default: float = 10000.0) -> float:
-    """transformers v5 nests rope settings under rope_parameters; older configs keep them top level.
+def rope_theta(hf_config: dict[str, Any]) -> float:
+    """theta of plain RoPE, from a normalized config's rope_parameters (hf_config.normalize_hf_config
+    folds v4's top-level rope_theta / rope_scaling in).
 
     Only plain RoPE is implemented: scaled variants (YaRN, linear, dynamic...) are refused rather than
     silently computed as plain RoPE, which would give wrong answers past the original context.
     """
-    rp = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    rope_type = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only plain RoPE)")
-    return float(rp.get("rope_theta", hf_config.get("rope_theta", default)))
+    rp = hf_config["rope_parameters"]
+    if rp["rope_type"] != "default":
+        raise NotImplementedError(f"rope_type {rp['rope_type']!r} is not supported (only plain RoPE)")
+    return float(rp["rope_theta"])
 
 
 class SelfAttention(nn.Module):

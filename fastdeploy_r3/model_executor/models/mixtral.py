@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fastdeploy_r3.config import moe_layer_ids_from_hf_config
+from fastdeploy_r3.hf_config import moe_layer_ids_from_hf_config, normalize_hf_config
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
 from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, SelfAttention, rope_theta
@@ -19,21 +19,21 @@ class MixtralForCausalLM(MoeCausalLM):
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        c = hf_config
+        c = normalize_hf_config(hf_config)  # one key name per fact, transformers' defaults filled
         window = c.get("sliding_window")
-        if window is not None and int(window) < int(c.get("max_position_embeddings", 0)):
+        if window is not None and int(window) < int(c["max_position_embeddings"]):
             # silently ignoring the window would give wrong answers past it
             raise NotImplementedError(f"Mixtral with sliding_window={window} is not supported")
         hidden = int(c["hidden_size"])
         num_heads = int(c["num_attention_heads"])
-        num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        num_kv_heads = int(c["num_key_value_heads"])
         tp = {"tp_rank": tp_rank, "tp_size": tp_size}
-        self.head_dim = int(c.get("head_dim") or hidden // num_heads)
-        eps = float(c.get("rms_norm_eps", 1e-5))
-        num_experts = int(c["num_local_experts"])
+        self.head_dim = int(c["head_dim"])
+        eps = float(c["rms_norm_eps"])
+        num_experts = int(c["num_experts"])
         top_k = int(c["num_experts_per_tok"])
         moe_layer_ids = moe_layer_ids_from_hf_config(c)
-        rotary = RotaryEmbedding(self.head_dim, self.head_dim, rope_theta(c, 1e6))
+        rotary = RotaryEmbedding(self.head_dim, self.head_dim, rope_theta(c))
         layers = []
         for i in range(int(c["num_hidden_layers"])):
             attn = SelfAttention(hidden, num_heads, num_kv_heads, self.head_dim, rotary, i, rms_norm_eps=eps, **tp)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fastdeploy_r3.config import moe_layer_ids_from_hf_config
+from fastdeploy_r3.hf_config import moe_layer_ids_from_hf_config, normalize_hf_config
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
@@ -16,20 +16,20 @@ from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, 
 class Qwen3MoeForCausalLM(MoeCausalLM):
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        c = hf_config
-        if c.get("use_sliding_window"):
+        c = normalize_hf_config(hf_config)  # one key name per fact, transformers' defaults filled
+        if c["use_sliding_window"]:
             raise NotImplementedError("Qwen3-MoE with use_sliding_window=true is not supported")
         hidden = int(c["hidden_size"])
         num_heads = int(c["num_attention_heads"])
-        num_kv_heads = int(c.get("num_key_value_heads", num_heads))
+        num_kv_heads = int(c["num_key_value_heads"])
         tp = {"tp_rank": tp_rank, "tp_size": tp_size}
-        self.head_dim = int(c.get("head_dim") or hidden // num_heads)
-        eps = float(c.get("rms_norm_eps", 1e-6))
+        self.head_dim = int(c["head_dim"])
+        eps = float(c["rms_norm_eps"])
         num_experts = int(c["num_experts"])
         top_k = int(c["num_experts_per_tok"])
         moe_layer_ids = moe_layer_ids_from_hf_config(c)
         rotary = RotaryEmbedding(self.head_dim, self.head_dim, rope_theta(c))
-        bias = bool(c.get("attention_bias", False))
+        bias = bool(c["attention_bias"])
         layers = []
         for i in range(int(c["num_hidden_layers"])):
             attn = SelfAttention(
@@ -40,7 +40,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
                 mlp = SparseMoeBlock(
                     hidden, num_experts, top_k, int(c["moe_intermediate_size"]),
                     moe_index=moe_layer_ids.index(i), router="softmax",
-                    renormalize=bool(c.get("norm_topk_prob", False)), **tp,
+                    renormalize=bool(c["norm_topk_prob"]), **tp,
                 )
             else:
                 mlp = GatedMLP(hidden, int(c["intermediate_size"]), **tp)
