@@ -75,7 +75,7 @@ def _decode_kernel(
         q_offs = q_start * stride_q_t + heads[:, None] * stride_q_h + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
-        lo = split * partition_size
+        lo = split.to(tl.int64) * partition_size
         hi = tl.minimum(seq_len, lo + partition_size)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max (base 2)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp2

@@ -59,7 +59,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the sum, rounded as torch rounds it
         tl.store(residual_out_ptr + row * N + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xf * xf, 0) / N + eps))  # IEEE-rounded, not the fast approximations
     normed = (xf * inv_rms).to(dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
