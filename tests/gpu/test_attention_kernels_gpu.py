@@ -118,7 +118,8 @@ def test_decode_replayed_in_a_cuda_graph_equals_eager() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_rms_norm_and_rotary_agree_with_the_references(dtype: torch.dtype) -> None:
     """Fused add + RMSNorm over [T, 2048] and per-head norms on strided q views; in-place rotary, full and
-    half: the residual sum and the rotary are bit-identical (same roundings), the norms within one bf16 step."""
+    half. The residual sum is bit-identical (one rounding); norms and rotary within one step of the dtype
+    (the kernels' float32 sums are ordered differently, and the GPU compiler fuses multiply-adds)."""
     from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
     from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm, rms_norm_ref
     from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_, apply_rotary_ref
@@ -139,4 +140,7 @@ def test_rms_norm_and_rotary_agree_with_the_references(dtype: torch.dtype) -> No
         cos, sin = RotaryEmbedding(128, rotary_dim, 1e6).cos_sin(positions)
         q_want, k_want = apply_rotary_ref(q, k, cos, sin)
         apply_rotary_(q, k, cos, sin)
-        assert torch.equal(q, q_want) and torch.equal(k, k_want), rotary_dim
+        step = 2**-23 if dtype == torch.float32 else 2**-7  # relative size of one step of the dtype
+        for got, want in ((q, q_want), (k, k_want)):
+            assert _err(got, want) <= 2 * step * want.float().abs().max().item(), rotary_dim
+            assert (got != want).float().mean().item() < 0.02, rotary_dim  # the odd element, not a formula error

@@ -26,7 +26,9 @@ import torch
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, mma, tl, triton, triton_jit
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION = 256  # context tokens below which splitting costs more (a second launch) than it gains
+# shortest split: on the H200 (2026-11-30, 32:4 heads, D 128, context 1024) batch 1 took 12.4 µs a layer with 4
+# splits of 256 and 7.2 µs with 16 of 64; batch 64 41.8 µs with 2 splits, 44.4 with 1
+MIN_PARTITION = 64
 MAX_SPLITS = 16
 
 
