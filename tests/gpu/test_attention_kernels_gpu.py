@@ -144,3 +144,7 @@ def test_rms_norm_and_rotary_agree_with_the_references(dtype: torch.dtype) -> No
         for got, want in ((q, q_want), (k, k_want)):
             assert _err(got, want) <= 2 * step * want.float().abs().max().item(), rotary_dim
             assert (got != want).float().mean().item() < 0.02, rotary_dim  # the odd element, not a formula error
+        q_want, k_want = apply_rotary_ref(rms_norm_ref(q, wq, 1e-6), rms_norm_ref(k, wq, 1e-6), cos, sin)
+        apply_rotary_(q, k, cos, sin, (wq, wq, 1e-6))  # fused with Qwen3's per-head norms
+        assert _err(q, q_want) <= 4 * step * q_want.float().abs().max().item(), rotary_dim
+        assert _err(k, k_want) <= 4 * step * k_want.float().abs().max().item(), rotary_dim

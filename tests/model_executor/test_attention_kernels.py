@@ -193,6 +193,26 @@ def test_rotary_kernel_rotates_in_place_full_and_partial() -> None:
     """)
 
 
+def test_fused_qk_norm_and_rotary_equal_norms_then_rotary() -> None:
+    """Qwen3's q_norm, k_norm and rotary in one launch, in place on views of the qkv output; with GLM's half
+    rotary the pass-through channels are normalised too. Float32 within 1e-6, bf16 within a few steps."""
+    _run_interpreted("""
+        from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
+        from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm_ref
+        from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_, apply_rotary_ref
+        positions = torch.tensor([0, 1, 5, 77, 511])
+        for rotary_dim in (16, 8):
+            cos, sin = RotaryEmbedding(16, rotary_dim, 10000.0).cos_sin(positions)
+            for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 0.05)):
+                qkv = torch.randn(5, (4 + 2 * 2) * 16).to(dtype)
+                q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+                wq, wk = (1 + 0.1 * torch.randn(16)).to(dtype), (1 + 0.1 * torch.randn(16)).to(dtype)
+                q_want, k_want = apply_rotary_ref(rms_norm_ref(q, wq, 1e-6), rms_norm_ref(k, wk, 1e-6), cos, sin)
+                apply_rotary_(q, k, cos, sin, (wq, wk, 1e-6))
+                assert max_err(q, q_want) <= 4 * tol and max_err(k, k_want) <= 4 * tol, (rotary_dim, dtype)
+    """)
+
+
 def test_tiny_model_through_interpreted_kernels_matches_the_torch_path(fake_model_dir) -> None:
     """The tiny Qwen3-MoE, paged: a 13-token prompt prefilled in chunks of 8 + 5, then two decode steps,
     once through the torch references and once through every Triton kernel: same logits (float32)."""

@@ -4,7 +4,8 @@ Only the first `rotary_dim` channels of each head rotate; the rest pass through 
 (GLM-4.5 uses partial_rotary_factor=0.5).
 
 cos/sin depend on the positions alone, so a model computes them once per forward (`cos_sin`) and every
-layer applies them (`apply`): in place by a Triton kernel on CUDA, by the torch reference on the CPU.
+layer applies them (`apply`, with Qwen3's per-head q/k norms before it): in place by one Triton kernel
+on CUDA, by the torch references on the CPU.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_, apply_rotary_ref
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
@@ -36,12 +38,20 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, R/2]
         return freqs.cos(), freqs.sin()
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, cos_sin: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, KVH, D] -> rotated (q, k). On CUDA q and k are overwritten and returned."""
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: CosSin, qk_norm: tuple[RMSNorm, RMSNorm] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, KVH, D] -> rotated (q, k), after the per-head norms qk_norm = (q_norm, k_norm)
+        if given. On CUDA one kernel does both and q and k are overwritten and returned."""
         cos, sin = cos_sin
-        if use_triton(q):
-            apply_rotary_(q, k, cos, sin)
+        if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            if qk_norm is not None and qk_norm[0].eps != qk_norm[1].eps:
+                raise ValueError(f"q_norm eps {qk_norm[0].eps} and k_norm eps {qk_norm[1].eps} differ: give both one")
+            norm = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+            apply_rotary_(q, k, cos, sin, norm)
             return q, k
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         return apply_rotary_ref(q, k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,9 +95,8 @@ class SelfAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, NH, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(q, k, self.rotary.cos_sin(positions) if cos_sin is None else cos_sin)
+        cos_sin = self.rotary.cos_sin(positions) if cos_sin is None else cos_sin
+        q, k = self.rotary.apply(q, k, cos_sin, None if self.q_norm is None else (self.q_norm, self.k_norm))
         return self.o_proj(self.attn(q, k, v))  # [T, NH * D] -> [T, H], summed over ranks
 
 

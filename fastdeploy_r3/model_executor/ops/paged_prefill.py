@@ -110,6 +110,7 @@ def paged_prefill_attention(
     max_query_len: int,
     block_m: int = 64,
     block_n: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Causal attention of each row's query tokens over its whole context (prefix hits, chunks, decode)."""
     _, num_heads, head_dim = q.shape
@@ -133,5 +134,6 @@ def paged_prefill_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, UPCAST=INTERPRET,
+        num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -1,4 +1,5 @@
-"""Rotary embedding (neox layout, rotate halves; partial rotary) applied to q and k in place: one launch.
+"""Rotary embedding (neox layout, rotate halves; partial rotary) applied to q and k in place: one launch,
+optionally fused with the per-head q/k RMSNorm before it (Qwen3).
 
     q [T, H, D], k [T, KVH, D]   (views into the fused qkv output are fine: last dim contiguous)
     cos, sin [T, R/2] float32    (RotaryEmbedding.cos_sin: the HF formula, computed once per forward)
@@ -42,17 +43,37 @@ def apply_rotary_ref(
 
 
 @triton_jit
-def _rotate_heads(x_ptr, t, stride_t, stride_h, c, s, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def _norm_rotate_heads(
+    x_ptr, t, stride_t, stride_h, c, s, w_ptr, eps,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """Heads of token t: [x1 | x2 | x_pass] = channels [0, R/2) | [R/2, R) | [R, D)."""
     h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     mask = (h[:, None] < NUM_HEADS) & (r[None, :] < HALF)  # [BLOCK_H, BLOCK_R]
     offs = t * stride_t + h[:, None] * stride_h + r[None, :]
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
     x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
+    x2f = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # per-head RMSNorm first (Qwen3's q_norm / k_norm), rounded to the dtype as its output is
+        ss = tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1)  # [BLOCK_H]
+        if HEAD_DIM > 2 * HALF:
+            p = 2 * HALF + tl.arange(0, BLOCK_P)  # [BLOCK_P] pass-through channels
+            p_mask = (h[:, None] < NUM_HEADS) & (p[None, :] < HEAD_DIM)
+            p_offs = t * stride_t + h[:, None] * stride_h + p[None, :]
+            xpf = tl.load(x_ptr + p_offs, mask=p_mask, other=0.0).to(tl.float32)
+            ss += tl.sum(xpf * xpf, 1)
+        inv_rms = tl.div_rn(1.0, tl.sqrt_rn(ss / HEAD_DIM + eps))[:, None]  # [BLOCK_H, 1]
+        w1 = tl.load(w_ptr + r, mask=r < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + r, mask=r < HALF, other=0.0).to(tl.float32)[None, :]
+        x1f = (w1 * (x1f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2f = (w2 * (x2f * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        if HEAD_DIM > 2 * HALF:
+            wp = tl.load(w_ptr + p, mask=p < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+            xpf = (wp * (xpf * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+            tl.store(x_ptr + p_offs, xpf, mask=p_mask)
     c = c[None, :]
     s = s[None, :]
     # every product and sum rounded to the model dtype, as the torch expression evaluates it
@@ -68,6 +89,9 @@ def _rotary_kernel(
     k_ptr,  # [T, KVH, D]
     cos_ptr,  # [T, R/2] f32
     sin_ptr,  # [T, R/2] f32
+    q_weight_ptr,  # [D] (HAS_NORM)
+    k_weight_ptr,  # [D] (HAS_NORM)
+    eps,
     stride_q_t,
     stride_q_h,
     stride_k_t,
@@ -75,10 +99,13 @@ def _rotary_kernel(
     stride_cs_t,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)  # one program per token: q and k heads together
     r = tl.arange(0, BLOCK_R)
@@ -87,12 +114,24 @@ def _rotary_kernel(
     dtype = q_ptr.dtype.element_ty
     c = tl.load(cos_ptr + t * stride_cs_t + r, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_cs_t + r, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr, t, stride_q_t, stride_q_h, c, s, NUM_HEADS, HALF, BLOCK_H, BLOCK_R)
-    _rotate_heads(k_ptr, t, stride_k_t, stride_k_h, c, s, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_R)
+    _norm_rotate_heads(q_ptr, t, stride_q_t, stride_q_h, c, s, q_weight_ptr, eps,
+                       NUM_HEADS, HEAD_DIM, HALF, HAS_NORM, BLOCK_H, BLOCK_R, BLOCK_P)  # fmt: skip
+    _norm_rotate_heads(k_ptr, t, stride_k_t, stride_k_h, c, s, k_weight_ptr, eps,
+                       NUM_KV_HEADS, HEAD_DIM, HALF, HAS_NORM, BLOCK_KH, BLOCK_R, BLOCK_P)  # fmt: skip
 
 
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Triton version of apply_rotary_ref that overwrites q and k (same dtype) in place."""
+def apply_rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """Triton version of apply_rotary_ref that overwrites q and k (same dtype) in place.
+
+    qk_norm = (q_weight [D], k_weight [D], eps) first applies the per-head RMSNorm (rms_norm_ref) to every
+    channel of each head, in the same launch: one kernel for Qwen3's q_norm, k_norm and rotary.
+    """
     num_tokens, num_heads, head_dim = q.shape
     half = cos.shape[-1]
     if k.shape[0] != num_tokens or k.shape[2] != head_dim or k.dtype != q.dtype or 2 * half > head_dim:
@@ -100,10 +139,16 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
                          f"match each other or cos/sin {tuple(cos.shape)} [T, R/2] with R <= D")
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
         raise ValueError("apply_rotary_: q, k, cos and sin need a contiguous last dimension")
-    if num_tokens == 0 or half == 0:
+    if qk_norm is not None and (qk_norm[0].shape != (head_dim,) or qk_norm[1].shape != (head_dim,)):
+        raise ValueError(f"apply_rotary_: q/k norm weights {tuple(qk_norm[0].shape)}, {tuple(qk_norm[1].shape)} "
+                         f"must be [{head_dim}]")
+    if num_tokens == 0 or (half == 0 and qk_norm is None):
         return
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)  # weights unread without norm
     _rotary_kernel[(num_tokens,)](
-        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_R=triton.next_power_of_2(half),
+        q, k, cos, sin, q_weight, k_weight, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HEAD_DIM=head_dim, HALF=half, HAS_NORM=qk_norm is not None,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        BLOCK_R=triton.next_power_of_2(max(half, 1)), BLOCK_P=triton.next_power_of_2(max(head_dim - 2 * half, 1)),
     )  # fmt: skip
