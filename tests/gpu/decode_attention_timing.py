@@ -7,6 +7,7 @@ Qwen3-30B-A3B attention (32 q heads, 4 kv heads, head_dim 128, bf16, block 16), 
 cache, so each layer's KV comes from HBM rather than L2. Reported per layer: the decode kernels alone
 (+ split reduction), the backend (kv write + decode), the bytes a call must read (K and V of every
 context token, q, out, block tables) over the measured copy bandwidth, and the torch backend's time.
+Then the prefill kernel on 4 fresh 4096-token prompts, a few tilings, against torch's SDPA.
 """
 
 from __future__ import annotations
@@ -133,10 +134,10 @@ def main() -> None:
         v = torch.randn_like(k)
         out = torch.empty_like(q)
 
-        def decode(splits: int | None, q=q, out=out, meta=meta, caches=caches) -> None:
+        def decode(splits: int | None, block_n: int = 64, q=q, out=out, meta=meta, caches=caches) -> None:
             for kc, vc in caches:
-                paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens_tensor,
-                                       meta.query_start_loc_tensor, scale, out, max_seq_len=CTX, num_splits=splits)
+                paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor,
+                                       scale, out, max_seq_len=CTX, num_splits=splits, block_n=block_n)
 
         def backend_call(q=q, k=k, v=v, meta=meta, caches=caches) -> None:
             for kv in caches:
@@ -146,6 +147,9 @@ def main() -> None:
         t_auto = graph_time_us(lambda: decode(None)) / LAYERS
         sweep = {s: graph_time_us(lambda s=s: decode(s)) / LAYERS for s in (1, 2, 4, 8, 16)}
         best = min(sweep, key=sweep.get)
+        tiles = {n: graph_time_us(lambda n=n: decode(None, n)) / LAYERS for n in (32, 128)}
+        print(f"batch {batch}: auto splits with BLOCK_N 32 / 64 / 128: {tiles[32]:.1f} / {t_auto:.1f} / "
+              f"{tiles[128]:.1f} µs", flush=True)
         t_backend = graph_time_us(backend_call) / LAYERS
         kv_bytes = 2 * batch * CTX * KVH * D * 2
         other = 2 * batch * H * D * 2 + tables.numel() * 8 + batch * 8
