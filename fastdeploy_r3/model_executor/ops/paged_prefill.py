@@ -13,6 +13,11 @@ context of seq_lens[b] tokens whose k/v (the new ones included) are already in t
     block_tables[b]. A decode token is the case q_len = 1, so mixed batches run here too.
 
 A row with seq_lens[b] == 0 (padding) writes zeros for its tokens.
+
+Measured on the H200 (2026-11-30, tests/gpu/decode_attention_timing.py): 4 fresh prompts of 4096 tokens,
+32:4 heads, D 128, bf16: 2.07 ms a layer (265 TFLOP/s) against 0.93 ms for torch's SDPA on contiguous
+tensors. Not yet done: packing a GQA group into one program (each K/V tile is now loaded once per query
+head), skipping the causal mask off the diagonal, and autotuning tiles per shape.
 """
 
 from __future__ import annotations

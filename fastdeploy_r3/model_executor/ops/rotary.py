@@ -9,8 +9,9 @@ optionally fused with the per-head q/k RMSNorm before it (Qwen3).
 
 The reference rounds as the HF code does in the model dtype (cos/sin cast to it, each product and the
 sum rounded); the kernel rounds at the same points, and the interpreter matches it bit for bit. On the
-H200 a few elements differed by one step of the dtype in float32 and bf16 (2026-11-30; in float32 the
-compiler may contract a multiply and a subtract into one FMA), so GPU tests bound the error to that step.
+H200 (2026-11-30) about 22 % of outputs differed from the reference by one step of the dtype, in float32
+and bf16 alike (in float32 the compiler may contract a multiply and a subtract into one FMA; the bf16 cause
+is not pinned down), so the GPU tests bound the error instead of asking for equality.
 """
 
 from __future__ import annotations
