@@ -147,6 +147,6 @@ def test_bfloat16_model_keeps_glm_router_in_float32(fake_model_dir) -> None:
     model = load_model(ModelConfig(model=fake_model_dir("glm4_moe"), dtype="bfloat16").finalize(), CPU)
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
-    assert model.model.layers[1].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     logits = _logits(model, [1, 2, 3])
     assert logits.dtype == torch.float32 and logits.isfinite().all()

@@ -112,7 +112,10 @@ def test_each_rank_loads_its_half_of_the_full_checkpoint(fake_model_dir, family:
     assert [m.num_kv_heads for m in ranks] == [full.num_kv_heads // 2] * 2 == [1, 1]
     attn = [m.model.layers[1].self_attn for m in [full, *ranks]]
     # q_proj rows = heads: rank 0 holds heads 0-1, rank 1 heads 2-3
-    assert torch.equal(torch.cat([attn[1].q_proj.weight, attn[2].q_proj.weight]), attn[0].q_proj.weight)
+    q_rows = [a.qkv_proj.shard("q") for a in attn]  # [NH / N * D, H] views of the merged weight
+    assert torch.equal(torch.cat(q_rows[1:]), q_rows[0])
+    v_rows = [a.qkv_proj.shard("v") for a in attn]
+    assert torch.equal(torch.cat(v_rows[1:]), v_rows[0])
     assert torch.equal(torch.cat([attn[1].o_proj.weight, attn[2].o_proj.weight], dim=1), attn[0].o_proj.weight)
     moe = [m.model.layers[1].mlp for m in [full, *ranks]]
     assert torch.equal(moe[1].gate.weight, moe[0].gate.weight)  # the router is replicated

@@ -11,6 +11,11 @@ KV cache layout, per layer (shared by every backend):
 A step's tokens are first written into their slots; then each request attends over positions
 [0, seq_lens[b]) read back through its block table, so a chunked prefill or a prefix-cache hit is
 the same code path as decode.
+
+Backends: TorchPagedAttentionBackend (a loop over requests; the CPU path and the oracle) and
+TritonPagedAttentionBackend (ops/: one kv-write launch, then one decode launch for the whole batch
+[+ a split reduction], or one prefill launch for ragged batches; no host sync, CUDA-graph safe).
+An Attention module without an explicit backend picks Triton for CUDA tensors, torch otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, get_forward_context
+from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from fastdeploy_r3.model_executor.ops.paged_decode import paged_decode_attention
+from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
+from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -70,9 +79,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         _, block_size, num_kv_heads, head_dim = k_cache.shape
-        slots = attn_metadata.slot_mapping.to(k_cache.device)  # [T]
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k.to(k_cache.dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.to(v_cache.dtype)
+        write_kv_cache_ref(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
 
         out = torch.empty_like(q)  # [T, H, D]
         for b, query_len in enumerate(attn_metadata.query_lens):
@@ -80,6 +87,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
                 continue
             start = attn_metadata.query_start_loc[b]
             seq_len = attn_metadata.seq_lens[b]
+            if seq_len == 0:  # a padded row, as the Triton backend treats it
+                out[start : start + query_len] = 0
+                continue
             num_used = -(-seq_len // block_size)
             block_ids = attn_metadata.block_tables[b, :num_used].to(k_cache.device)  # [nb]
             k_ctx = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
@@ -89,13 +99,46 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return out
 
 
-_default_backend: AttentionBackend = TorchPagedAttentionBackend()
+class TritonPagedAttentionBackend(AttentionBackend):
+    """Triton kernels over the device-side metadata; graph-safe when the metadata has a fixed capacity.
+
+    Every token must belong to a row (query_start_loc[B] == T); max_query_len == 1 takes the decode
+    kernel (split-KV sized by max_seq_len), anything longer the ragged prefill kernel.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        meta = attn_metadata
+        assert meta.seq_lens_tensor is not None and meta.query_start_loc_tensor is not None  # __post_init__
+        assert meta.max_query_len is not None and meta.max_seq_len is not None
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q if q.stride(2) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor, scale, out)
+        if meta.max_query_len == 1:
+            return paged_decode_attention(*args, max_seq_len=meta.max_seq_len)
+        return paged_prefill_attention(*args, max_query_len=meta.max_query_len)
 
 
-def set_default_attention_backend(backend: AttentionBackend) -> None:
-    """Backend used by Attention modules built afterwards (e.g. a Triton backend on CUDA)."""
+_default_backend: AttentionBackend | None = None
+
+
+def set_default_attention_backend(backend: AttentionBackend | None) -> None:
+    """Backend used by Attention modules built afterwards; None: chosen per call by the tensors' device."""
     global _default_backend
     _default_backend = backend
+
+
+_TORCH_BACKEND = TorchPagedAttentionBackend()
+_TRITON_BACKEND = TritonPagedAttentionBackend()
 
 
 class Attention(nn.Module):
@@ -117,5 +160,6 @@ class Attention(nn.Module):
             # no cache: the T tokens are one sequence starting at position 0 (tests, HF comparisons)
             out = _causal_attention(q, k, v, self.scale)
         else:
-            out = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.scale)
+            backend = self.backend or (_TRITON_BACKEND if use_triton(q) else _TORCH_BACKEND)
+            out = backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

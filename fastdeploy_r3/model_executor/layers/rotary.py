@@ -2,6 +2,10 @@
 
 Only the first `rotary_dim` channels of each head rotate; the rest pass through unchanged
 (GLM-4.5 uses partial_rotary_factor=0.5).
+
+cos/sin depend on the positions alone, so a model computes them once per forward (`cos_sin`) and every
+layer applies them (`apply`, with Qwen3's per-head q/k norms before it): in place by one Triton kernel
+on CUDA, by the torch references on the CPU.
 """
 
 from __future__ import annotations
@@ -9,10 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy_r3.model_executor.layers.norm import RMSNorm
+from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_, apply_rotary_ref
+from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+CosSin = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, R/2] float32
 
 
 class RotaryEmbedding(nn.Module):
@@ -24,21 +29,31 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.base = base
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D]; k [T, KVH, D] -> rotated (q, k), same shapes and dtypes."""
-        # recomputed per call (R/2 numbers) rather than a buffer, so that model.to(bfloat16) cannot round it;
+    def cos_sin(self, positions: torch.Tensor) -> CosSin:
+        """positions [T] -> cos, sin [T, R/2] float32."""
+        # recomputed per forward (R/2 numbers) rather than a buffer, so that model.to(bfloat16) cannot round it;
         # the formula is the HF reference's so that cos/sin agree bit for bit
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=positions.device) / self.rotary_dim
         inv_freq = 1.0 / (self.base**exponent)  # [R/2]
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
-        cos = emb.cos().to(q.dtype)[:, None, :]  # [T, 1, R]
-        sin = emb.sin().to(q.dtype)[:, None, :]  # [T, 1, R]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return freqs.cos(), freqs.sin()
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
-        if r == self.head_dim:
-            return x * cos + _rotate_half(x) * sin
-        x_rot, x_pass = x[..., :r], x[..., r:]  # [T, H, R], [T, H, D - R]
-        return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: CosSin, qk_norm: tuple[RMSNorm, RMSNorm] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, KVH, D] -> rotated (q, k), after the per-head norms qk_norm = (q_norm, k_norm)
+        if given. On CUDA one kernel does both and q and k are overwritten and returned."""
+        cos, sin = cos_sin
+        if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            if qk_norm is not None and qk_norm[0].eps != qk_norm[1].eps:
+                raise ValueError(f"q_norm eps {qk_norm[0].eps} and k_norm eps {qk_norm[1].eps} differ: give both one")
+            norm = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+            apply_rotary_(q, k, cos, sin, norm)
+            return q, k
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
+        return apply_rotary_ref(q, k, cos, sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, H, D]; k [T, KVH, D] -> rotated (q, k), same shapes and dtypes."""
+        return self.apply(q, k, self.cos_sin(positions))

@@ -14,7 +14,8 @@ Tensor parallel (N ranks, this one r): checkpoint names and shapes stay the full
 (checkpoint_weight_shapes); load_weights copies rank r's slice into each sharded parameter.
 
     replicated:        embed_tokens, lm_head, norms, q/k norms, router (mlp.gate + correction bias)
-    column-parallel:   q_proj, k_proj, v_proj (by heads), gate_proj, up_proj (dense + shared experts)
+    column-parallel:   q_proj, k_proj, v_proj (by heads, merged into self_attn.qkv_proj: one GEMM),
+                       gate_proj, up_proj (dense + shared experts)
     row-parallel:      o_proj, down_proj (+ all-reduce)
     split on I:        routed experts (w13 rows, w2 columns; one all-reduce per MoE block)
 """
@@ -29,10 +30,11 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.model_executor.layers.attention import Attention
-from fastdeploy_r3.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardedLinear, divide
+from fastdeploy_r3.model_executor.layers.linear import RowParallelLinear, ShardedLinear, divide
 from fastdeploy_r3.model_executor.layers.moe import FusedExperts, SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
-from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
+from fastdeploy_r3.model_executor.layers.qkv_linear import QKVParallelLinear
+from fastdeploy_r3.model_executor.layers.rotary import CosSin, RotaryEmbedding
 
 
 class WeightLoadingError(ValueError):
@@ -75,24 +77,25 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
         self.head_dim = head_dim
         tp = {"tp_rank": tp_rank, "tp_size": tp_size}
-        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, bias=qkv_bias, **tp)
-        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **tp)
-        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **tp)
+        self.qkv_proj = QKVParallelLinear(hidden_size, num_heads, num_kv_heads, head_dim, bias=qkv_bias, **tp)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, **tp)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, layer_idx)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions [T], x [T, H] -> [T, H]. NH, KVH below are this rank's head counts."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: CosSin | None = None) -> torch.Tensor:
+        """positions [T], x [T, H] -> [T, H]. NH, KVH below are this rank's head counts.
+
+        cos_sin: the rotary cos/sin of `positions`, when the model computed them once for all layers.
+        """
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, NH, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)  # views of one [T, (NH + 2 KVH) * D]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, NH, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        cos_sin = self.rotary.cos_sin(positions) if cos_sin is None else cos_sin
+        q, k = self.rotary.apply(q, k, cos_sin, None if self.q_norm is None else (self.q_norm, self.k_norm))
         return self.o_proj(self.attn(q, k, v))  # [T, NH * D] -> [T, H], summed over ranks
 
 
@@ -104,9 +107,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))  # [T, H]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [T, H]
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (the previous layer's MLP output, or the embeddings when residual is None), residual
+        [T, H] (the running sum before it) -> (this layer's MLP output, the running sum before it).
+
+        Each residual add is fused into the RMSNorm after it, so the stream is x_{l+1} = residual + x.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)  # residual = x + residual
+        h = self.self_attn(positions, h, cos_sin)  # [T, H]
+        h, residual = self.post_attention_layernorm(h, residual)  # residual = attention out + residual
+        return self.mlp(h), residual  # [T, H], [T, H]
 
 
 class _Backbone(nn.Module):
@@ -118,6 +133,7 @@ class _Backbone(nn.Module):
 
 
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_QKV_KEY = re.compile(r"^(?P<attn>.+\.self_attn)\.(?P<shard>[qkv])_proj\.(?P<param>weight|bias)$")
 
 
 class MoeCausalLM(nn.Module):
@@ -153,6 +169,8 @@ class MoeCausalLM(nn.Module):
         self.moe_layer_ids = moe_layer_ids
         self.num_layers = len(layers)
         self.num_kv_heads = layers[0].self_attn.num_kv_heads  # this rank's share
+        if any(layer.self_attn.rotary is not layers[0].self_attn.rotary for layer in layers):
+            raise ValueError("every layer must share one RotaryEmbedding: forward computes cos/sin once")
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.model = _Backbone(vocab, hidden, layers, rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -170,9 +188,13 @@ class MoeCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> hidden [T, H] (after the final norm)."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
+        cos_sin = self.model.layers[0].self_attn.rotary.cos_sin(positions)  # shared by every layer
+        residual = None
         for layer in self.model.layers:
-            x = layer(positions, x)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, cos_sin)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
@@ -205,7 +227,12 @@ class MoeCausalLM(nn.Module):
         for name, tensor in self._loadable_tensors():
             module_name, param_name = name.rsplit(".", 1)
             module = self.get_submodule(module_name)
-            if isinstance(module, ShardedLinear):
+            if isinstance(module, QKVParallelLinear):
+                if param_name == "weight":  # one pass per module: weight and bias names together
+                    attn = self._to_checkpoint_name(module_name.rsplit(".", 1)[0])
+                    for (shard, param), shape in module.checkpoint_shapes().items():
+                        shapes[f"{attn}.{shard}_proj.{param}"] = shape
+            elif isinstance(module, ShardedLinear):
                 shapes[self._to_checkpoint_name(name)] = module.full_shape(param_name)
             elif not isinstance(module, FusedExperts):
                 shapes[self._to_checkpoint_name(name)] = tuple(tensor.shape)
@@ -241,9 +268,12 @@ class MoeCausalLM(nn.Module):
                 )
             name = self._from_checkpoint_name(ckpt_name)
             m = _EXPERT_KEY.match(name)
+            qkv = _QKV_KEY.match(name)
             if m is not None:
                 proj = {gate_name: "gate", up_name: "up", down_name: "down"}[m["proj"]]
                 self.get_submodule(m["prefix"]).load_expert(int(m["expert"]), proj, w)
+            elif qkv is not None:
+                self.get_submodule(f"{qkv['attn']}.qkv_proj").load_shard(qkv["shard"], qkv["param"], w)
             else:
                 module_name, param_name = name.rsplit(".", 1)
                 module = self.get_submodule(module_name)
