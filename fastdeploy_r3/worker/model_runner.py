@@ -8,6 +8,7 @@ the tokens leave the worker, so when the engine sees a token, every forwarded ro
 from __future__ import annotations
 
 import logging
+import random
 
 import numpy as np
 import torch
@@ -18,8 +19,9 @@ from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.sampling_params import SamplingParams
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from fastdeploy_r3.worker.batch_sampler import SampledIds, SamplingBatch, sample_batch
+from fastdeploy_r3.worker.input_batch import InputBatcher
 from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
-from fastdeploy_r3.worker.sampler import sample_token
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,10 @@ class ModelRunner:
         self.mapped_writer = None  # MappedRoutingWriter on rank 0 on CUDA: the kernel path of §5.2
         self.routing_capture = None
         self._params: dict[str, SamplingParams] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}  # per request: the sampling noise is a function of (seed, position)
+        self._unseeded = random.Random()  # seeds for requests that bring none
+        self.input_batcher = InputBatcher(self.block_size, self.device)
+        self._sampled_ids = SampledIds(config.scheduler_config.max_num_seqs, self.device)
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -138,85 +143,70 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_request_ids:
             self._params.pop(rid, None)
-            self._generators.pop(rid, None)
+            self._seeds.pop(rid, None)
         if not step.requests:
             return StepOutput(step.step_id, {})
         model = self.model
         assert model is not None and self.kv_cache is not None
         bs = self.block_size
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tags: list[int] = []
-        query_start_loc = [0]
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[tuple[int, ScheduledRequestData]] = []
+        inp = self.input_batcher.prepare(step.requests)
         for r in step.requests:
             self._remember(r)
-            n = len(r.token_ids)
-            pos = np.arange(r.start_pos, r.start_pos + n, dtype=np.int64)
-            table = np.asarray(r.block_table, dtype=np.int64)
-            block_idx = pos // bs
-            input_ids.extend(r.token_ids)
-            positions.extend(pos.tolist())
-            slots.extend((table[block_idx] * bs + pos % bs).tolist())
-            tags.extend(np.asarray(r.block_tags, dtype=np.int64)[block_idx].tolist())
-            query_lens.append(n)
-            seq_lens.append(r.start_pos + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-            if r.sample:
-                sample_rows.append((query_start_loc[-1] - 1, r))
-
-        max_blocks = max(len(r.block_table) for r in step.requests)
-        tables = torch.zeros((len(step.requests), max_blocks), dtype=torch.int64)
-        for i, r in enumerate(step.requests):
-            tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int64)
-        dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)  # [T]
+        slot_t, pos_t = inp.slot_mapping, inp.positions  # [T], [T]
         meta = AttentionMetadata(
             slot_mapping=slot_t,
-            query_start_loc=query_start_loc,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=tables.to(dev),
+            query_start_loc=inp.query_start_loc,
+            query_lens=inp.query_lens,
+            seq_lens=inp.seq_lens,
+            block_tables=inp.block_tables,
             block_size=bs,
         )
         kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.kv_cache.shape[0])]
         capture = self.routing_capture
         if capture is not None:
-            capture.begin_step(len(input_ids), pos_t)
+            capture.begin_step(inp.num_tokens, pos_t)
         with set_forward_context(ForwardContext(meta, kv_caches, capture)):
-            hidden = model(ids_t, pos_t)  # [T, H]
+            hidden = model(inp.input_ids, pos_t)  # [T, H]
 
         if capture is not None:
             capture.check_complete()
             if self.mapped_writer is not None:
-                tags_t = torch.tensor(tags, dtype=torch.int64, device=dev)  # [T]
-                self.mapped_writer.write(capture.device_rows(len(input_ids)), slot_t, tags_t)
+                self.mapped_writer.write(capture.device_rows(inp.num_tokens), slot_t, inp.tags)
             elif self.routing_writer is not None:
-                rows = capture.step_rows(len(input_ids))  # [T, L, K]
-                self.routing_writer.write_step(np.asarray(slots), rows, np.asarray(tags), np.asarray(positions))
+                rows = capture.step_rows(inp.num_tokens)  # [T, L, K]
+                self.routing_writer.write_step(inp.slots_np, rows, inp.tags_np, inp.positions_np)
 
         sampled: dict[str, int] = {}
         # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
-        if sample_rows and self.rank == 0:
-            idx = torch.tensor([i for i, _ in sample_rows], dtype=torch.int64, device=dev)
-            logits = model.compute_logits(hidden[idx]).float().cpu()  # [S, V]
-            for row, (_, r) in enumerate(sample_rows):
-                sampled[r.request_id] = sample_token(
-                    logits[row], self._params[r.request_id], self._generators.get(r.request_id)
-                )
+        if inp.sample_rows and self.rank == 0:
+            sampled = self._sample(hidden, inp.sample_idx, inp.sample_rows)
         return StepOutput(step.step_id, sampled)
+
+    def _sample(
+        self, hidden: torch.Tensor, sample_idx: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequestData]]
+    ) -> dict[str, int]:
+        """hidden [T, H], sample_idx [S] -> {request id: token}; the step's only host sync (batch_sampler.py)."""
+        model = self.model
+        assert model is not None
+        logits = model.compute_logits(hidden[sample_idx])  # [S, V] float32
+        params = [self._params[r.request_id] for _, r in sample_rows]
+        batch = SamplingBatch.build(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            seeds=[self._seeds[r.request_id] for _, r in sample_rows],
+            counters=[r.start_pos + len(r.token_ids) for _, r in sample_rows],  # position of the new token
+            device=self.device,
+        )
+        ids = self._sampled_ids.fetch(sample_batch(logits, batch))
+        return {r.request_id: tok for (_, r), tok in zip(sample_rows, ids)}
 
     def _remember(self, r: ScheduledRequestData) -> None:
         if r.sampling_params is not None:
             self._params[r.request_id] = r.sampling_params
-            if r.sampling_seed is not None:
-                self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
+            seed = r.sampling_seed
+            self._seeds[r.request_id] = seed if seed is not None else self._unseeded.getrandbits(63)
 
     def close(self) -> None:
         if self.mapped_writer is not None:
