@@ -194,7 +194,12 @@ class StepBench:
         }
 
     def close(self) -> None:
+        """Free the model, KV cache and SHM (a later HF comparison needs the device memory)."""
         self.set_r3(True)
         self.runner.close()
+        self.runner.model = None
+        self._capture = self._mapped = self._cpu_writer = None
         self.routing_host.close()
         unlink_all(self.suffix)
+        if self.config.device == "cuda":
+            torch.cuda.empty_cache()
