@@ -69,6 +69,7 @@ class ModelConfig:
     seed: int = 0
     weight_version: str = "0"
     tokenizer: str | None = None
+    enforce_eager: bool = False  # True: no CUDA graphs for decode (worker/cuda_graph_runner.py)
     # read from config.json by finalize()
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     architecture: str = ""
@@ -408,6 +409,7 @@ class EngineConfig:
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--weight-version", default="0")
+        p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs (every step eager)")
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--num-gpu-blocks-override", type=int, default=None)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -429,7 +431,7 @@ class EngineConfig:
         kw = {
             name: getattr(args, name)
             for name in (
-                "dtype", "load_format", "max_model_len", "seed", "weight_version", "block_size",
+                "dtype", "load_format", "max_model_len", "seed", "weight_version", "enforce_eager", "block_size",
                 "num_gpu_blocks_override", "gpu_memory_utilization", "kv_cache_space_gib",
                 "enable_prefix_caching", "swap_space", "num_cpu_blocks_override", "kv_storage",
                 "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",

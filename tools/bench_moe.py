@@ -6,7 +6,7 @@ Qwen3-30B-A3B expert shape (E=128, K=8, H=2048, I=768), one weight set per layer
 on random hidden states. Per batch size and backend: all layers eager, and all layers replayed from one
 CUDA graph (the decode path), against the roofline = experts touched (counted from the routing, per
 layer) x bytes per expert / copy bandwidth (measured here). Triton is also timed for each block config
-of a small sweep. The last table says which backend fused_moe.GROUPED_MM_MIN_TOKENS should pick.
+of a small sweep. The tables say which backend fused_moe.choose_backend should pick (graphed and eager).
 """
 
 from __future__ import annotations
@@ -137,14 +137,15 @@ def main() -> None:
             print(f"bs {bs:4d} {name:34s} eager {eager * 1e3:8.2f} ms  graph {graph_s * 1e3:8.2f} ms  "
                   f"roofline {roof * 1e3:6.2f} ms  graph/roof {graph_s / roof:5.2f}", flush=True)
         results.append(row)
-    print("\n| batch | experts/layer | roofline ms | triton[auto] graph ms | best triton ms | grouped_mm ms |")
-    print("| ----- | ------------- | ----------- | --------------------- | -------------- | ------------- |")
-    for row in results:
-        tri = [v["graph_ms"] for k, v in row.items() if k.startswith("triton[") and isinstance(v, dict)]
-        gmm = row.get("grouped_mm", {}).get("graph_ms", float("nan"))
-        auto = row.get("triton[auto]", {}).get("graph_ms", float("nan"))
-        print(f"| {row['batch']:5d} | {row['experts_touched_per_layer']:13.1f} | {row['roofline_ms']:11.2f} | "
-              f"{auto:21.2f} | {min(tri, default=float('nan')):14.2f} | {gmm:13.2f} |")
+    for mode in ("graph_ms", "eager_ms"):
+        print(f"\n{mode}: | batch | experts/layer | roofline ms | triton[auto] | best triton | grouped_mm |")
+        print("| ----- | ------------- | ----------- | ------------ | ----------- | ---------- |")
+        for row in results:
+            tri = [v[mode] for k, v in row.items() if k.startswith("triton[") and isinstance(v, dict)]
+            gmm = row.get("grouped_mm", {}).get(mode, float("nan"))
+            auto = row.get("triton[auto]", {}).get(mode, float("nan"))
+            print(f"| {row['batch']:5d} | {row['experts_touched_per_layer']:13.1f} | {row['roofline_ms']:11.2f} | "
+                  f"{auto:12.2f} | {min(tri, default=float('nan')):11.2f} | {gmm:10.2f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "moe_bench.json"), "w") as f:

@@ -145,7 +145,9 @@ def profile_steps(bench, steps: int, path: str) -> dict:  # noqa: ANN001
         bench.decode([True] * steps)
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-    sort_key = "self_cuda_time_total" if bench.runner.device.type == "cuda" else "self_cpu_time_total"
+    cuda = bench.runner.device.type == "cuda"
+    sort_key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"  # FunctionEventAvg's name for it
     with open(path, "w") as f:
         f.write(events.table(sort_by=sort_key, row_limit=60))
     count = {e.key: e.count for e in events}
@@ -157,8 +159,8 @@ def profile_steps(bench, steps: int, path: str) -> dict:  # noqa: ANN001
                                                                        "cudaLaunchKernelExC")) / steps,
         "syncs_per_step": sum(c for k, c in count.items() if "Synchronize" in k) / steps,
         "nonzero_per_step": count.get("aten::nonzero", 0) / steps,
-        "top": [(e.key, getattr(e, sort_key) / steps / 1e3)
-                for e in sorted(events, key=lambda e: -getattr(e, sort_key))[:12]],
+        "top": [(e.key, getattr(e, attr, 0) / steps / 1e3)
+                for e in sorted(events, key=lambda e: -getattr(e, attr, 0))[:12]],
     }
 
 
@@ -174,9 +176,12 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
     num_blocks = max(max(batches) * per_req, args.prefill_prompts * (-(-(args.prefill_len + 1) // block_size))) + 1
     bw = copy_bandwidth(args.device)
     bench = StepBench(model_dir, args.device, args.dtype, load_format, max(batches), max_len, num_blocks, block_size,
-                      args.max_num_batched_tokens)  # fmt: skip
+                      args.max_num_batched_tokens, args.enforce_eager)  # fmt: skip
     vocab = bench.runner.model.vocab_size
-    print(f"model loaded in {bench.load_s:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    graphs = bench.runner.decode_graphs
+    print(f"model loaded in {bench.load_s:.1f} s; decode CUDA graphs: "
+          f"{graphs.sizes if graphs else 'none'} ({bench.graph_capture_s:.1f} s); "
+          f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     rows = []
     profile = None
     try:
@@ -203,7 +208,8 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
         prefill_tok_s = args.prefill_prompts * args.prefill_len / prefill_s
     finally:
         bench.close()
-    return {"copy_bandwidth": bw, "rows": rows, "prefill_tok_s": prefill_tok_s, "profile": profile}
+    return {"copy_bandwidth": bw, "rows": rows, "prefill_tok_s": prefill_tok_s, "profile": profile,
+            "cuda_graphs": graphs is not None}
 
 
 def bench_hf(model_dir: str, device: str, dtype: str, batches: list[int], prompt_len: int, steps: int) -> dict:
@@ -255,7 +261,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def print_engine_table(res: dict, hf: dict, title: str) -> None:
-    print(f"\n{title}; copy bandwidth {res['copy_bandwidth'] / 1e12:.3f} TB/s\n")
+    print(f"\n{title}; decode CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; "
+          f"copy bandwidth {res['copy_bandwidth'] / 1e12:.3f} TB/s\n")
     print("| batch | step ms | roofline ms | step / roofline | output tok/s | R3 on/off | host prep µs "
           "| experts/layer |" + (" HF step ms |" if hf else ""))
     print("| ----- | ------- | ----------- | --------------- | ------------ | --------- | ------------ "
@@ -288,6 +295,7 @@ def main() -> None:
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=None, help="default 4096 on CUDA, 64 on the CPU")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
     ap.add_argument("--profile-batch", type=int, default=16)
     ap.add_argument("--png", default=None)
     ap.add_argument("--out", default=None, help="directory for the profile table and bench.json")

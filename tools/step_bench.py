@@ -46,14 +46,17 @@ class StepBench:
         num_blocks: int,
         block_size: int = 16,
         max_num_batched_tokens: int = 8192,
+        enforce_eager: bool = False,
     ) -> None:
-        """max_len: the longest sequence (prompt + decode steps); num_blocks: KV blocks for the largest batch."""
+        """max_len: the longest sequence (prompt + decode steps); num_blocks: KV blocks for the largest batch.
+        Decode steps replay CUDA graphs unless enforce_eager (or the attention backend is not graph-safe)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.config = EngineConfig.from_kwargs(
             model_dir, device=device, dtype=dtype, load_format=load_format, block_size=block_size,
             max_num_seqs=max_batch, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
             num_gpu_blocks_override=num_blocks, routing_replay_config={"enable_routing_replay": True},
+            enforce_eager=enforce_eager,
         )  # fmt: skip
         self.suffix = new_engine_suffix()
         self.runner = ModelRunner(self.config, 0, 1, self.suffix)
@@ -67,12 +70,16 @@ class StepBench:
                                  rr.moe_top_k, rr.routing_dtype.name)  # fmt: skip
         self.routing_host = RoutingBuffer.create(spec)
         self.runner.attach_routing(spec)
+        t0 = time.perf_counter()
+        self.runner.capture_decode_graphs()
+        self.graph_capture_s = time.perf_counter() - t0
         self._capture = self.runner.routing_capture
         self._mapped = self.runner.mapped_writer
         self._cpu_writer = self.runner.routing_writer
         self._next_id = 0
         self.requests: list[tuple[str, list[int], int]] = []  # (request id, block table, next position)
         self.last_tokens: dict[str, int] = {}
+        self.sampled: list[dict[str, int]] = []  # every step's tokens, in order
         self.host_prep_s: list[float] = []
         self._wrap_prepare()
 
@@ -102,7 +109,10 @@ class StepBench:
     def _step(self, requests: list[ScheduledRequestData]) -> dict[str, int]:
         self._next_id += 1
         out = self.runner.execute(StepInput(self._next_id, requests))
+        if out.error:
+            raise RuntimeError(f"step {self._next_id} failed: {out.error}")
         self.last_tokens.update(out.sampled_token_ids)
+        self.sampled.append(out.sampled_token_ids)
         return out.sampled_token_ids
 
     # -- phases -------------------------------------------------------------------------------------
@@ -119,7 +129,7 @@ class StepBench:
         self.reset()
         self.set_r3(True)
         budget = self.config.scheduler_config.max_num_batched_tokens
-        next_block = 1  # block 0 is never handed out, as in the engine's pool
+        next_block = 0
         for i, p in enumerate(prompts):
             n = -(-(len(p) + reserve) // self.block_size)
             if next_block + n > self.num_blocks:

@@ -22,12 +22,32 @@ class AttentionMetadata:
     its K/V goes to slot_mapping[t] = block_tables[b, pos // block_size] * block_size + pos % block_size.
     """
 
-    slot_mapping: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, < 0 for a padded token (writes no KV)
     query_start_loc: list[int]  # [B + 1]
     query_lens: list[int]  # [B]   new tokens this step
     seq_lens: list[int]  # [B]   context length after this step (computed + new)
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     block_size: int
+
+    # What graph-safe backends (Triton) read, all on block_tables' device. Left out, they are built from
+    # the lists above. Under a CUDA graph the runner passes tensors of a fixed capacity B_max instead
+    # (block_tables [B_max, max_blocks] too) and rewrites them in place before each replay; padded rows
+    # have seq_len 0 (their tokens, if any, come out as zeros and write nothing).
+    seq_lens_tensor: torch.Tensor | None = None  # [B] int32
+    query_start_loc_tensor: torch.Tensor | None = None  # [B + 1] int32; query_start_loc[B] == T
+    max_query_len: int | None = None  # host bound on query_lens: 1 selects the decode kernel
+    max_seq_len: int | None = None  # host bound on seq_lens: sizes the decode splits (a graph: max_model_len)
+
+    def __post_init__(self) -> None:
+        dev = self.block_tables.device
+        if self.seq_lens_tensor is None:
+            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int32, device=dev)
+        if self.query_start_loc_tensor is None:
+            self.query_start_loc_tensor = torch.tensor(self.query_start_loc, dtype=torch.int32, device=dev)
+        if self.max_query_len is None:
+            self.max_query_len = max(self.query_lens, default=0)
+        if self.max_seq_len is None:
+            self.max_seq_len = max(self.seq_lens, default=0)
 
 
 class RoutingCaptureSink(Protocol):

@@ -3,8 +3,8 @@
 Shape legend: B = requests in the step, T = tokens, MB = widest block table.
 
     staging (pinned on CUDA, int64):
-        [ input_ids T | positions T | slot_mapping T | tags T | block_tables B*MB | sample_idx S ]
-          └──────────────────────────────── one H2D copy ────────────────────────────────┘
+        [ input_ids T | positions T | slot_mapping T | tags T | block_tables B*MB | sample_idx S |
+          seq_lens B | query_start_loc B+1 ]     └── one H2D copy of all of it ──┘
     device tensors are views of the copied buffer.
 
 The staging buffer is reused; before refilling it the host waits for the event recorded after the
@@ -31,6 +31,8 @@ class StepInputs:
     tags: torch.Tensor  # [T] int64, device
     block_tables: torch.Tensor  # [B, MB] int64, device, padded with 0
     sample_idx: torch.Tensor  # [S] int64, device: the token rows whose logits sample
+    seq_lens_tensor: torch.Tensor  # [B] int32, device
+    query_start_loc_tensor: torch.Tensor  # [B + 1] int32, device
     positions_np: np.ndarray  # [T] host copies, for the CPU routing writer
     slots_np: np.ndarray  # [T]
     tags_np: np.ndarray  # [T]
@@ -65,7 +67,10 @@ class InputBatcher:
         num_reqs = len(requests)
         num_sample = sum(1 for r in requests if r.sample)
         table_end = 4 * num_tokens + num_reqs * max_blocks
-        buf = self._staging_buffer(table_end + num_sample)
+        sample_end = table_end + num_sample
+        buf = self._staging_buffer(sample_end + 2 * num_reqs + 1)
+        buf[sample_end : sample_end + num_reqs] = seq_lens
+        buf[sample_end + num_reqs :] = query_start_loc
         ids, positions, slots, tags = (buf[i * num_tokens : (i + 1) * num_tokens] for i in range(4))
         tables = buf[4 * num_tokens : table_end].reshape(num_reqs, max_blocks)
         tables[:] = 0
@@ -94,7 +99,9 @@ class InputBatcher:
         return StepInputs(
             num_tokens=t,
             input_ids=dev[:t], positions=dev[t : 2 * t], slot_mapping=dev[2 * t : 3 * t], tags=dev[3 * t : 4 * t],
-            block_tables=dev[4 * t : table_end].view(num_reqs, max_blocks), sample_idx=dev[table_end:],
+            block_tables=dev[4 * t : table_end].view(num_reqs, max_blocks), sample_idx=dev[table_end:sample_end],
+            seq_lens_tensor=dev[sample_end : sample_end + num_reqs].to(torch.int32),
+            query_start_loc_tensor=dev[sample_end + num_reqs :].to(torch.int32),
             positions_np=positions.copy(), slots_np=slots.copy(), tags_np=tags.copy(),
             query_start_loc=query_start_loc, query_lens=query_lens, seq_lens=seq_lens, sample_rows=sample_rows,
         )

@@ -20,6 +20,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.sampling_params import SamplingParams
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.batch_sampler import SampledIds, SamplingBatch, sample_batch
+from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher
 from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
 
@@ -44,6 +45,7 @@ class ModelRunner:
         self.routing_writer = None  # RoutingCacheManager on rank 0: checked writes into routing_host
         self.mapped_writer = None  # MappedRoutingWriter on rank 0 on CUDA: the kernel path of §5.2
         self.routing_capture = None
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA, graph-safe attention, not enforce_eager
         self._params: dict[str, SamplingParams] = {}
         self._seeds: dict[str, int] = {}  # per request: the sampling noise is a function of (seed, position)
         self._unseeded = random.Random()  # seeds for requests that bring none
@@ -137,6 +139,25 @@ class ModelRunner:
             device=self.device,
         )
 
+    def capture_decode_graphs(self) -> None:
+        """CUDA: record the decode graphs at start-up, after attach_routing (they bake in its capture)."""
+        if self.device.type != "cuda" or self.config.model_config.enforce_eager or self.model is None:
+            return
+        if not attention_is_graph_safe(self.model):
+            logger.info("decode runs eagerly: the attention backend is not CUDA-graph safe")
+            return
+        assert self.kv_cache is not None and self.config.model_config.max_model_len is not None
+        graphs = DecodeGraphs(
+            self.model, self._kv_caches(), self.routing_capture, self.config.scheduler_config.max_num_seqs,
+            self.config.model_config.max_model_len, self.block_size, self.device,
+        )  # fmt: skip
+        graphs.capture()
+        self.decode_graphs = graphs
+
+    def _kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.kv_cache is not None
+        return [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.kv_cache.shape[0])]
+
     # -- steps --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -161,13 +182,22 @@ class ModelRunner:
             seq_lens=inp.seq_lens,
             block_tables=inp.block_tables,
             block_size=bs,
+            seq_lens_tensor=inp.seq_lens_tensor,
+            query_start_loc_tensor=inp.query_start_loc_tensor,
         )
-        kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.kv_cache.shape[0])]
+        kv_caches = self._kv_caches()
         capture = self.routing_capture
         if capture is not None:
             capture.begin_step(inp.num_tokens, pos_t)
-        with set_forward_context(ForwardContext(meta, kv_caches, capture)):
-            hidden = model(inp.input_ids, pos_t)  # [T, H]
+        graphs = self.decode_graphs
+        logits = None
+        if graphs is not None and graphs.can_run(step.requests):
+            if capture is not None:
+                capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
+            logits = graphs.replay(inp)  # [B, V]: a decode step, every row samples
+        else:
+            with set_forward_context(ForwardContext(meta, kv_caches, capture)):
+                hidden = model(inp.input_ids, pos_t)  # [T, H]
 
         if capture is not None:
             capture.check_complete()
@@ -180,16 +210,13 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
         if inp.sample_rows and self.rank == 0:
-            sampled = self._sample(hidden, inp.sample_idx, inp.sample_rows)
+            if logits is None:
+                logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
+            sampled = self._sample(logits, inp.sample_rows)
         return StepOutput(step.step_id, sampled)
 
-    def _sample(
-        self, hidden: torch.Tensor, sample_idx: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequestData]]
-    ) -> dict[str, int]:
-        """hidden [T, H], sample_idx [S] -> {request id: token}; the step's only host sync (batch_sampler.py)."""
-        model = self.model
-        assert model is not None
-        logits = model.compute_logits(hidden[sample_idx])  # [S, V] float32
+    def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequestData]]) -> dict[str, int]:
+        """logits [S, V] -> {request id: token}; the step's only host sync (batch_sampler.py)."""
         params = [self._params[r.request_id] for _, r in sample_rows]
         batch = SamplingBatch.build(
             temperature=[p.temperature for p in params],
@@ -209,6 +236,7 @@ class ModelRunner:
             self._seeds[r.request_id] = seed if seed is not None else self._unseeded.getrandbits(63)
 
     def close(self) -> None:
+        self.decode_graphs = None  # before the KV cache and capture buffer its graphs point into
         if self.mapped_writer is not None:
             self.mapped_writer.close()
             self.mapped_writer = None

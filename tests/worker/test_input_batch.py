@@ -22,6 +22,8 @@ def test_two_requests_prefill_chunk_and_decode() -> None:
     assert inp.tags.tolist() == [70, 70, 70, 70, 20, 50]
     assert inp.block_tables.tolist() == [[7, 2, 0], [1, 3, 5]]
     assert inp.sample_idx.tolist() == [5]
+    assert inp.seq_lens_tensor.tolist() == [5, 10] and inp.query_start_loc_tensor.tolist() == [0, 5, 6]
+    assert inp.seq_lens_tensor.dtype == torch.int32
     assert [r.request_id for _, r in inp.sample_rows] == ["b"]
     assert (inp.query_start_loc, inp.query_lens, inp.seq_lens) == ([0, 5, 6], [5, 1], [5, 10])
     # the next step refills the staging buffer; this step's tensors do not change under it

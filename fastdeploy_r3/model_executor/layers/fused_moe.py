@@ -3,18 +3,28 @@
 Shape legend: T = tokens, H = hidden, I = expert intermediate (this rank's), E = experts, K = experts per
 token, N = T * K routed rows.
 
-    backend       what runs                                                  good for
-    "triton"      align_to_blocks + two Triton kernels (ops/fused_moe_triton)  few tokens: 2 GEMM launches
-    "grouped_mm"  sort_by_expert + two torch._grouped_mm (CUTLASS on sm90)     many tokens, bf16 only
-    "loop"        moe.loop_experts: a Python loop over the experts hit        CPU, and the oracle
+    backend       what runs
+    "triton"      align_to_blocks + two Triton kernels (ops/fused_moe_triton.py)
+    "grouped_mm"  sort_by_expert + two torch._grouped_mm (CUTLASS on sm90; bf16 only on CUDA)
+    "loop"        moe.loop_experts: a Python loop over the experts hit (CPU, and the oracle)
 
-Neither fused backend syncs with the host, so a decode step can be recorded in a CUDA graph. Which one
-"auto" picks per batch size is the table GROUPED_MM_MIN_TOKENS below, set from tools/bench_moe.py on an
-H200 (bf16, Qwen3-30B-A3B expert shape); torch._grouped_mm's CUDA kernels take bf16 only, so other
-dtypes always get Triton.
+Neither fused backend syncs with the host, so a decode step can be recorded in a CUDA graph. "auto"
+picks by what tools/bench_moe.py measured on an H200 (bf16, Qwen3-30B-A3B experts, 48 layers, ms):
+
+    batch                        1      16      64     256
+    Triton, one CUDA graph     5.07   13.20   19.26   21.56     roofline 0.86 / 8.89 / 13.57 / 13.82
+    grouped_mm, one graph      5.81   17.83   25.15   27.15
+    Triton, eager             47.7    34.6    29.7    50.0      (host-bound: ~14 launches a layer)
+    grouped_mm, eager         28.2    22.0    27.2    35.1
+
+so Triton wherever the step is being recorded into a CUDA graph (and for every dtype but bf16), and
+grouped_mm for bf16 steps launched eagerly, at every batch size.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +33,19 @@ from fastdeploy_r3.model_executor.ops.moe_align import sort_by_expert
 
 BACKENDS = ("auto", "triton", "grouped_mm", "loop")
 
-# From this many tokens on, "auto" takes torch._grouped_mm (bf16 on CUDA); below, the Triton kernels.
-GROUPED_MM_MIN_TOKENS = 64
+_graph_kernels = False
+
+
+@contextmanager
+def graph_kernels() -> Iterator[None]:
+    """"auto" picks the graph kernels (Triton) inside, also for the eager warm-up run before a capture, so
+    that the kernels compile before the capture and not during it."""
+    global _graph_kernels
+    prev, _graph_kernels = _graph_kernels, True
+    try:
+        yield
+    finally:
+        _graph_kernels = prev
 
 
 def grouped_mm_experts(
@@ -47,13 +68,13 @@ def grouped_mm_experts(
 
 
 def choose_backend(backend: str, x: torch.Tensor) -> str:
-    """Resolve "auto" for this batch: loop on the CPU, else Triton or grouped_mm by batch size and dtype."""
+    """Resolve "auto": loop on the CPU; on CUDA Triton inside a graph capture or for non-bf16, else grouped_mm."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     if not x.is_cuda:
         return "loop"
-    if x.dtype == torch.bfloat16 and x.shape[0] >= GROUPED_MM_MIN_TOKENS:
+    if x.dtype == torch.bfloat16 and not (_graph_kernels or torch.cuda.is_current_stream_capturing()):
         return "grouped_mm"
     return "triton"

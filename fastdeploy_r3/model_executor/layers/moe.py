@@ -65,7 +65,9 @@ def grouped_sigmoid_topk(
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)  # [T, G]
     expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(num_tokens, num_experts)  # [T, E]
     biased = biased.masked_fill(expert_mask == 0, float("-inf"))  # [T, E]
-    topk_ids = biased.topk(top_k, dim=-1, sorted=False)[1]  # [T, K]
+    # sorted (HF's reference uses sorted=False): the unsorted order is the device's choice, and R3 rows of
+    # the same routing must not depend on whether the step ran on the CPU or a GPU
+    topk_ids = biased.topk(top_k, dim=-1, sorted=True)[1]  # [T, K], by biased score, best first
     topk_weights = scores.gather(1, topk_ids)  # [T, K]
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
