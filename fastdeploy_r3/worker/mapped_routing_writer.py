@@ -46,10 +46,17 @@ class MappedRoutingWriter:
         self.rows = _HostPointer(self._base, _TORCH_DTYPE[buffer.rows.dtype])
         self.tags = _HostPointer(buffer.tags.ctypes.data, torch.int64)
 
-    def write(self, step_rows: torch.Tensor, slot_mapping: torch.Tensor, tags: torch.Tensor) -> None:
-        """step_rows [T, L, K] int32 on the device, slot_mapping [T], tags [T] int64; done on return."""
+    def write(
+        self, step_rows: torch.Tensor, slot_mapping: torch.Tensor, tags: torch.Tensor, synchronize: bool = True
+    ) -> None:
+        """step_rows [T, L, K] int32 on the device, slot_mapping [T], tags [T] int64; done on return.
+
+        synchronize=False leaves the wait to the caller, who must synchronise the stream (the step's
+        sampled-token fetch does) before the step's tokens are published.
+        """
         scatter_rows_to_host(step_rows, slot_mapping, tags, self.rows, self.tags)
-        torch.cuda.current_stream(step_rows.device).synchronize()
+        if synchronize:
+            torch.cuda.current_stream(step_rows.device).synchronize()
 
     def close(self) -> None:
         if self._base:

@@ -202,7 +202,11 @@ class ModelRunner:
         if capture is not None:
             capture.check_complete()
             if self.mapped_writer is not None:
-                self.mapped_writer.write(capture.device_rows(inp.num_tokens), slot_t, inp.tags)
+                # when this rank samples, the sampled-ids fetch below is the step's one sync and comes after
+                # the scatter on the same stream: the rows are in place before any token is published
+                samples_here = bool(inp.sample_rows) and self.rank == 0
+                self.mapped_writer.write(capture.device_rows(inp.num_tokens), slot_t, inp.tags,
+                                         synchronize=not samples_here)  # fmt: skip
             elif self.routing_writer is not None:
                 rows = capture.step_rows(inp.num_tokens)  # [T, L, K]
                 self.routing_writer.write_step(inp.slots_np, rows, inp.tags_np, inp.positions_np)

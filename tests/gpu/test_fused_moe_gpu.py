@@ -14,6 +14,7 @@ from fastdeploy_r3.model_executor.layers.fused_moe import grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, loop_experts
 from fastdeploy_r3.model_executor.layers.routing_capture import RoutingCapture
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
+from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks_torch, align_to_blocks_triton
 from fastdeploy_r3.worker.batch_sampler import SamplingBatch, sample_batch
 
 pytestmark = pytest.mark.gpu
@@ -33,6 +34,19 @@ def random_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 256, 512])
+def test_align_kernel_puts_the_same_rows_in_the_same_blocks_as_torch(num_tokens: int) -> None:
+    """Atomics may order the rows inside a block differently; each block's expert and row set are the same."""
+    torch.manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, 128, device=CUDA).topk(8, dim=-1).indices  # [T, 8]
+    a, b = align_to_blocks_triton(ids, 128, 16), align_to_blocks_torch(ids, 128, 16)
+    n = int(b.num_padded)
+    assert int(a.num_padded) == n and bool((a.sorted_ids[n:] == ids.numel()).all())
+    assert torch.equal(a.block_expert[: n // 16], b.block_expert[: n // 16])
+    blocks_a = a.sorted_ids[:n].view(-1, 16).sort(dim=1).values
+    assert torch.equal(blocks_a, b.sorted_ids[:n].view(-1, 16).sort(dim=1).values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -78,7 +78,8 @@ def test_auto_backend_is_the_loop_on_the_cpu() -> None:
 
 
 def test_triton_kernels_match_the_loop_for_three_gatings_under_the_interpreter() -> None:
-    """Ragged token counts through the Triton kernels (TRITON_INTERPRET=1, float32): the same output
+    """The one-launch alignment kernel equals the torch alignment; ragged token counts through the Triton
+    expert kernels (TRITON_INTERPRET=1, float32): the same output
     (1e-5) and the same captured ids as the loop, for Qwen3 (softmax, no renorm), Mixtral and GLM blocks."""
     body = textwrap.dedent("""
         import os
@@ -87,6 +88,18 @@ def test_triton_kernels_match_the_loop_for_three_gatings_under_the_interpreter()
         from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
         from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, loop_experts
         from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
+
+        from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks_torch, align_to_blocks_triton
+
+        torch.manual_seed(1)
+        for T, E, K, BM in ((1, 128, 8, 16), (2, 3, 2, 4), (37, 16, 4, 16), (256, 128, 8, 16), (64, 60, 4, 32)):
+            ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+            a, b = align_to_blocks_triton(ids, E, BM), align_to_blocks_torch(ids, E, BM)
+            n = int(b.num_padded)
+            assert int(a.num_padded) == n and (a.sorted_ids[n:] == ids.numel()).all(), T
+            # the interpreter runs the atomics in lane order: even the order inside a block is the torch one
+            assert torch.equal(a.sorted_ids[:n], b.sorted_ids[:n]), T
+            assert torch.equal(a.block_expert[: n // BM], b.block_expert[: n // BM]), T
 
         class Sink:
             def __init__(self): self.ids = []
