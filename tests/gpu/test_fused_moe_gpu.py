@@ -37,16 +37,25 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 64, 256, 512])
-def test_align_kernel_puts_the_same_rows_in_the_same_blocks_as_torch(num_tokens: int) -> None:
-    """Atomics may order the rows inside a block differently; each block's expert and row set are the same."""
+def test_align_kernel_gives_each_expert_the_same_rows_as_torch(num_tokens: int) -> None:
+    """Atomics may order an expert's rows differently (also across its blocks); the block experts, the
+    padding and each expert's set of rows are the same."""
     torch.manual_seed(num_tokens)
     ids = torch.rand(num_tokens, 128, device=CUDA).topk(8, dim=-1).indices  # [T, 8]
+    num_rows = ids.numel()
     a, b = align_to_blocks_triton(ids, 128, 16), align_to_blocks_torch(ids, 128, 16)
     n = int(b.num_padded)
-    assert int(a.num_padded) == n and bool((a.sorted_ids[n:] == ids.numel()).all())
+    assert int(a.num_padded) == n and bool((a.sorted_ids[n:] == num_rows).all())
     assert torch.equal(a.block_expert[: n // 16], b.block_expert[: n // 16])
-    blocks_a = a.sorted_ids[:n].view(-1, 16).sort(dim=1).values
-    assert torch.equal(blocks_a, b.sorted_ids[:n].view(-1, 16).sort(dim=1).values)
+
+    def expert_rows(blocks) -> torch.Tensor:  # noqa: ANN001
+        rows = blocks.sorted_ids[:n].long()  # [n]
+        expert = blocks.block_expert[: n // 16].long().repeat_interleave(16)  # [n] expert of each position
+        real = rows < num_rows
+        return (expert[real] * num_rows + rows[real]).sort().values  # (expert, row) pairs, ordered
+
+    assert torch.equal(expert_rows(a), expert_rows(b))
+    assert torch.equal(expert_rows(b) // num_rows, ids.reshape(-1)[expert_rows(b) % num_rows])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
