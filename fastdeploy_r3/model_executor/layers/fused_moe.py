@@ -18,7 +18,8 @@ picks by what tools/bench_moe.py measured on an H200 (bf16, Qwen3-30B-A3B expert
     grouped_mm, eager         28.2    22.0    27.2    35.1
 
 so Triton wherever the step is being recorded into a CUDA graph (and for every dtype but bf16), and
-grouped_mm for bf16 steps launched eagerly, at every batch size.
+grouped_mm for bf16 steps launched eagerly, at every batch size. (Measured before the alignment became
+one Triton launch, which cut ~25 kernels a layer from the Triton path: re-measure the eager choice.)
 """
 
 from __future__ import annotations
