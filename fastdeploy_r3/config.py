@@ -61,6 +61,7 @@ class ModelConfig:
     seed: int = flag(0, "seed of dummy weights")
     weight_version: str = flag("0", "version of the weights; part of the prefix-cache and storage-tier keys")
     tokenizer: str | None = field(default=None, metadata={"cli": False})  # the model directory unless set
+    enforce_eager: bool = flag(False, "CUDA: no decode graphs (every step eager; worker/cuda_graph_runner.py)")
     # read from config.json by finalize()
     hf_config: dict[str, Any] = derived(default_factory=dict, repr=False)
     architecture: str = derived(default="")

@@ -16,31 +16,54 @@ from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
 
 
-def random_weight(name: str, shape: tuple[int, ...], generator: torch.Generator, router_std: float) -> torch.Tensor:
-    """One deterministic random float32 tensor, scaled by role.
+def random_weight(
+    name: str,
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    router_std: float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """One deterministic random tensor on the generator's device, scaled by role.
 
     Router weights get a large std so that top-k scores have clear gaps (near-ties make routing
     oracles flaky); norms stay near 1 so activations keep their scale through the layers.
     """
+    w = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype)
     if name.endswith("e_score_correction_bias"):
-        return torch.randn(shape, generator=generator) * 0.05
+        return w * 0.05
     if name.endswith("norm.weight"):
-        return 1.0 + torch.randn(shape, generator=generator) * 0.1
+        return 1.0 + w * 0.1
     if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
-        return torch.randn(shape, generator=generator) * router_std
+        return w * router_std
     if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-        return torch.randn(shape, generator=generator) * 0.5
+        return w * 0.5
     if name.endswith(".bias"):
-        return torch.randn(shape, generator=generator) * 0.05
-    return torch.randn(shape, generator=generator) * 0.08
+        return w * 0.05
+    return w * 0.08
+
+
+def iter_random_weights(
+    model: nn.Module,
+    seed: int,
+    router_std: float = 0.5,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random HF-named checkpoint tensors for `model`, one at a time, drawn on `device` in `dtype`.
+
+    A pure function of (architecture, config, seed, device type, dtype): the draw order follows the sorted
+    names, so every rank of a tensor-parallel group draws the same full tensors and keeps its slice.
+    Drawn where they will live, a 30B model starts without 120 GB of float32 on the host.
+    """
+    generator = torch.Generator(device).manual_seed(seed)
+    shapes = model.checkpoint_weight_shapes()
+    for name in sorted(shapes):
+        yield name, random_weight(name, shapes[name], generator, router_std, dtype)
 
 
 def random_weights(model: nn.Module, seed: int, router_std: float = 0.5) -> dict[str, torch.Tensor]:
-    """Random HF-named checkpoint tensors for `model`, a pure function of (architecture, config, seed)."""
-    generator = torch.Generator().manual_seed(seed)
-    shapes = model.checkpoint_weight_shapes()
-    # sorted: the draw order, hence every byte, depends only on the names
-    return {name: random_weight(name, shapes[name], generator, router_std) for name in sorted(shapes)}
+    """All of iter_random_weights on the CPU in float32 (what make_fake_model saves)."""
+    return dict(iter_random_weights(model, seed, router_std))
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -57,11 +80,12 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """One checkpoint tensor at a time, read straight onto `device` (the host holds no full copy)."""
     from safetensors import safe_open
 
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
 
@@ -79,14 +103,21 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
     if num_routed_experts_from_hf_config(hf) <= 0 or int(hf.get("num_experts_per_tok", 0) or 0) <= 0:
         raise ConfigError(f"{model_config.model!r} is not a MoE model; fastdeploy_r3 serves MoE models only")
     dtype = torch_dtype(model_config.dtype)
-    with torch.device(device):
-        model = model_cls(hf, dtype, tp_rank, tp_size)
+    prev_dtype = torch.get_default_dtype()
+    # parameters are born in the model's dtype on the device: a float32 copy of a 30B model would not fit
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(hf, dtype, tp_rank, tp_size)
+    finally:
+        torch.set_default_dtype(prev_dtype)
     if model_config.load_format == "dummy":
-        # full-size tensors drawn identically on every rank, then sliced: shards of one model
-        weights = random_weights(model, model_config.seed)
-        model.load_weights(weights.items())
+        # full-size tensors drawn identically on every rank, then sliced: shards of one model. The CPU draws
+        # float32 (the bytes make_fake_model saves), a GPU draws in the model's dtype, on the GPU.
+        draw_dtype = dtype if device.type == "cuda" else torch.float32
+        model.load_weights(iter_random_weights(model, model_config.seed, device=device, dtype=draw_dtype))
     else:
-        model.load_weights(_iter_safetensors(_safetensors_files(model_config.model)))
+        model.load_weights(_iter_safetensors(_safetensors_files(model_config.model), device))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -8,22 +8,24 @@ the tokens leave the worker, so when the engine sees a token, every forwarded ro
 from __future__ import annotations
 
 import logging
+import random
 
 import numpy as np
 import torch
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import ShmSegment, shm_free_bytes, shm_name
-from fastdeploy_r3.cache_manager.slots import slots_of
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.batch_sampler import SampledIds, SamplingBatch, sample_batch
+from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
+from fastdeploy_r3.worker.input_batch import InputBatcher
 from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
-from fastdeploy_r3.worker.sampler import sample_token
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,12 @@ class ModelRunner:
         self.routing_host: RoutingBuffer | None = None
         self.routing_writer: RoutingWriter | None = None  # rank 0 only: writes into routing_host
         self.routing_capture: RoutingCapture | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA, graph-safe attention, not enforce_eager
         self._params: dict[str, SamplingParams] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}  # per request: the sampling noise is a function of (seed, position)
+        self._unseeded = random.Random()  # seeds for requests that bring none
+        self.input_batcher = InputBatcher(self.block_size, self.device)
+        self._sampled_ids = SampledIds(config.scheduler_config.max_num_seqs, self.device)
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -124,89 +130,105 @@ class ModelRunner:
             device=self.device,
         )
 
+    def capture_decode_graphs(self) -> None:
+        """CUDA: record the decode graphs at start-up, after attach_routing (they bake in its capture)."""
+        if self.device.type != "cuda" or self.config.model_config.enforce_eager or self.model is None:
+            return
+        if not attention_is_graph_safe(self.model):
+            logger.info("decode runs eagerly: the attention backend is not CUDA-graph safe")
+            return
+        assert self.kv_cache is not None and self.config.model_config.max_model_len is not None
+        graphs = DecodeGraphs(
+            self.model, self._kv_caches(), self.routing_capture, self.config.scheduler_config.max_num_seqs,
+            self.config.model_config.max_model_len, self.block_size, self.device,
+        )  # fmt: skip
+        graphs.capture()
+        self.decode_graphs = graphs
+
+    def _kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.kv_cache is not None
+        return [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.kv_cache.shape[0])]
+
     # -- steps --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_request_ids:
             self._params.pop(rid, None)
-            self._generators.pop(rid, None)
+            self._seeds.pop(rid, None)
         if not step.requests:
             return StepOutput(step.step_id, {})
         model = self.model
         assert model is not None and self.kv_cache is not None
         bs = self.block_size
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tags: list[int] = []
-        query_start_loc = [0]
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[tuple[int, ScheduledRequestData]] = []
+        inp = self.input_batcher.prepare(step.requests)
         for r in step.requests:
             self._remember(r)
-            n = len(r.token_ids)
-            pos = np.arange(r.start_pos, r.start_pos + n, dtype=np.int64)
-            input_ids.extend(r.token_ids)
-            positions.extend(pos.tolist())
-            slots.extend(slots_of(r.block_table, pos, bs).tolist())
-            tags.extend(np.asarray(r.block_tags, dtype=np.int64)[pos // bs].tolist())
-            query_lens.append(n)
-            seq_lens.append(r.start_pos + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-            if r.sample:
-                sample_rows.append((query_start_loc[-1] - 1, r))
-
-        max_blocks = max(len(r.block_table) for r in step.requests)
-        tables = torch.zeros((len(step.requests), max_blocks), dtype=torch.int64)
-        for i, r in enumerate(step.requests):
-            tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int64)
-        dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)  # [T]
+        slot_t, pos_t = inp.slot_mapping, inp.positions  # [T], [T]
         meta = AttentionMetadata(
             slot_mapping=slot_t,
-            query_start_loc=query_start_loc,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=tables.to(dev),
+            query_start_loc=inp.query_start_loc,
+            query_lens=inp.query_lens,
+            seq_lens=inp.seq_lens,
+            block_tables=inp.block_tables,
             block_size=bs,
+            seq_lens_tensor=inp.seq_lens_tensor,
+            query_start_loc_tensor=inp.query_start_loc_tensor,
         )
-        kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.kv_cache.shape[0])]
+        kv_caches = self._kv_caches()
         capture = self.routing_capture
         if capture is not None:
-            capture.begin_step(len(input_ids), pos_t)
-        with set_forward_context(ForwardContext(meta, kv_caches, capture)):
-            hidden = model(ids_t, pos_t)  # [T, H]
+            capture.begin_step(inp.num_tokens, pos_t)
+        graphs = self.decode_graphs
+        logits = None
+        if graphs is not None and graphs.can_run(step.requests):
+            if capture is not None:
+                capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
+            logits = graphs.replay(inp)  # [B, V]: a decode step, every row samples
+        else:
+            with set_forward_context(ForwardContext(meta, kv_caches, capture)):
+                hidden = model(inp.input_ids, pos_t)  # [T, H]
 
         if capture is not None:
             capture.check_complete()
             if self.routing_writer is not None:
-                tags_t = torch.tensor(tags, dtype=torch.int64, device=dev)  # [T]
-                rows = self.routing_writer.rows_of(capture, len(input_ids))  # [T, L, K]
-                self.routing_writer.write(rows, slot_t, tags_t, pos_t)
+                # when this rank samples, the sampled-ids fetch below is the step's one sync and comes after
+                # the scatter on the same stream: the rows are in place before any token is published
+                samples_here = bool(inp.sample_rows) and self.rank == 0
+                rows = self.routing_writer.rows_of(capture, inp.num_tokens)  # [T, L, K]
+                self.routing_writer.write(rows, slot_t, inp.tags, pos_t, synchronize=not samples_here)
 
         sampled: dict[str, int] = {}
         # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
-        if sample_rows and self.rank == 0:
-            idx = torch.tensor([i for i, _ in sample_rows], dtype=torch.int64, device=dev)
-            logits = model.compute_logits(hidden[idx]).float().cpu()  # [S, V]
-            for row, (_, r) in enumerate(sample_rows):
-                sampled[r.request_id] = sample_token(
-                    logits[row], self._params[r.request_id], self._generators.get(r.request_id)
-                )
+        if inp.sample_rows and self.rank == 0:
+            if logits is None:
+                logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
+            sampled = self._sample(logits, inp.sample_rows)
         return StepOutput(step.step_id, sampled)
+
+    def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequestData]]) -> dict[str, int]:
+        """logits [S, V] -> {request id: token}; the step's only host sync (batch_sampler.py)."""
+        params = [self._params[r.request_id] for _, r in sample_rows]
+        batch = SamplingBatch.build(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            seeds=[self._seeds[r.request_id] for _, r in sample_rows],
+            counters=[r.start_pos + len(r.token_ids) for _, r in sample_rows],  # position of the new token
+            device=self.device,
+        )
+        ids = self._sampled_ids.fetch(sample_batch(logits, batch))
+        return {r.request_id: tok for (_, r), tok in zip(sample_rows, ids)}
 
     def _remember(self, r: ScheduledRequestData) -> None:
         if r.sampling_params is not None:
             self._params[r.request_id] = r.sampling_params
-            if r.sampling_seed is not None:
-                self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
+            seed = r.sampling_seed
+            self._seeds[r.request_id] = seed if seed is not None else self._unseeded.getrandbits(63)
 
     def close(self) -> None:
+        self.decode_graphs = None  # before the KV cache and capture buffer its graphs point into
         if self.routing_writer is not None:
             self.routing_writer.close()
             self.routing_writer = None

@@ -7,8 +7,9 @@ at the step's slot_mapping, before the step's tokens leave the worker.
                            address equals its host address; one Triton kernel scatters the device
                            rows straight into it. No D2H copy and no CPU scatter on the step.
 
-Contract of write: only real tokens (padded ones dropped by the caller); on return the rows and tags
-are in the host buffer, visible to the engine's gather.
+Contract of write: only real tokens (padded ones dropped by the caller); once write returns (and, with
+synchronize=False, once the caller has synchronised the stream) the rows and tags are in the host
+buffer, visible to the engine's gather.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ class RoutingWriter(abc.ABC):
         slot_mapping: torch.Tensor,
         tags: torch.Tensor,
         positions: torch.Tensor | None = None,
+        synchronize: bool = True,
     ) -> None:
-        """rows [T, L, K], slot_mapping [T], tags [T] int64 (and positions [T] for debug checks)."""
+        """rows [T, L, K], slot_mapping [T], tags [T] int64 (and positions [T] for debug checks).
+
+        synchronize=False (device writers) leaves the wait to the caller, who must synchronise the
+        stream (the step's one sampled-token fetch does) before the step's tokens are published."""
 
     def close(self) -> None:  # noqa: B027 - optional: the CPU writer holds nothing to release
         """Release what the writer registered; the host buffer itself belongs to its owner."""
@@ -61,6 +66,7 @@ class CpuRoutingWriter(RoutingWriter):
         slot_mapping: torch.Tensor | np.ndarray,
         tags: torch.Tensor | np.ndarray,
         positions: torch.Tensor | np.ndarray | None = None,
+        synchronize: bool = True,  # numpy writes are done on return either way
     ) -> None:
         rows, slots, tags_np = _numpy(rows), _numpy(slot_mapping).astype(np.int64), _numpy(tags).astype(np.int64)
         T = len(slots)
@@ -145,11 +151,14 @@ class MappedRoutingWriter(RoutingWriter):
         slot_mapping: torch.Tensor,
         tags: torch.Tensor,
         positions: torch.Tensor | None = None,
+        synchronize: bool = True,
     ) -> None:
-        """rows [T, L, K] int32 on the device, slot_mapping [T], tags [T] int64; done on return."""
+        """rows [T, L, K] int32 on the device, slot_mapping [T], tags [T] int64; done on return unless
+        synchronize=False (then done once the caller has synchronised the stream)."""
         assert isinstance(rows, torch.Tensor)
         scatter_rows_to_host(rows, slot_mapping, tags, self.rows, self.tags)
-        torch.cuda.current_stream(rows.device).synchronize()
+        if synchronize:
+            torch.cuda.current_stream(rows.device).synchronize()
 
     def close(self) -> None:
         if self._base:

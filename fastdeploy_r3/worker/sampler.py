@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request generator for seeds."""
+"""Per-request token sampling (greedy, temperature, top-k, top-p): the reference batch_sampler is tested against."""
 
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ def worker_main(
                 break
             if isinstance(msg, AttachRoutingBuffer):
                 runner.attach_routing(msg.spec)
+                runner.capture_decode_graphs()
                 conn.send(True)
             elif isinstance(msg, StepInput):
                 try:

@@ -1,4 +1,4 @@
-"""Reference MoE: router variants + expert computation, the torch oracle for fused kernels.
+"""MoE block: router variants (the same on every device) + routed experts (loop on the CPU, fused on CUDA).
 
 Shape legend: T = tokens, H = hidden size, E = routed experts, K = experts per token,
 I = expert intermediate size, G = expert groups.
@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import get_forward_context
+from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
 from fastdeploy_r3.model_executor.parallel_state import all_reduce
 
 
@@ -63,15 +65,37 @@ def grouped_sigmoid_topk(
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)  # [T, G]
     expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(num_tokens, num_experts)  # [T, E]
     biased = biased.masked_fill(expert_mask == 0, float("-inf"))  # [T, E]
-    topk_ids = biased.topk(top_k, dim=-1, sorted=False)[1]  # [T, K]
+    # sorted (HF's reference uses sorted=False): the unsorted order is the device's choice, and R3 rows of
+    # the same routing must not depend on whether the step ran on the CPU or a GPU
+    topk_ids = biased.topk(top_k, dim=-1, sorted=True)[1]  # [T, K], by biased score, best first
     topk_weights = scores.gather(1, topk_ids)  # [T, K]
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
 
 
-class FusedExperts(nn.Module):
-    """E SwiGLU experts stored stacked (the layout a fused kernel wants): w13 = [gate; up].
+def loop_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The reference: a Python loop over the experts that received tokens (host syncs: CPU path only).
+
+    x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H]. Memory stays
+    O(T * H), unlike gathering [T, K, 2I, H].
+    """
+    out = torch.zeros_like(x)  # [T, H]
+    for e in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == e)  # [n], [n]
+        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)  # [n, I], [n, I]
+        y = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        y = y * topk_weights[token_idx, slot, None].to(y.dtype)  # [n, H]
+        out.index_add_(0, token_idx, y)
+    return out
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts stored stacked (the layout the fused kernels read): w13 = [gate; up].
+
+    `backend` ("auto" by default; see fused_moe.BACKENDS) says how forward() computes them.
 
     With N ranks, I below is this rank's I/N: w13[e] = [gate[r-th I/N rows]; up[r-th I/N rows]] and
     w2[e] = down[:, r-th I/N columns]; forward() then returns this rank's partial sum.
@@ -88,6 +112,7 @@ class FusedExperts(nn.Module):
         inter = self.intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))  # [E, H, I]
+        self.backend = "auto"
 
     def load_expert(self, expert: int, proj: str, full: torch.Tensor) -> None:
         """Copy this rank's slice of one checkpoint tensor: proj "gate"/"up" [I_full, H], "down" [H, I_full]."""
@@ -102,16 +127,13 @@ class FusedExperts(nn.Module):
             self.w2[expert].copy_(full[:, start : start + inter])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H]."""
-        out = torch.zeros_like(x)  # [T, H]
-        # loop over the experts that received tokens: memory stays O(T * H), unlike gathering [T, K, 2I, H]
-        for e in torch.unique(topk_ids).tolist():
-            token_idx, slot = torch.where(topk_ids == e)  # [n], [n]
-            gate, up = F.linear(x[token_idx], self.w13[e]).chunk(2, dim=-1)  # [n, I], [n, I]
-            y = F.linear(F.silu(gate) * up, self.w2[e])  # [n, H]
-            y = y * topk_weights[token_idx, slot, None].to(y.dtype)  # [n, H]
-            out.index_add_(0, token_idx, y)
-        return out
+        """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H] (fused_moe.py picks how)."""
+        backend = choose_backend(self.backend, x)
+        if backend == "triton":
+            return triton_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        if backend == "grouped_mm":
+            return grouped_mm_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        return loop_experts(x, self.w13, self.w2, topk_weights, topk_ids)
 
 
 def _capture_routing(moe_index: int, topk_ids: torch.Tensor) -> None:
@@ -162,7 +184,7 @@ class SparseMoeBlock(nn.Module):
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
         self.shared_experts = (
             # partial sums: forward() reduces routed + shared in one all-reduce
             GatedMLP(hidden_size, shared_intermediate_size, tp_rank, tp_size, reduce_results=False)

@@ -31,7 +31,7 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.layers.attention import Attention
 from fastdeploy_r3.model_executor.layers.linear import RowParallelLinear, ShardedLinear, divide
-from fastdeploy_r3.model_executor.layers.moe import FusedExperts, SparseMoeBlock
+from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExperts
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.layers.qkv_linear import QKVParallelLinear
 from fastdeploy_r3.model_executor.layers.rotary import CosSin, RotaryEmbedding
@@ -217,7 +217,7 @@ class MoeCausalLM(nn.Module):
         shapes: dict[str, tuple[int, ...]] = {}
         gate_name, up_name, down_name = self.expert_proj_names
         for mod_name, module in self.named_modules():
-            if isinstance(module, FusedExperts):
+            if isinstance(module, StackedExperts):
                 prefix = self._to_checkpoint_name(mod_name)
                 hidden, inter = module.w2.shape[1], module.full_intermediate_size
                 for e in range(module.num_experts):
@@ -234,7 +234,7 @@ class MoeCausalLM(nn.Module):
                         shapes[f"{attn}.{shard}_proj.{param}"] = shape
             elif isinstance(module, ShardedLinear):
                 shapes[self._to_checkpoint_name(name)] = module.full_shape(param_name)
-            elif not isinstance(module, FusedExperts):
+            elif not isinstance(module, StackedExperts):
                 shapes[self._to_checkpoint_name(name)] = tuple(tensor.shape)
         return shapes
 

@@ -1,0 +1,130 @@
+"""Sampling for a whole step in a few batched tensor ops, on whatever device holds the logits.
+
+Shape legend: S = rows to sample this step (one per request that samples), V = vocabulary.
+
+    logits [S, V] ──temperature──top-k──softmax──top-p──► probs [S, V] ──race against noise──► ids [S]
+
+Greedy rows take the argmax of the raw logits (the same token as sampler.sample_token). The others use
+the exponential race: argmax_v probs[v] / e[v] with e[v] ~ Exp(1) picks v with probability probs[v]. The
+noise is a counter-based hash of (request seed, position of the sampled token, v), computed on the
+device, so a seeded request draws the same tokens alone or in any batch, and no generator state lives
+anywhere (a preempted request that recomputes draws the same noise again). Requests without a seed get
+one drawn by the caller.
+
+Only the sampled ids cross to the host, into a pinned buffer: one D2H copy and one host sync per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows
+_M1, _M2, _M3 = 0x2C1B3C6D, 0x297A2D39, 0x27D4EB2D
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche over int64 tensors holding values in [0, 2**32)."""
+    h = ((h ^ (h >> 16)) * _M1) & _MASK32
+    h = ((h ^ (h >> 15)) * _M2) & _MASK32
+    h = ((h ^ (h >> 16)) * _M3) & _MASK32
+    return h ^ (h >> 15)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """seeds [S] int64 (any value), counters [S] int64 -> u [S, V] float32 in (0, 1), a pure function."""
+    key = _mix32(seeds & _MASK32) ^ _mix32((seeds >> 32) & _MASK32 ^ 0x5BD1E995)  # [S]
+    key = _mix32(key ^ _mix32(counters & _MASK32))  # [S]
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
+    h = _mix32(key[:, None] ^ (vocab[None, :] * _M3 & _MASK32))  # [S, V]
+    return (h >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of one step, on the logits' device."""
+
+    temperature: torch.Tensor  # [S] float32, 0 = greedy
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    top_p: torch.Tensor  # [S] float32, 1 = off
+    seeds: torch.Tensor  # [S] int64
+    counters: torch.Tensor  # [S] int64 position of the token being sampled
+    all_greedy: bool  # host-side: skip the sampling ops entirely
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def build(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+        device: torch.device,
+    ) -> SamplingBatch:
+        """From host lists (numpy-packed, then one copy to the device per dtype)."""
+        floats = np.array([list(temperature), list(top_p)], dtype=np.float32)  # [2, S]
+        ints = np.array([[max(k, 0) for k in top_k], list(seeds), list(counters)], dtype=np.int64)  # [3, S]
+        f = torch.from_numpy(floats).to(device, non_blocking=True)
+        i = torch.from_numpy(ints).to(device, non_blocking=True)
+        return cls(
+            temperature=f[0], top_p=f[1], top_k=i[0], seeds=i[1], counters=i[2],
+            all_greedy=bool((floats[0] == 0).all()),
+            any_top_k=bool(ints[0].any()),
+            any_top_p=bool((floats[1] < 1).any()),
+        )
+
+
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [S, V] float32 -> sampled ids [S] int64, on the logits' device (no host sync)."""
+    greedy_ids = logits.argmax(dim=-1)  # [S]
+    if batch.all_greedy:
+        return greedy_ids
+    num_rows, vocab = logits.shape
+    greedy = batch.temperature == 0  # [S]
+    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)  # [S]
+    scaled = logits / temp[:, None]  # [S, V]
+    if batch.any_top_k or batch.any_top_p:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V]
+        if batch.any_top_k:
+            # keep logits >= the k-th largest (ties at the k-th kept, as sample_token does); k = 0 keeps all
+            k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)  # [S]
+            kth = sorted_logits.gather(1, (k - 1)[:, None])  # [S, 1]
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [S, V]
+        if batch.any_top_p:
+            # the smallest prefix whose mass reaches top_p (always the top token)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [S, V] mass ranked above each
+            sorted_probs = sorted_probs.masked_fill(before >= batch.top_p[:, None], 0.0)
+        probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)  # [S, V]
+    else:
+        probs = torch.softmax(scaled, dim=-1)  # [S, V]
+    noise = -torch.log(uniform_noise(batch.seeds, batch.counters, vocab))  # [S, V] Exp(1)
+    sampled = (probs / noise).argmax(dim=-1)  # [S]
+    return torch.where(greedy, greedy_ids, sampled)
+
+
+class SampledIds:
+    """A pinned host buffer the step's ids land in (one non-blocking D2H copy, one event sync)."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)  # [capacity]
+        self.event = torch.cuda.Event() if pin else None
+
+    def fetch(self, ids: torch.Tensor) -> list[int]:
+        """ids [S] on the device -> Python ints, after the only wait of the step."""
+        n = ids.shape[0]
+        if n > self.host.shape[0]:
+            self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.event is not None)
+        out = self.host[:n]
+        out.copy_(ids, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+            self.event.synchronize()
+        return out.tolist()

@@ -1,0 +1,46 @@
+"""Real-shape presets: config.json with the published architecture, a tokenizer of the same vocabulary,
+no weights; the engine builds the model from them (here cut to one layer, on the meta device)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from fastdeploy_r3.model_executor.models.registry import get_model_class
+from tools.model_presets import preset_config, write_preset
+
+
+def test_qwen3_30b_a3b_has_the_published_shape() -> None:
+    hf = preset_config("qwen3-30b-a3b")
+    assert (hf["hidden_size"], hf["num_hidden_layers"]) == (2048, 48)
+    assert (hf["num_experts"], hf["num_experts_per_tok"]) == (128, 8)
+    assert (hf["moe_intermediate_size"], hf["num_attention_heads"], hf["num_key_value_heads"]) == (768, 32, 4)
+    assert (hf["head_dim"], hf["vocab_size"]) == (128, 151936)
+    assert hf["eos_token_id"] == 151935  # <|im_end|>, the last token of the written tokenizer
+
+
+def test_write_preset_mixtral_cut_to_two_layers(tmp_path: Path) -> None:
+    """--layers 2: config says 2 layers; tokenizer vocabulary == vocab_size; no *.safetensors written."""
+    out = write_preset("mixtral-8x7b", str(tmp_path / "mixtral"), num_layers=2)
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    with open(os.path.join(out, "config.json")) as f:
+        hf = json.load(f)
+    assert (hf["num_hidden_layers"], hf["num_local_experts"], hf["num_experts_per_tok"]) == (2, 8, 2)
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(os.path.join(out, "tokenizer.json")).get_vocab_size() == 32000
+
+
+def test_glm_45_air_builds_with_its_dense_first_layer() -> None:
+    """GLM-4.5-Air cut to 2 layers, on the meta device: layer 0 dense, layer 1 MoE with 128 experts x 1408."""
+    hf = preset_config("glm-4.5-air", num_layers=2)
+    with torch.device("meta"):
+        model = get_model_class(hf["architectures"][0])(hf, torch.bfloat16)
+    assert model.moe_layer_ids == [1]
+    experts = model.model.layers[1].mlp.experts
+    assert tuple(experts.w13.shape) == (128, 2 * 1408, 4096)
+    assert model.model.layers[1].mlp.shared_experts is not None

@@ -1,0 +1,31 @@
+"""A step's inputs packed on the host and sent as one buffer: exact values for two requests."""
+
+from __future__ import annotations
+
+import torch
+
+from fastdeploy_r3.worker.input_batch import InputBatcher
+from fastdeploy_r3.worker.messages import ScheduledRequestData
+
+
+def test_two_requests_prefill_chunk_and_decode() -> None:
+    """block_size 4. 'a' prefills positions 0..4 over blocks [7, 2] (no sample: a chunk);
+    'b' decodes position 9 in its third block, 5, and samples."""
+    a = ScheduledRequestData("a", [11, 12, 13, 14, 15], 0, [7, 2], [70, 20], sample=False)
+    b = ScheduledRequestData("b", [99], 9, [1, 3, 5], [10, 30, 50], sample=True)
+    batcher = InputBatcher(block_size=4, device=torch.device("cpu"))
+    inp = batcher.prepare([a, b])
+    assert inp.num_tokens == 6
+    assert inp.input_ids.tolist() == [11, 12, 13, 14, 15, 99]
+    assert inp.positions.tolist() == [0, 1, 2, 3, 4, 9]
+    assert inp.slot_mapping.tolist() == [28, 29, 30, 31, 8, 21]
+    assert inp.tags.tolist() == [70, 70, 70, 70, 20, 50]
+    assert inp.block_tables.tolist() == [[7, 2, 0], [1, 3, 5]]
+    assert inp.sample_idx.tolist() == [5]
+    assert inp.seq_lens_tensor.tolist() == [5, 10] and inp.query_start_loc_tensor.tolist() == [0, 5, 6]
+    assert inp.seq_lens_tensor.dtype == torch.int32
+    assert [r.request_id for _, r in inp.sample_rows] == ["b"]
+    assert (inp.query_start_loc, inp.query_lens, inp.seq_lens) == ([0, 5, 6], [5, 1], [5, 10])
+    # the next step refills the staging buffer; this step's tensors do not change under it
+    batcher.prepare([ScheduledRequestData("c", [1], 0, [4], [40], sample=True)])
+    assert inp.input_ids.tolist() == [11, 12, 13, 14, 15, 99]

@@ -1,0 +1,157 @@
+"""The routed experts alone, per batch size: Triton kernels vs torch._grouped_mm vs the expert roofline.
+
+    python tools/bench_moe.py [--layers 48] [--batches 1,16,64,256] [--dtype bfloat16] [--out DIR]
+
+Qwen3-30B-A3B expert shape (E=128, K=8, H=2048, I=768), one weight set per layer, softmax top-8 routing
+on random hidden states. Per batch size and backend: all layers eager, and all layers replayed from one
+CUDA graph (the decode path), against the roofline = experts touched (counted from the routing, per
+layer) x bytes per expert / copy bandwidth (measured here). Triton is also timed for each block config
+of a small sweep. The tables say which backend fused_moe.choose_backend should pick (graphed and eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fastdeploy_r3.model_executor.layers.fused_moe import grouped_mm_experts
+from fastdeploy_r3.model_executor.layers.moe import softmax_topk
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, pick_config, triton_experts
+
+E, K, H, INTER = 128, 8, 2048, 768
+SWEEP = [
+    TritonMoeConfig(16, 64, 128, 4, 3),
+    TritonMoeConfig(16, 128, 128, 4, 3),
+    TritonMoeConfig(16, 32, 256, 4, 4),
+    TritonMoeConfig(32, 64, 64, 4, 3),
+    TritonMoeConfig(64, 128, 64, 8, 3),
+]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy (median of 10)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * a.numel() / sorted(times[3:])[len(times[3:]) // 2]
+
+
+def time_fn(fn, reps: int = 10) -> float:  # noqa: ANN001
+    """Median seconds of fn() over reps runs (events, after two warm-ups)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[reps // 2]
+
+
+def graphed(fn):  # noqa: ANN001, ANN201
+    """fn recorded once into a CUDA graph; returns a replay callable."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--out", default=None, help="directory for moe_bench.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    bw = copy_bandwidth(dev)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    layers = [
+        (
+            (torch.randn(H, E, device=dev) * 0.02).to(dtype),  # router [H, E]
+            (torch.randn(E, 2 * INTER, H, device=dev) * 0.02).to(dtype),  # w13 [E, 2I, H]
+            (torch.randn(E, H, INTER, device=dev) * 0.02).to(dtype),  # w2 [E, H, I]
+        )
+        for _ in range(args.layers)
+    ]
+    per_expert = 3 * H * INTER * torch.tensor([], dtype=dtype).element_size()
+
+    def moe_all(x: torch.Tensor, experts) -> torch.Tensor:  # noqa: ANN001
+        for router, w13, w2 in layers:
+            weights, ids = softmax_topk(x @ router, K, True)  # [T, K], [T, K]
+            x = x + experts(x, w13, w2, weights, ids)
+        return x
+
+    results = []
+    for bs in (int(b) for b in args.batches.split(",")):
+        x = torch.randn(bs, H, device=dev, dtype=dtype)
+        touched = 0
+        with torch.inference_mode():
+            h = x
+            for router, w13, w2 in layers:
+                _, ids = softmax_topk(h @ router, K, True)
+                touched += int(torch.unique(ids).numel())
+                h = h + triton_experts(h, w13, w2, torch.full(ids.shape, 1.0 / K, device=dev), ids)
+        roof = touched * per_expert / bw
+        row = {"batch": bs, "experts_touched_per_layer": touched / args.layers, "roofline_ms": roof * 1e3}
+        candidates = {"triton[auto]": lambda a, b, c, d, e, bs=bs: triton_experts(a, b, c, d, e, pick_config(bs, K, E))}
+        for cfg in SWEEP:
+            name = f"triton[{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}]"
+            candidates[name] = lambda a, b, c, d, e, cfg=cfg: triton_experts(a, b, c, d, e, cfg)
+        if dtype == torch.bfloat16:
+            candidates["grouped_mm"] = grouped_mm_experts
+        for name, experts in candidates.items():
+            try:
+                with torch.inference_mode():
+                    eager = time_fn(lambda experts=experts, x=x: moe_all(x, experts), reps=5)
+                    replay = graphed(lambda experts=experts, x=x: moe_all(x, experts))
+                    graph_s = time_fn(replay, reps=20)
+            except Exception as exc:  # noqa: BLE001 (a config that does not compile is reported, not fatal)
+                print(f"bs {bs:4d} {name:34s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            row[name] = {"eager_ms": eager * 1e3, "graph_ms": graph_s * 1e3}
+            print(f"bs {bs:4d} {name:34s} eager {eager * 1e3:8.2f} ms  graph {graph_s * 1e3:8.2f} ms  "
+                  f"roofline {roof * 1e3:6.2f} ms  graph/roof {graph_s / roof:5.2f}", flush=True)
+        results.append(row)
+    for mode in ("graph_ms", "eager_ms"):
+        print(f"\n{mode}: | batch | experts/layer | roofline ms | triton[auto] | best triton | grouped_mm |")
+        print("| ----- | ------------- | ----------- | ------------ | ----------- | ---------- |")
+        for row in results:
+            tri = [v[mode] for k, v in row.items() if k.startswith("triton[") and isinstance(v, dict)]
+            gmm = row.get("grouped_mm", {}).get(mode, float("nan"))
+            auto = row.get("triton[auto]", {}).get(mode, float("nan"))
+            print(f"| {row['batch']:5d} | {row['experts_touched_per_layer']:13.1f} | {row['roofline_ms']:11.2f} | "
+                  f"{auto:12.2f} | {min(tri, default=float('nan')):11.2f} | {gmm:10.2f} |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
+            json.dump({"copy_bandwidth": bw, "layers": args.layers, "dtype": args.dtype, "time": time.time(),
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
