@@ -194,16 +194,26 @@ class ModelRunner:
         if sample_rows and self.rank == 0:
             idx = torch.tensor([i for i, _ in sample_rows], dtype=torch.int64, device=dev)
             logits = model.compute_logits(hidden[idx]).float().cpu()  # [S, V]
-            for row, (_, r) in enumerate(sample_rows):
-                sampled[r.request_id] = sample_token(
-                    logits[row], self._params[r.request_id], self._generators.get(r.request_id)
-                )
+            # a failed step is re-run by the engine (bisection): the seeded generators it advanced
+            # go back to where they were, so a re-run samples what an unfailed step would have
+            states = {r.request_id: g.get_state() for _, r in sample_rows
+                      if (g := self._generators.get(r.request_id)) is not None}
+            try:
+                for row, (_, r) in enumerate(sample_rows):
+                    sampled[r.request_id] = sample_token(
+                        logits[row], self._params[r.request_id], self._generators.get(r.request_id)
+                    )
+            except BaseException:
+                for rid, state in states.items():
+                    self._generators[rid].set_state(state)
+                raise
         return StepOutput(step.step_id, sampled)
 
     def _remember(self, r: ScheduledRequestData) -> None:
         if r.sampling_params is not None:
             self._params[r.request_id] = r.sampling_params
-            if r.sampling_seed is not None:
+            # params arrive again when a failed step is re-run: keep the generator's position
+            if r.sampling_seed is not None and r.request_id not in self._generators:
                 self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
 
     def close(self) -> None:
