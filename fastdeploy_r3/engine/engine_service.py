@@ -23,7 +23,7 @@ from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBuf
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.request import Request, RequestStatus
-from fastdeploy_r3.engine.scheduler import ScheduledChunk, Scheduler
+from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, Scheduler
 from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
 from fastdeploy_r3.engine.token_processor import TokenProcessor
 from fastdeploy_r3.engine.worker_group import WorkerGroup
@@ -152,7 +152,8 @@ class EngineService:
             storage=storage,
             transfer=transfer,
         )
-        self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
+                                   max_waiting=sc.max_waiting_requests)
         routing = None
         if self._routing_host is not None:
             from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
@@ -175,7 +176,12 @@ class EngineService:
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self._groups or any(rid in self._child_group for rid in child_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
-        self._validate_prompt(prompt_token_ids)
+        self._validate_prompt(prompt_token_ids, params)
+        if not self.scheduler.can_accept(params.n):
+            raise QueueFullError(
+                f"{len(self.scheduler.waiting)} requests are waiting, the bound is "
+                f"{self.scheduler.max_waiting}; retry later"
+            )
         group = _Group(request_id, prompt, list(prompt_token_ids))
         for i, rid in enumerate(child_ids):
             child_params = params
@@ -187,7 +193,7 @@ class EngineService:
             self.scheduler.add_request(req)
         self._groups[request_id] = group
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
@@ -200,6 +206,14 @@ class EngineService:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.routed_experts_start > len(ids) - 1:
+            # rows are [start, P + N - 1): a start past the prompt's last row would skip rows the
+            # trainer did not have, or ask for rows that may never exist; refused, never clamped
+            raise InvalidRequestError(
+                f"routed_experts_start={params.routed_experts_start} but the prompt has {len(ids)} tokens, so "
+                f"its rows end at {len(ids) - 1}; use at most {len(ids) - 1} (the rows a trainer already has "
+                "of an earlier turn are fewer than this turn's prompt tokens)"
+            )
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)
