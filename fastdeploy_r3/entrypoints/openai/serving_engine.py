@@ -40,6 +40,7 @@ logger = logging.getLogger("fastdeploy_r3.api_server")
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 RETRY_AFTER_S = 1
 
+
 class OpenAIError(Exception):
     """An error answered as an OpenAI-style body with an HTTP status."""
 
@@ -286,7 +287,8 @@ class OpenAIServing:
     def check_finished_ok(self, final: RequestOutput) -> None:
         for c in final.outputs:
             if c.finish_reason == "error":
-                # the engine's messages name what failed, never a path or a traceback
+                # the engine's own message says what failed (a worker step, an R3 gather, the engine);
+                # it is logged beside the request id, where the engine's log has the traceback
                 self.ctx.counters.request_errors += 1
                 message = c.error or "the engine failed this request without a message"
                 logger.error("request %s choice %d failed: %s", final.request_id, c.index, message)
