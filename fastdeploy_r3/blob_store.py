@@ -39,12 +39,19 @@ def redact_url(url: str) -> str:
     return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
 
 
+# Stored R3 and KV are the users' data: readable by the server's user only (issue 11)
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
 def write_atomic(path: str, data: bytes | memoryview) -> None:
-    """Write to a private temp name and rename: a reader sees the old file, no file, or the whole new one."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    """Write to a private temp name and rename: a reader sees the old file, no file, or the whole new one.
+
+    The file is created 0600 and missing directories 0700 (both further narrowed by the umask)."""
+    os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:

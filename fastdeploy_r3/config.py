@@ -173,12 +173,18 @@ class SchedulerConfig:
     max_num_seqs: int = flag(64, "most requests running in one step")
     max_num_batched_tokens: int = flag(2048, "most tokens forwarded in one step")
     enable_chunked_prefill: bool = flag(True, "split long prompts over several steps")
+    max_waiting_requests: int = flag(
+        1024, "most requests (choices of n > 1 count one each) waiting to be scheduled; the server answers "
+        "429 with Retry-After beyond it"
+    )
 
     def validate(self, max_model_len: int) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}; use at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens}; use at least 1")
+        if self.max_waiting_requests < 1:
+            raise ConfigError(f"max_waiting_requests={self.max_waiting_requests}; use at least 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ConfigError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

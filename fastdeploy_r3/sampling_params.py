@@ -1,9 +1,25 @@
 """Per-request sampling parameters, validated on construction (at the package top, as vLLM keeps them,
-so that engine, worker and server all import them without importing each other)."""
+so that engine, worker and server all import them without importing each other).
+
+Validation admits only what the sampler can run, so that no request can make a step raise
+(issue 11, F1):
+
+    temperature  finite, >= 0; below MIN_TEMPERATURE it samples greedily (dividing logits by a
+                 temperature like 1e-300 overflows to inf and the softmax to NaN), as vLLM does
+    seed         an integer in [-2**63, 2**64), reduced to 64 bits (seed mod 2**64, so -1 is
+                 2**64 - 1, as torch.Generator.manual_seed reads it); choice i of an n > 1 request
+                 uses (seed + i) mod 2**64
+    top_p        in (0, 1]; NaN is refused (it fails every comparison)
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MIN_TEMPERATURE = 1e-5  # below this, greedy (vLLM's _SAMPLING_EPS)
+SEED_MODULUS = 2**64
+MIN_SEED = -(2**63)
 
 
 class InvalidRequestError(ValueError):
@@ -34,8 +50,15 @@ class SamplingParams:
             raise InvalidRequestError(f"n={self.n}; use n >= 1")
         if self.max_tokens is None or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens={self.max_tokens}; use max_tokens >= 1")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature={self.temperature}; use temperature >= 0 (0 is greedy)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature={self.temperature}; use a finite temperature >= 0 (below {MIN_TEMPERATURE:g} is greedy)"
+            )
+        if self.seed is not None:
+            is_int = isinstance(self.seed, int) and not isinstance(self.seed, bool)
+            if not is_int or not MIN_SEED <= self.seed < SEED_MODULUS:
+                raise InvalidRequestError(f"seed={self.seed}; use an integer in [-2**63, 2**64) (seeds are 64-bit)")
+            self.seed %= SEED_MODULUS
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p={self.top_p}; use a value in (0, 1]")
         if self.top_k < -1:
@@ -47,4 +70,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index` when one request asks for n > 1 choices."""
+        return None if self.seed is None else (self.seed + index) % SEED_MODULUS

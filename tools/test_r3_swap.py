@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fastdeploy_r3.client import decode_routed_experts, read_local_rollout, read_redis_rollout  # noqa: E402
+from fastdeploy_r3.r3.rollout_id import choice_rollout_id  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 16, 250  # plain tokens in any real or fake vocabulary; clear of special tokens
 
@@ -36,8 +37,12 @@ class PhaseFailed(Exception):
 
 
 class R3Checker:
-    def __init__(self, api_url: str, api_key: str | None, log_dir: str | None, redis_url: str | None) -> None:
+    def __init__(
+        self, api_url: str, api_key: str | None, log_dir: str | None, redis_url: str | None,
+        local_store_dir: str | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.local_store_dir = local_store_dir  # the server does not publish its directory
         self.http = httpx.Client(base_url=api_url.rstrip("/"), headers=headers, timeout=600.0)
         self.log_dir = log_dir
         self.redis_url = redis_url
@@ -83,10 +88,15 @@ class R3Checker:
         layers = None if self.r3.get("use_fused_put", True) else self.r3["moe_layer_ids"]
         store = self.r3.get("routing_store_type")
         if store == "local":
-            return read_local_rollout(self.r3["local_store_dir"], rollout_id, choice=sel, moe_layer_ids=layers)
+            return read_local_rollout(self.local_store_dir_or_fail(), rollout_id, choice=sel, moe_layer_ids=layers)
         if store == "p2pstore":
             return read_redis_rollout(self.redis_url_or_fail(), self.r3["namespace"], rollout_id, sel, layers)
         raise PhaseFailed(f"choice {index} of {resp.get('id')} carries no routed_experts (store type {store!r})")
+
+    def local_store_dir_or_fail(self) -> str:
+        if not self.local_store_dir:
+            raise PhaseFailed("the server stores R3 in a local directory it does not publish; pass --local-store-dir")
+        return self.local_store_dir
 
     def redis_url_or_fail(self) -> str:
         url = self.redis_url or self.r3.get("p2pstore_url")
@@ -208,24 +218,26 @@ class R3Checker:
             import redis
 
             client = redis.Redis.from_url(self.redis_url_or_fail())
-            key = f"{self.r3['namespace']}:{rid}_0"
+            key = f"{self.r3['namespace']}/{choice_rollout_id(rid, 0)}"
             if not self.r3.get("use_fused_put", True):
-                key += f":{self.r3['moe_layer_ids'][0]}"
+                key += f"/layer_{self.r3['moe_layer_ids'][0]}"
             ttl = client.ttl(key)
             client.close()
             if ttl <= 0:
                 raise PhaseFailed(f"key {key} has TTL {ttl}; every R3 key must expire")
             details.append(f"key {key} ttl={ttl}s")
         else:
-            leftovers = [n for n in os.listdir(self.r3["local_store_dir"]) if ".tmp." in n]
+            store_dir = self.local_store_dir_or_fail()
+            leftovers = [n for n in os.listdir(store_dir) if ".tmp." in n]
             if leftovers:
-                raise PhaseFailed(f"temp files left in {self.r3['local_store_dir']}: {leftovers[:3]}")
-            details.append(f"files under {self.r3['local_store_dir']}")
+                raise PhaseFailed(f"temp files left in {store_dir}: {leftovers[:3]}")
+            details.append(f"files under {store_dir}")
         bad = self.http.post("/v1/completions", json={"model": self.model, "prompt": prompt, "max_tokens": 1,
                                                       "rollout_id": "../escape"})
         if bad.status_code != 400:
             raise PhaseFailed(f"rollout_id '../escape' answered {bad.status_code}, expected 400")
-        return f"{store}: choices {rid}_0/_1 stored with shape [{rows}, L, K]; {', '.join(details)}; '../' -> 400"
+        stored = f"choices {choice_rollout_id(rid, 0)}/#1 stored with shape [{rows}, L, K]"
+        return f"{store}: {stored}; {', '.join(details)}; '../' -> 400"
 
     def run(self) -> int:
         phases = [("1 init", self.phase_init), ("2 capture", self.phase_capture), ("3 swap", self.phase_swap),
@@ -247,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default=None, help="write the R3 arrays and per-phase numbers here")
     p.add_argument("--api-key", default=os.environ.get("FDR3_API_KEY"))
     p.add_argument("--redis-url", default=None, help="p2pstore URL when the server's has a password")
+    p.add_argument("--local-store-dir", default=None, help="the server's local_store_dir, in local store mode")
     args = p.parse_args(argv)
-    return R3Checker(args.api_url, args.api_key, args.log_dir, args.redis_url).run()
+    return R3Checker(args.api_url, args.api_key, args.log_dir, args.redis_url, args.local_store_dir).run()
 
 
 if __name__ == "__main__":

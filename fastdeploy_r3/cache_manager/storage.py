@@ -25,6 +25,7 @@ import xxhash
 
 from fastdeploy_r3.blob_store import (
     CHECKSUM_NBYTES,
+    DIR_MODE,
     BlobStore,
     BlobStoreError,
     ChecksumError,
@@ -126,7 +127,7 @@ class FileStorageBackend(KVStorageBackend):
             raise StorageError(f"file storage directory {root!r} is not absolute; use file:///absolute/dir")
         self.dir = os.path.join(root, namespace_prefix(namespace))
         try:
-            os.makedirs(self.dir, exist_ok=True)
+            os.makedirs(self.dir, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot create file storage directory {self.dir}: {e}") from e
         super().__init__(LocalBlobStore(self.dir), lambda key: os.path.join(key[:2], key))

@@ -22,8 +22,8 @@ def read_local_rollout(
 ) -> np.ndarray:
     """Read one rollout written by the server's `local` store -> `[T-1, L, K]`.
 
-    `choice` is the choice index of a request made with n > 1 (stored as `{rollout_id}_{choice}`).
-    Reads the fused file `{rid}.npy` if present, else the per-layer files `{rid}/layer_{layer}.npy`
+    `choice` is the choice index of a request made with n > 1 (stored as `{rollout_id}#{choice}`).
+    Reads the fused file `{rid}.npy` if present, else the per-layer files `{rid}.layers/layer_{layer}.npy`
     (`moe_layer_ids` picks and orders the layers; by default all found, in layer order).
     """
     return LocalRoutingStore(store_dir).get(rollout_id, choice, moe_layer_ids)
@@ -38,8 +38,8 @@ def read_redis_rollout(
 ) -> np.ndarray:
     """Read one rollout from the server's `p2pstore` (Redis) -> `[T-1, L, K]`.
 
-    Reads the fused key `{namespace}:{rid}` when `moe_layer_ids` is None, else the per-layer keys
-    `{namespace}:{rid}:{layer}` (a server started with `use_fused_put: false`).
+    Reads the fused key `{namespace}/{rid}` when `moe_layer_ids` is None, else the per-layer keys
+    `{namespace}/{rid}/layer_{layer}` (a server started with `use_fused_put: false`).
     """
     store = RedisRoutingStore(url, namespace)
     try:

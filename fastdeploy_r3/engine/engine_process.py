@@ -40,6 +40,7 @@ from fastdeploy_r3.engine.messages import (
     OutputBatch,
     RequestRejected,
 )
+from fastdeploy_r3.engine.scheduler import QueueFullError
 from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 from fastdeploy_r3.sampling_params import InvalidRequestError
 
@@ -101,6 +102,8 @@ class _EngineLoop:
                 self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt)
             except InvalidRequestError as e:
                 self.send(RequestRejected(msg.request_id, str(e), invalid=True))
+            except QueueFullError as e:
+                self.send(RequestRejected(msg.request_id, str(e), invalid=False, overloaded=True))
             except Exception as e:  # noqa: BLE001 - the engine refused it; other requests are unaffected
                 self.send(RequestRejected(msg.request_id, f"{type(e).__name__}: {e}", invalid=False))
         elif isinstance(msg, AbortRequest):

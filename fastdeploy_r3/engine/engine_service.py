@@ -23,7 +23,8 @@ from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBuf
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.request import Request, RequestStatus
-from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
+from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, Scheduler
+from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
 from fastdeploy_r3.engine.token_processor import TokenProcessor
 from fastdeploy_r3.engine.worker_group import WorkerGroup
 from fastdeploy_r3.lifecycle import EngineDeadError
@@ -156,7 +157,8 @@ class EngineService:
             storage=storage,
             transfer=transfer,
         )
-        self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
+                                   max_waiting=sc.max_waiting_requests)
         routing = None
         if self._routing_host is not None:
             from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
@@ -179,19 +181,24 @@ class EngineService:
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self._groups or any(rid in self._child_group for rid in child_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
-        self._validate_prompt(prompt_token_ids)
+        self._validate_prompt(prompt_token_ids, params)
+        if not self.scheduler.can_accept(params.n):
+            raise QueueFullError(
+                f"{len(self.scheduler.waiting)} requests are waiting, the bound is "
+                f"{self.scheduler.max_waiting}; retry later"
+            )
         group = _Group(request_id, prompt, list(prompt_token_ids))
         for i, rid in enumerate(child_ids):
             child_params = params
             if params.n > 1:
-                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                child_params = replace(params, n=1, seed=params.choice_seed(i))
             req = Request(rid, list(prompt_token_ids), child_params)
             group.children.append(req)
             self._child_group[rid] = request_id
             self.scheduler.add_request(req)
         self._groups[request_id] = group
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
@@ -204,6 +211,14 @@ class EngineService:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.routed_experts_start > len(ids) - 1:
+            # rows are [start, P + N - 1): a start past the prompt's last row would skip rows the
+            # trainer did not have, or ask for rows that may never exist; refused, never clamped
+            raise InvalidRequestError(
+                f"routed_experts_start={params.routed_experts_start} but the prompt has {len(ids)} tokens, so "
+                f"its rows end at {len(ids) - 1}; use at most {len(ids) - 1} (the rows a trainer already has "
+                "of an earlier turn are fewer than this turn's prompt tokens)"
+            )
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)
@@ -229,16 +244,20 @@ class EngineService:
             self.kv.poll_transfers()
             out = self.scheduler.schedule()
             if out.chunks:
-                sampled = self._run_workers(out)
-                if isinstance(sampled, str):
-                    # nothing of this step is trusted: cursors stay, blocks are not cached
-                    for chunk in out.chunks:
-                        self.token_processor.finish(chunk.request, RequestStatus.FINISHED_ERROR, error=sampled)
-                else:
-                    self.scheduler.update_after_step(out)
-                    for chunk in out.chunks:
-                        if chunk.samples:
-                            self.token_processor.append_token(chunk.request, sampled[chunk.request.request_id])
+                # a failed step is bisected so that only the requests that make it fail fail
+                step = run_isolating_failures(out.chunks, self._run_batch)
+                for chunk, error in step.failed:
+                    # nothing of a failed chunk is trusted: its cursor stays, its blocks are not cached
+                    rid = chunk.request.request_id
+                    logger.error("request %s failed the model step on its own: %s", rid, error)
+                    self.token_processor.finish(chunk.request, RequestStatus.FINISHED_ERROR, error=(
+                        f"the model step failed on this request alone ({error.split(':', 1)[0]}); the other "
+                        "requests of the step were served; the engine log has the details"))
+                served = [c for c in out.chunks if not c.request.is_finished]
+                self.scheduler.update_after_step(replace(out, chunks=served))
+                for chunk in served:
+                    if chunk.samples:
+                        self.token_processor.append_token(chunk.request, step.sampled[chunk.request.request_id])
                 for chunk in out.chunks:
                     req = chunk.request
                     touched.add(self._child_group[req.request_id])
@@ -249,13 +268,16 @@ class EngineService:
             raise EngineDeadError(self._dead) from e
         return self._collect(touched)
 
-    def _run_workers(self, out: SchedulerOutput) -> dict[str, int] | str:
+    def _run_batch(self, chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
+        """One worker step over `chunks`. A retry (a part of a failed step, re-run) sends every
+        request's sampling params again, since the failed step may have ended before the workers
+        took them, and no finished ids, which the first attempt delivered."""
         self._step_id += 1
         reqs = []
-        for chunk in out.chunks:
+        for chunk in chunks:
             r = chunk.request
             start = chunk.start
-            first = r.request_id not in self._worker_known
+            first = retry or r.request_id not in self._worker_known
             self._worker_known.add(r.request_id)
             reqs.append(
                 ScheduledRequestData(
@@ -269,15 +291,17 @@ class EngineService:
                     sampling_seed=r.sampling_params.seed if first else None,
                 )
             )
-        finished = [rid for rid in self._finished_since_step if rid in self._worker_known]
-        self._worker_known.difference_update(finished)
-        self._finished_since_step.clear()
+        finished: list[str] = []
+        if not retry:
+            finished = [rid for rid in self._finished_since_step if rid in self._worker_known]
+            self._worker_known.difference_update(finished)
+            self._finished_since_step.clear()
         assert self.workers is not None
         outs = self.workers.call(StepInput(self._step_id, reqs, finished))
         errors = [o.error for o in outs if o.error]
         if errors:
-            return f"worker step failed: {errors[0]}"
-        return outs[0].sampled_token_ids
+            return StepAttempt(error=errors[0])
+        return StepAttempt(sampled=outs[0].sampled_token_ids)
 
     def _collect(self, group_ids: set[str]) -> list[RequestDelta]:
         deltas = []

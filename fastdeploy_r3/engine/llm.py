@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
 from fastdeploy_r3.outputs import OutputAssembler, RequestOutput
 from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError
-from fastdeploy_r3.r3.rollout_id import resolve_rollout_id, validate_rollout_id
+from fastdeploy_r3.r3.rollout_id import RolloutIdConflictError, resolve_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import make_routing_store
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
@@ -31,6 +32,8 @@ class LLM:
                 self.routing_store.close()
             raise
         self._ids = itertools.count()
+        # request ids are the default rollout ids: unique per LLM, so two runs sharing a store never collide
+        self._run_tag = uuid.uuid4().hex[:12]
 
     @property
     def tokenizer(self):  # noqa: ANN201 - fastdeploy_r3.engine.tokenizer.Tokenizer | None
@@ -42,6 +45,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         rollout_ids: Sequence[str] | None = None,
+        overwrite_rollouts: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order.
 
@@ -49,6 +53,8 @@ class LLM:
         rollout id (`rollout_ids[i]`, else the output's request_id) before generate() returns. As in
         the server, R3 delivery fails closed: a prompt whose R3 is missing, malformed or not stored
         comes back failed (finish_reason "error", the reason in `error`, no routed_experts).
+        Rollout ids must be distinct, and are refused (RolloutIdConflictError, before anything runs)
+        where the store already holds them, unless `overwrite_rollouts`.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -67,11 +73,12 @@ class LLM:
             rollout_ids = [validate_rollout_id(r) for r in rollout_ids]
             if len(rollout_ids) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(rollout_ids)} rollout ids")
+            self._check_rollout_ids(rollout_ids, params_list, overwrite_rollouts)
         order: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
                 text, ids = self._tokenize(prompt)
-                rid = f"offline-{next(self._ids)}"
+                rid = f"offline-{self._run_tag}-{next(self._ids)}"
                 self.engine.add_request(rid, ids, params, prompt=text)
                 order.append(rid)
         except Exception:
@@ -114,6 +121,22 @@ class LLM:
         except R3DeliveryError as e:
             for c in out.outputs:
                 c.finish_reason, c.error, c.routed_experts = "error", f"R3DeliveryError: {e}", None
+
+    def _check_rollout_ids(self, rollout_ids: list[str], params_list: list[SamplingParams], overwrite: bool) -> None:
+        """The server's rule, offline: one prompt per rollout id, and no silent overwrite of stored R3."""
+        store = self.routing_store
+        if store is None:
+            return  # R3 goes back in the outputs: ids key nothing
+        stored = [rid for rid, p in zip(rollout_ids, params_list, strict=True)
+                  if self.r3_delivery.wants(p.return_routed_experts)]
+        seen: set[str] = set()
+        for rid in stored:
+            if rid in seen:
+                raise RolloutIdConflictError(f"rollout id {rid!r} is given twice; every prompt needs its own")
+            seen.add(rid)
+            if not overwrite and store.contains(rid, self.r3_delivery.moe_layer_ids):
+                raise RolloutIdConflictError(f"rollout id {rid!r} already has routed_experts in the store; use "
+                                             "a new id, or pass overwrite_rollouts=True to replace them")
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

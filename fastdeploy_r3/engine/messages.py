@@ -90,6 +90,7 @@ class RequestRejected:
     request_id: str
     message: str
     invalid: bool  # True: the request was bad (HTTP 400); False: the engine failed (HTTP 500)
+    overloaded: bool = False  # the waiting queue is full: retry later (HTTP 429)
 
 
 @dataclass

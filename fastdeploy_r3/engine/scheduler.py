@@ -41,6 +41,10 @@ class SchedulerOutput:
         return sum(c.num_new_tokens for c in self.chunks)
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -48,14 +52,24 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
+        max_waiting: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_waiting = max_waiting  # None: unbounded
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+
+    def can_accept(self, num_requests: int) -> bool:
+        """Whether `num_requests` more fit in the waiting queue. An empty queue takes any number, so
+        that a request with more choices than the bound is served rather than refused forever.
+        (Preempted requests re-enter the queue whatever its length.)"""
+        if self.max_waiting is None or not self.waiting:
+            return True
+        return len(self.waiting) + num_requests <= self.max_waiting
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)

@@ -52,6 +52,10 @@ class EngineRequestError(RuntimeError):
     """The engine refused a request for a reason other than bad input."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full; retry the request later (HTTP 429)."""
+
+
 class AsyncEngineClient:
     """Starts the engine process and talks to it; create with `await AsyncEngineClient.start(config)`."""
 
@@ -177,7 +181,11 @@ class AsyncEngineClient:
             elif isinstance(msg, RequestRejected):
                 q = self._queues.get(msg.request_id)
                 if q is not None:
-                    err = InvalidRequestError(msg.message) if msg.invalid else EngineRequestError(msg.message)
+                    err: Exception = EngineRequestError(msg.message)
+                    if msg.invalid:
+                        err = InvalidRequestError(msg.message)
+                    elif msg.overloaded:
+                        err = EngineOverloadedError(msg.message)
                     q.put_nowait(err)
             elif isinstance(msg, (MetricsReply, HealthReply)):
                 fut = self._replies.pop(msg.query_id, None)
@@ -222,8 +230,15 @@ class AsyncEngineClient:
         finally:
             self._queues.pop(request_id, None)
             if not finished and self.is_alive:
-                with contextlib.suppress(zmq.ZMQError):
-                    await self._send(AbortRequest(request_id))
+                self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        """Send an abort without awaiting: the caller may be a task being cancelled (a client that
+        disconnected), where any await would raise again before the message left. A zmq.asyncio
+        send is attempted at once; only a full pipe defers it to the loop."""
+        with contextlib.suppress(zmq.ZMQError):
+            sent = self._input.send(pickle.dumps(AbortRequest(request_id), protocol=pickle.HIGHEST_PROTOCOL))
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieve, never raise later
 
     async def abort(self, request_id: str) -> None:
         if self.is_alive:

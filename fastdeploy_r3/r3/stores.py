@@ -3,14 +3,20 @@
 One put per finished request, with one `[T, L, K]` array per choice, on a BlobStore
 (fastdeploy_r3/blob_store.py):
 
-    local      {local_store_dir}/{rid}.npy               fused  [L, T, K]
-               {local_store_dir}/{rid}/layer_{layer}.npy  per layer [T, K]
-    p2pstore   {namespace}:{rid}                          fused  [L, T, K]  (.npy bytes)
-               {namespace}:{rid}:{layer}                  per layer [T, K]
+    local      {local_store_dir}/{rid}.npy                       fused  [L, T, K]
+               {local_store_dir}/{rid}.layers/layer_{layer}.npy  per layer [T, K]
+    p2pstore   {namespace}/{rid}                                 fused  [L, T, K]  (.npy bytes)
+               {namespace}/{rid}/layer_{layer}                   per layer [T, K]
 
-`rid` is the rollout id (r3/rollout_id.py), with `_{i}` appended for choice i when the request has
-n > 1; `layer` is the model's layer index (an entry of `moe_layer_ids`), not the position among the
-MoE layers. Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them.
+`rid` is the rollout id, or `{rollout_id}#{i}` for choice i of a request with n > 1 (r3/rollout_id.py);
+`layer` is the model's layer index (an entry of `moe_layer_ids`), not the position among the MoE
+layers. Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them.
+
+Keys cannot run into each other (issue 11, F6/F7): a rollout id holds neither `/` nor `#`, a namespace
+neither `/` nor `:`, so `{namespace}/` is one deployment's and never the KV tier's (`fdr3:kv:...`),
+a fused key has one `/` where a layer key has two, and a choice id is never a plain rollout id. In a
+local directory a fused file ends in `.npy`, a per-layer directory in `.layers`, so neither is
+another rollout's.
 
 Contract: `put` returns only when every array is durable in the store (the caller answers the
 request afterwards, so a trainer never looks for a key that is not there); it raises
@@ -26,13 +32,14 @@ import re
 
 import numpy as np
 
-from fastdeploy_r3.blob_store import BlobStore, BlobStoreError, LocalBlobStore, RedisBlobStore
+from fastdeploy_r3.blob_store import DIR_MODE, BlobStore, BlobStoreError, LocalBlobStore, RedisBlobStore
 from fastdeploy_r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.codec import load_npy, npy_bytes
 from fastdeploy_r3.r3.rollout_id import (
     any_n_rollout_ids,
     choice_rollout_id,
     previous_turn_rollout_id,
+    validate_namespace,
     validate_rollout_id,
 )
 
@@ -86,7 +93,7 @@ class RoutingStore(abc.ABC):
                 raise RoutingStoreError(
                     f"choice {i}: routed_experts has shape {arr.shape}; expected [T, {len(moe_layer_ids)}, K]"
                 )
-            rid = choice_rollout_id(rollout_id, i, len(routed_experts))
+            rid = choice_rollout_id(rollout_id, i if len(routed_experts) > 1 else None)
             if self.use_fused_put:
                 items[self.fused_key(rid)] = npy_bytes(arr.transpose(1, 0, 2))  # [L, T, K]
             else:
@@ -110,7 +117,7 @@ class RoutingStore(abc.ABC):
         per-layer files found). Raises KeyError when the rollout is not there.
         """
         validate_rollout_id(rollout_id)
-        rid = rollout_id if choice is None else f"{rollout_id}_{choice}"
+        rid = choice_rollout_id(rollout_id, choice)
         if moe_layer_ids is None:
             data = self.blobs.get(self.fused_key(rid))
             if data is not None:
@@ -125,6 +132,20 @@ class RoutingStore(abc.ABC):
         if missing:
             raise KeyError(f"no R3 for rollout {rid!r} in {self.where} under {missing}")
         return np.stack([load_npy(v, k) for k, v in zip(keys, values, strict=True)], axis=1)  # [T, L, K]
+
+    def contains(self, rollout_id: str, moe_layer_ids: list[int]) -> bool:
+        """Whether any put(rollout_id, ...) left entries here, whatever its n (fused, or per layer: a
+        per-layer put writes every layer or fails, so its first layer stands for it)."""
+        validate_rollout_id(rollout_id)
+        keys = []
+        for rid in any_n_rollout_ids(rollout_id):
+            keys.append(self.fused_key(rid))
+            if moe_layer_ids:
+                keys.append(self.layer_key(rid, moe_layer_ids[0]))
+        try:
+            return any(self.blobs.exists(keys))
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"cannot tell whether rollout {rollout_id!r} is stored: {e}") from e
 
     def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         """Remove what any put(rollout_id, ...) wrote, fused or per layer, whatever its number of choices."""
@@ -155,13 +176,13 @@ class LocalRoutingStore(RoutingStore):
         return f"{rid}.npy"
 
     def layer_key(self, rid: str, layer: int) -> str:
-        return os.path.join(rid, f"layer_{layer}.npy")
+        return os.path.join(f"{rid}.layers", f"layer_{layer}.npy")
 
     def entry_name(self, key: str) -> str:
         return self._local.path(key)
 
     def stored_layers(self, rid: str) -> list[int]:
-        layer_dir = self._local.path(rid)
+        layer_dir = self._local.path(f"{rid}.layers")
         names = os.listdir(layer_dir) if os.path.isdir(layer_dir) else []
         return sorted(int(m.group(1)) for m in (re.fullmatch(r"layer_(\d+)\.npy", n) for n in names) if m)
 
@@ -169,13 +190,13 @@ class LocalRoutingStore(RoutingStore):
         super().delete(rollout_id, moe_layer_ids)
         for rid in any_n_rollout_ids(rollout_id):  # per-layer directories left empty
             try:
-                os.rmdir(self._local.path(rid))
+                os.rmdir(self._local.path(f"{rid}.layers"))
             except OSError:
                 pass  # absent, or holds files another writer put there: leave it
 
 
 class RedisRoutingStore(RoutingStore):
-    """Redis keys `{namespace}:{rid}[:{layer}]` holding `.npy` bytes, each expiring after `ttl_s`."""
+    """Redis keys `{namespace}/{rid}[/layer_{layer}]` holding `.npy` bytes, each expiring after `ttl_s`."""
 
     def __init__(
         self,
@@ -185,8 +206,8 @@ class RedisRoutingStore(RoutingStore):
         use_fused_put: bool = True,
         only_last_turn: bool = False,
     ) -> None:
-        self.namespace = validate_rollout_id(namespace, "namespace")
-        blobs = RedisBlobStore(url, f"{self.namespace}:")
+        self.namespace = validate_namespace(namespace)
+        blobs = RedisBlobStore(url, f"{self.namespace}/")
         super().__init__(blobs, int(ttl_s), use_fused_put, only_last_turn, blobs.where)
         self._redis_blobs = blobs
 
@@ -194,7 +215,7 @@ class RedisRoutingStore(RoutingStore):
         return rid
 
     def layer_key(self, rid: str, layer: int) -> str:
-        return f"{rid}:{layer}"
+        return f"{rid}/layer_{layer}"
 
     def entry_name(self, key: str) -> str:
         return self._redis_blobs.key_prefix + key
@@ -214,7 +235,8 @@ def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore
     if cfg.routing_store_type == "local":
         assert cfg.local_store_dir is not None  # RoutingReplayConfig.validate() checked
         try:
-            os.makedirs(cfg.local_store_dir, exist_ok=True)  # fail at start-up, not at the first rollout
+            # fail at start-up, not at the first rollout; a new directory is the server user's only
+            os.makedirs(cfg.local_store_dir, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
             raise RoutingStoreError(f"local_store_dir {cfg.local_store_dir!r} cannot be created: {e}") from e
         return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)

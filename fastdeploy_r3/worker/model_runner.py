@@ -8,6 +8,7 @@ the tokens leave the worker, so when the engine sees a token, every forwarded ro
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import numpy as np
@@ -210,11 +211,16 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequestData]]) -> dict[str, int]:
         """logits [S, V] -> {request id: token}; the step's only host sync (batch_sampler.py)."""
         params = [self._params[r.request_id] for _, r in sample_rows]
+        for p, (_, r) in zip(params, sample_rows):
+            # the batched sampler would turn these into silent garbage: raise, so the engine's bisection
+            # fails this request alone (SamplingParams refuses them; this guards what bypassed it)
+            if not math.isfinite(p.temperature) or p.temperature < 0:
+                raise ValueError(f"request {r.request_id}: temperature {p.temperature} cannot be sampled")
         batch = SamplingBatch.build(
-            temperature=[p.temperature for p in params],
+            temperature=[0.0 if p.greedy else p.temperature for p in params],  # below the floor: greedy
             top_k=[p.top_k for p in params],
             top_p=[p.top_p for p in params],
-            seeds=[self._seeds[r.request_id] for _, r in sample_rows],
+            seeds=[_as_int64(self._seeds[r.request_id]) for _, r in sample_rows],
             counters=[r.start_pos + len(r.token_ids) for _, r in sample_rows],  # position of the new token
             device=self.device,
         )
@@ -224,8 +230,11 @@ class ModelRunner:
     def _remember(self, r: ScheduledRequestData) -> None:
         if r.sampling_params is not None:
             self._params[r.request_id] = r.sampling_params
-            seed = r.sampling_seed
-            self._seeds[r.request_id] = seed if seed is not None else self._unseeded.getrandbits(63)
+            # params arrive again when a failed step is re-run (bisection): keep the request's seed, so
+            # the re-run draws the noise the failed attempt drew (batch_sampler.py keys it by seed, position)
+            if r.request_id not in self._seeds:
+                seed = r.sampling_seed
+                self._seeds[r.request_id] = seed if seed is not None else self._unseeded.getrandbits(63)
 
     def close(self) -> None:
         self.decode_graphs = None  # before the KV cache and capture buffer its graphs point into
@@ -239,3 +248,10 @@ class ModelRunner:
         if self._kv_segment is not None:
             self._kv_segment.close()
             self._kv_segment = None
+
+
+def _as_int64(seed: int) -> int:
+    """A 64-bit seed (SamplingParams keeps it in [0, 2**64)) as the int64 with the same bits."""
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed {seed} is not a 64-bit integer")
+    return seed - 2**64 if seed >= 2**63 else seed

@@ -184,7 +184,7 @@ def test_r3_debug_rows_are_positions_across_hits_chunks_and_preemption(
              routing_replay_config=R3_DEBUG) as llm:
         first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
         params = [GREEDY] * len(PROMPTS)
-        params[6] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, routed_experts_start=3)
+        params[3] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, routed_experts_start=2)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         m = llm.engine.metrics()
     assert m["prefix_hit_blocks"] > 0 and outs[0].num_cached_tokens > 0
@@ -194,8 +194,8 @@ def test_r3_debug_rows_are_positions_across_hits_chunks_and_preemption(
     assert token_ids(outs) == token_ids(baseline_outs)
     for out in first + outs:
         assert_rows_are_positions(out)
-    late = outs[6].outputs[0]  # 1-token prompt + 6 tokens = rows 0..5, from 3 on
-    assert late.routed_experts_start == 3 and late.routed_experts.shape == (3, 4, 4)
+    late = outs[3].outputs[0]  # 3-token prompt + 6 tokens = rows 0..7, from 2 on
+    assert late.routed_experts_start == 2 and late.routed_experts.shape == (6, 4, 4)
 
 
 # -- 3. no leaks -----------------------------------------------------------------------------------

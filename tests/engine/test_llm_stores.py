@@ -30,7 +30,7 @@ def test_local_store_per_layer_files_with_two_choices(model_dir: str, tmp_path) 
     assert outs[0].moe_layer_ids == [1, 2, 3]
     for out, rid in zip(outs, ["data:0:1:0", "data:1:1:0"]):
         for c in out.outputs:
-            assert (tmp_path / f"{rid}_{c.index}" / "layer_2.npy").is_file()
+            assert (tmp_path / f"{rid}#{c.index}.layers" / "layer_2.npy").is_file()
             got = read_local_rollout(str(tmp_path), rid, choice=c.index, moe_layer_ids=[1, 2, 3])
             assert got.dtype == np.uint8 and np.array_equal(got, c.routed_experts)
 

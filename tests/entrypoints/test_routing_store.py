@@ -21,12 +21,12 @@ def _rows(seed: int, t: int = 7) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 8, size=(t, len(MOE_LAYER_IDS), 2), dtype=np.uint8)  # [T, L, K]
 
 
-@pytest.mark.parametrize("rid", ["user", "d:3:0:1", "a.b-c_d", "x" * 256])
+@pytest.mark.parametrize("rid", ["user", "d:3:0:1", "a.b-c_d", "x" * 200])
 def test_valid_rollout_ids(rid: str) -> None:
     assert validate_rollout_id(rid) == rid
 
 
-@pytest.mark.parametrize("rid", ["", "../etc", "a/b", "..", ".", "x" * 257, "a b", "k*", "é"])
+@pytest.mark.parametrize("rid", ["", "../etc", "a/b", "..", ".", "x" * 201, "a b", "k*", "é", "a#0", "x/y"])
 def test_invalid_rollout_ids(rid: str) -> None:
     with pytest.raises(InvalidRolloutIdError):
         validate_rollout_id(rid)
@@ -45,14 +45,14 @@ def test_local_fused_and_per_layer_round_trip(tmp_path) -> None:
     fused = LocalRoutingStore(str(tmp_path / "fused"), use_fused_put=True)
     a, b = _rows(0), _rows(1)
     paths = fused.put("r1", [a, b], MOE_LAYER_IDS)
-    assert [os.path.basename(p) for p in paths] == ["r1_0.npy", "r1_1.npy"]
+    assert [os.path.basename(p) for p in paths] == ["r1#0.npy", "r1#1.npy"]
     assert np.load(paths[0]).shape == (3, 7, 2)  # fused [L, T, K]
     assert np.array_equal(read_local_rollout(str(tmp_path / "fused"), "r1", choice=1), b)
     assert not [n for n in os.listdir(tmp_path / "fused") if ".tmp." in n]  # no temp files left
 
     per_layer = LocalRoutingStore(str(tmp_path / "layers"), use_fused_put=False)
     per_layer.put("r2", [a], MOE_LAYER_IDS)
-    assert sorted(os.listdir(tmp_path / "layers" / "r2")) == ["layer_1.npy", "layer_2.npy", "layer_3.npy"]
+    assert sorted(os.listdir(tmp_path / "layers" / "r2.layers")) == ["layer_1.npy", "layer_2.npy", "layer_3.npy"]
     assert np.array_equal(read_local_rollout(str(tmp_path / "layers"), "r2"), a)
     assert np.array_equal(read_local_rollout(str(tmp_path / "layers"), "r2", moe_layer_ids=[3]), a[:, 2:3])
 
@@ -75,27 +75,27 @@ def test_redis_fused_ttl_and_namespace(redis_url: str) -> None:
     store = RedisRoutingStore(redis_url, "ns1", ttl_s=120)
     store.ping()
     a, b = _rows(3), _rows(4)
-    assert store.put("d:g:0:0", [a, b], MOE_LAYER_IDS) == ["ns1:d:g:0:0_0", "ns1:d:g:0:0_1"]
+    assert store.put("d:g:0:0", [a, b], MOE_LAYER_IDS) == ["ns1/d:g:0:0#0", "ns1/d:g:0:0#1"]
     r = redis.Redis.from_url(redis_url)
-    assert 0 < r.ttl("ns1:d:g:0:0_0") <= 120
+    assert 0 < r.ttl("ns1/d:g:0:0#0") <= 120
     assert np.array_equal(read_redis_rollout(redis_url, "ns1", "d:g:0:0", choice=1), b)
     store.close()
 
 
 def test_redis_per_layer_only_last_turn_and_no_wipe(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    r.set("ns2:someone-else", b"keep")
+    r.set("ns2/someone-else", b"keep")
     store = RedisRoutingStore(redis_url, "ns2", ttl_s=60, use_fused_put=False, only_last_turn=True)
     a, b = _rows(5), _rows(6, t=9)
-    assert store.put("d:g:0:4", [a], MOE_LAYER_IDS) == ["ns2:d:g:0:4:1", "ns2:d:g:0:4:2", "ns2:d:g:0:4:3"]
+    assert store.put("d:g:0:4", [a], MOE_LAYER_IDS) == [f"ns2/d:g:0:4/layer_{i}" for i in MOE_LAYER_IDS]
     assert np.array_equal(read_redis_rollout(redis_url, "ns2", "d:g:0:4", moe_layer_ids=MOE_LAYER_IDS), a)
     store.put("d:g:1:4", [b], MOE_LAYER_IDS)
-    assert r.exists("ns2:d:g:0:4:1", "ns2:d:g:0:4:2", "ns2:d:g:0:4:3") == 0  # previous turn gone
+    assert r.exists("ns2/d:g:0:4/layer_1", "ns2/d:g:0:4/layer_2", "ns2/d:g:0:4/layer_3") == 0  # previous turn gone
     assert np.array_equal(read_redis_rollout(redis_url, "ns2", "d:g:1:4", moe_layer_ids=MOE_LAYER_IDS), b)
-    assert r.get("ns2:someone-else") == b"keep"
+    assert r.get("ns2/someone-else") == b"keep"
     # a second store on the same server (a restart) does not wipe anything
     RedisRoutingStore(redis_url, "ns2", ttl_s=60).ping()
-    assert r.exists("ns2:d:g:1:4:1") == 1
+    assert r.exists("ns2/d:g:1:4/layer_1") == 1
     store.close()
 
 
@@ -141,7 +141,7 @@ def test_server_puts_r3_per_layer_in_redis_before_answering(p2p_server, redis_ur
     assert first.choices[0].routed_experts is None and first.moe_layer_ids == MOE_LAYER_IDS
     arr = read_redis_rollout(redis_url, "e2e", "d7:g1:0:0", moe_layer_ids=MOE_LAYER_IDS)
     assert arr.shape == (first.usage.prompt_tokens + 4 - 1, 3, 4)
-    assert 0 < r.ttl("e2e:d7:g1:0:0:1") <= 300
+    assert 0 < r.ttl("e2e/d7:g1:0:0/layer_1") <= 300
 
     # next turn, n=2: suffixed keys, and only_last_turn removes the previous turn's keys
     second = client.completions.create(model=first.model, prompt="turn one", max_tokens=3, n=2, temperature=1.0,
@@ -149,15 +149,15 @@ def test_server_puts_r3_per_layer_in_redis_before_answering(p2p_server, redis_ur
     for i in range(2):
         got = read_redis_rollout(redis_url, "e2e", "d7:g1:1:0", choice=i, moe_layer_ids=MOE_LAYER_IDS)
         assert got.shape == (second.usage.prompt_tokens + 3 - 1, 3, 4)
-    assert r.exists(*[f"e2e:d7:g1:0:0:{layer}" for layer in MOE_LAYER_IDS]) == 0
+    assert r.exists(*[f"e2e/d7:g1:0:0/layer_{layer}" for layer in MOE_LAYER_IDS]) == 0
 
     # without rollout_id the `user` field is the key; without either, the request id (never a constant)
     client.completions.create(model=first.model, prompt="anon", max_tokens=2, temperature=0, user="alice")
-    assert r.exists("e2e:alice:1") == 1
+    assert r.exists("e2e/alice/layer_1") == 1
     anon = [client.completions.create(model=first.model, prompt="anon", max_tokens=2, temperature=0) for _ in "ab"]
     assert anon[0].id != anon[1].id
-    assert r.exists(*[f"e2e:{a.id}:{layer}" for a in anon for layer in MOE_LAYER_IDS]) == 2 * len(MOE_LAYER_IDS)
-    assert r.exists("e2e:user:1") == 0
+    assert r.exists(*[f"e2e/{a.id}/layer_{layer}" for a in anon for layer in MOE_LAYER_IDS]) == 2 * len(MOE_LAYER_IDS)
+    assert r.exists("e2e/user/layer_1") == 0
     bad = client.with_options(max_retries=0)
     with pytest.raises(openai.BadRequestError, match="user"):
         bad.completions.create(model=first.model, prompt="anon", max_tokens=2, user="not a key/")

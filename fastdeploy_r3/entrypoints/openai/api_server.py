@@ -6,6 +6,11 @@
 Start-up order: parse and validate the config (a bad flag exits with a message before anything
 starts), reach the routing store, bind the port, start the engine process, then serve. The engine
 process is shut down when the server stops (SIGINT/SIGTERM included).
+
+Exposure (issue 11): request bodies over --max-request-body-mb are refused (413) before they are
+read; a client that hangs up has its request aborted (entrypoints/openai/disconnect.py); /docs and
+/openapi.json exist only with --enable-docs; with --api-key, /metrics needs the key too unless
+--metrics-without-api-key; a 500 names what failed and an id to find the details in the log.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -30,13 +36,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastdeploy_r3.blob_store import redact_url
 from fastdeploy_r3.config import ConfigError, EngineConfig
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
+from fastdeploy_r3.entrypoints.openai.disconnect import ClientDisconnected, unless_disconnected
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from fastdeploy_r3.entrypoints.openai.request_limits import BodySizeLimit, longest_token_chars
 from fastdeploy_r3.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy_r3.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, ServingContext, engine_unavailable
+from fastdeploy_r3.entrypoints.openai.serving_engine import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    OpenAIError,
+    ServingContext,
+    engine_unavailable,
+)
 from fastdeploy_r3.lifecycle import EngineDeadError
-from fastdeploy_r3.r3.rollout_id import validate_rollout_id
+from fastdeploy_r3.r3.rollout_id import validate_namespace
 from fastdeploy_r3.r3.stores import RedisRoutingStore, RoutingStore, RoutingStoreError, make_routing_store
 
 logger = logging.getLogger("fastdeploy_r3.api_server")
@@ -51,12 +64,21 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--api-key", default=os.environ.get("FDR3_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $FDR3_API_KEY, else no key)",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $FDR3_API_KEY, else no key)",
     )
+    parser.add_argument("--metrics-without-api-key", action="store_true",
+                        help="serve /metrics without the API key (for a scraper that cannot send one)")
+    parser.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
+    parser.add_argument("--max-request-body-mb", type=float, default=16.0,
+                        help="larger request bodies are refused with 413 before they are read (default: %(default)s)")
+    parser.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="a request not answered this many seconds after it arrived is aborted (504); a "
+                        "request's own `timeout` field overrides it (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     parser.add_argument(
         "--r3-namespace", default="fdr3",
-        help="key prefix of this deployment in the R3 p2pstore: keys are {namespace}:{rollout_id}[:{layer}]",
+        help="this deployment's part of the R3 p2pstore, [A-Za-z0-9._-]: keys are "
+        "{namespace}/{rollout_id}[/layer_{layer}]",
     )
     parser.add_argument("--engine-start-timeout", type=float, default=900.0)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -78,7 +100,7 @@ def _model_card(ctx: ServingContext, store: RoutingStore | None, namespace: str)
         "debug_mode": rr.debug_mode,
         "namespace": namespace if isinstance(store, RedisRoutingStore) else None,
         "p2pstore_url": redact_url(rr.p2pstore_url) if rr.p2pstore_url else None,
-        "local_store_dir": os.path.abspath(rr.local_store_dir) if rr.local_store_dir else None,
+        # local_store_dir is not shown: a path on the server is no client's business (issue 11)
         "block_size": cfg.cache_config.block_size,
     }
     return ModelCard(id=ctx.served_model_name, root=cfg.model_config.model, max_model_len=ctx.engine.info.max_model_len,
@@ -98,20 +120,33 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastAPI:
+def build_app(
+    ctx: ServingContext,
+    api_key: str | None,
+    namespace: str,
+    *,
+    max_request_body_bytes: int = 16 * 2**20,
+    enable_docs: bool = False,
+    metrics_without_api_key: bool = False,
+) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         # uvicorn re-raises SIGTERM/SIGINT after serving; shut the engine down before that
         await ctx.engine.shutdown()
 
-    app = FastAPI(title="fastdeploy_r3", lifespan=lifespan)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="fastdeploy_r3", lifespan=lifespan, **docs)
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
+    keyed = ("/v1",) if metrics_without_api_key else ("/v1", "/metrics")
+    # added first, so it sits innermost (next to the routes): its 413 raised from receive() reaches
+    # FastAPI as an HTTPException, not wrapped by the API-key middleware's task group
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        if api_key is not None and request.url.path.startswith(keyed):
             auth = request.headers.get("authorization", "")
             if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
                 err = OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
@@ -121,7 +156,7 @@ def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastA
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -135,8 +170,11 @@ def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastA
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        err = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+        # the exception's text may hold paths or internals: it goes to the log under an error id only
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        logger.exception("unhandled error %s on %s", error_id, request.url.path)
+        err = OpenAIError(500, f"internal error while serving {request.url.path} (error id {error_id}); the "
+                          "server log has the details", "internal_server_error")
         return JSONResponse(err.body(), status_code=500)
 
     @app.get("/health")
@@ -160,13 +198,19 @@ def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastA
     async def models() -> JSONResponse:
         return JSONResponse(ModelList(data=[_model_card(ctx, ctx.store, namespace)]).model_dump())
 
+    async def unless_gone(raw: Request, work: Awaitable[Response]) -> Response:
+        try:
+            return await unless_disconnected(raw, work)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Response:
-        return await completion.create_completion(request)
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await unless_gone(raw, completion.create_completion(request))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return await chat.create_chat_completion(request)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await unless_gone(raw, chat.create_chat_completion(request))
 
     return app
 
@@ -186,7 +230,7 @@ def _raise_system_exit(signum: int, frame: object) -> None:
 
 async def run_server(args: argparse.Namespace) -> None:
     config = EngineConfig.from_cli_args(args)  # ConfigError: bad flags, before anything starts
-    namespace = validate_rollout_id(args.r3_namespace, "--r3-namespace")
+    namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
     store = make_routing_store(config.routing_replay_config, namespace)
     if isinstance(store, RedisRoutingStore):
         store.ping()
@@ -199,8 +243,11 @@ async def run_server(args: argparse.Namespace) -> None:
     engine: AsyncEngineClient | None = None
     try:
         engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout)
-        ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store)
-        app = build_app(ctx, args.api_key, namespace)
+        ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store,
+                             request_timeout_s=args.request_timeout_s,
+                             longest_token_chars=longest_token_chars(tokenizer))
+        app = build_app(ctx, args.api_key, namespace, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+                        enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
         logger.info("serving %s on http://%s:%d", ctx.served_model_name, args.host, args.port)
         await server.serve(sockets=[sock])

@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response bodies, plus the R3 extras (DESIGN.md §7).
 
-R3 extras on requests: `return_routed_experts`, `routed_experts_start`, `rollout_id`; on responses:
-each choice's `routed_experts` (base64 `.npy`, `[rows, L, K]`) and `routed_experts_start`, and the
-response's `moe_layer_ids`. Unknown request fields are rejected (400) rather than silently ignored.
+R3 extras on requests: `return_routed_experts`, `routed_experts_start`, `rollout_id`,
+`overwrite_rollout`; on responses: each choice's `routed_experts` (base64 `.npy`, `[rows, L, K]`) and
+`routed_experts_start`, and the response's `moe_layer_ids`. Also on requests: `timeout` (seconds).
+Unknown request fields, and values of the wrong JSON type, are rejected (400) rather than silently
+ignored or coerced.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from fastdeploy_r3.sampling_params import SamplingParams
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Request bodies: unknown fields, and values of the wrong JSON type ("yes" for a bool, "5" for an
+    # int), are a 400 rather than coerced; NaN and Infinity (which Python's JSON parser accepts) too
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -58,6 +62,10 @@ class _SamplingFields(StrictModel):
     return_routed_experts: bool | None = None
     routed_experts_start: int = Field(default=0, ge=0)
     rollout_id: str | None = None
+    # a rollout id in flight or already stored is refused (409) unless the request asks to overwrite
+    overwrite_rollout: bool = False
+    # seconds from arrival until the request is aborted (504); None: the server's --request-timeout-s
+    timeout: float | None = Field(default=None, gt=0)
 
     def to_sampling_params(
         self, default_max_tokens: int, generation_defaults: dict[str, Any] | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fastdeploy_r3.config import ConfigError
@@ -42,25 +44,32 @@ def _message_dicts(request: ChatCompletionRequest) -> list[dict]:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def prompt(self, request: ChatCompletionRequest) -> tuple[list[int], str]:
+    async def prompt(self, request: ChatCompletionRequest) -> tuple[list[int], str]:
         tokenizer = self.ctx.engine.tokenizer
+        messages = _message_dicts(request)
+        # the template only adds to the messages: refuse what cannot fit before rendering it
+        message = self.ctx.prompt_bound.check(sum(len(m["content"]) for m in messages))
+        if message is not None:
+            raise bad_request(message, "messages")
         try:
-            text = tokenizer.apply_chat_template(_message_dicts(request), tools=request.tools)
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools=request.tools)
         except ConfigError as e:
             raise bad_request(str(e), "messages") from e
         # the rendered template holds its own special tokens (vLLM encodes chat prompts the same way)
-        return tokenizer.encode(text, add_special_tokens=False), text
+        return await self.tokenize(text, "messages", add_special_tokens=False), text
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         self.check_model(request.model)
+        deadline = self.deadline(request.timeout)
         request_id = self.new_request_id("chatcmpl")
         rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
-        prompt_token_ids, prompt = self.prompt(request)
+        prompt_token_ids, prompt = await self.prompt(request)
         # chat default: whatever room the context leaves (the engine's limit, which follows its KV cache);
         # at least 1, so that a prompt with no room gets the engine's "prompt too long" error
         default_max_tokens = max(1, self.ctx.engine.info.max_model_len - len(prompt_token_ids))
         params = self.sampling_params(request, default_max_tokens)
-        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt)
+        release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout)
+        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
 

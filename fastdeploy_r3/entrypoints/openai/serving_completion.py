@@ -22,23 +22,25 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def prompt_token_ids(self, request: CompletionRequest) -> tuple[list[int], str | None]:
+    async def prompt_token_ids(self, request: CompletionRequest) -> tuple[list[int], str | None]:
         prompt = request.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.ctx.engine.tokenizer.encode(prompt), prompt
+            return await self.tokenize(prompt, "prompt"), prompt
         return list(prompt), None  # the engine checks length and vocabulary
 
     async def create_completion(self, request: CompletionRequest):
         self.check_model(request.model)
+        deadline = self.deadline(request.timeout)
         request_id = self.new_request_id("cmpl")
         rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
-        prompt_token_ids, prompt = self.prompt_token_ids(request)
+        prompt_token_ids, prompt = await self.prompt_token_ids(request)
         params = self.sampling_params(request, DEFAULT_COMPLETION_MAX_TOKENS)
-        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt)
+        release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout)
+        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
 

@@ -4,36 +4,55 @@ request through the engine, and R3 delivery (DESIGN.md §7).
 R3 delivery is r3/delivery.py's (shared with offline `LLM`); here it runs in a worker thread, awaited
 before the response (or the stream's final chunks) goes out, so the event loop never encodes or waits
 on a store. A failed delivery answers 500.
+
+What a request may cost, and who it may touch (issue 11):
+
+    prompt text   refused past request_limits.PromptCharBound before tokenizing; tokenized in a thread
+    queue         the engine's waiting queue is bounded: 429 with Retry-After
+    deadline      `timeout` of the request, else --request-timeout-s, from arrival: aborted, 504
+    rollout id    one request at a time per id; an id whose R3 is already stored is refused (409)
+                  unless the request says overwrite_rollout
+    500s          say what failed and the request id; exception text and paths go to the log only
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineRequestError
+from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineOverloadedError, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
+from fastdeploy_r3.entrypoints.openai.request_limits import FALLBACK_LONGEST_TOKEN_CHARS, PromptCharBound
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3Result, R3StoreFailedError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id, validate_rollout_id
-from fastdeploy_r3.r3.stores import RoutingStore
+from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger("fastdeploy_r3.api_server")
+
+DEFAULT_REQUEST_TIMEOUT_S = 1800.0
+RETRY_AFTER_S = 1
 
 
 class OpenAIError(Exception):
     """An error answered as an OpenAI-style body with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
@@ -50,6 +69,16 @@ def engine_error(message: str) -> OpenAIError:
 
 def engine_unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, "service_unavailable")
+
+
+def internal_error(what: str, request_id: str, detail: object) -> OpenAIError:
+    """A 500 that says what failed and for which request; the detail (exception text, paths) is logged."""
+    logger.error("request %s: %s: %s", request_id, what, detail)
+    return OpenAIError(500, f"{what} (request {request_id}); the server log has the details", "internal_server_error")
+
+
+def conflict(message: str, param: str) -> OpenAIError:
+    return OpenAIError(409, message, "conflict_error", param)
 
 
 @dataclass
@@ -69,10 +98,15 @@ class ServingContext:
     served_model_name: str
     store: RoutingStore | None  # None: R3 goes in the response
     counters: ServerCounters = field(default_factory=ServerCounters)
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    longest_token_chars: int = FALLBACK_LONGEST_TOKEN_CHARS
     delivery: R3Delivery = field(init=False)
+    prompt_bound: PromptCharBound = field(init=False)
+    rollouts_in_flight: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.delivery = R3Delivery(self.engine.config.routing_replay_config, self.store)
+        self.prompt_bound = PromptCharBound(self.engine.info.max_model_len, self.longest_token_chars)
 
     @property
     def r3_enabled(self) -> bool:
@@ -118,6 +152,47 @@ class OpenAIServing:
         except InvalidRolloutIdError as e:
             raise bad_request(str(e), "rollout_id" if rollout_id is not None else "user") from e
 
+    async def claim_rollout(
+        self, request_id: str, rollout_id: str, params: SamplingParams, overwrite: bool
+    ) -> Callable[[], None]:
+        """Hold `rollout_id` for this request; returns the release. Only stored R3 has an id to
+        collide on: in response mode, or with R3 off for the request, nothing is held.
+
+        In flight elsewhere -> 409; already in the store (any n) -> 409 unless `overwrite`."""
+        store = self.ctx.store
+        if store is None or not self.wants_r3(params):
+            return lambda: None
+        held = self.ctx.rollouts_in_flight
+        if rollout_id in held:  # checked and taken with no await between: atomic on the loop
+            raise conflict(f"rollout id {rollout_id!r} is in flight in another request; wait for its answer "
+                           "or use another id", "rollout_id")
+        held.add(rollout_id)
+        try:
+            if not overwrite:
+                try:
+                    stored = await asyncio.to_thread(store.contains, rollout_id, self.ctx.moe_layer_ids)
+                except RoutingStoreError as e:
+                    raise internal_error(f"the R3 store could not be read for rollout {rollout_id!r}",
+                                         request_id, e) from e
+                if stored:
+                    raise conflict(f"rollout id {rollout_id!r} already has routed_experts in the store; use a new "
+                                   "id, or send \"overwrite_rollout\": true to replace them", "rollout_id")
+        except BaseException:
+            held.discard(rollout_id)
+            raise
+        return lambda: held.discard(rollout_id)
+
+    async def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of prompt text: refused before tokenizing when it cannot fit; tokenized off the loop."""
+        message = self.ctx.prompt_bound.check(len(text))
+        if message is not None:
+            raise bad_request(message, param)
+        return await asyncio.to_thread(self.ctx.engine.tokenizer.encode, text, add_special_tokens)
+
+    def deadline(self, timeout_s: float | None) -> float:
+        """Loop time by which the request must be answered."""
+        return asyncio.get_running_loop().time() + (timeout_s or self.ctx.request_timeout_s)
+
     def wants_r3(self, params: SamplingParams) -> bool:
         return self.ctx.delivery.wants(params.return_routed_experts)
 
@@ -136,20 +211,58 @@ class OpenAIServing:
     # -- running ----------------------------------------------------------------------------------
 
     async def start_generation(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        deadline: float,
+        release: Callable[[], None] = lambda: None,
     ) -> tuple[RequestDelta, AsyncIterator[RequestDelta]]:
         """Submit and wait for the first delta, so that a rejected request still gets its 4xx
-        status (a stream cannot change its status once started)."""
-        gen = self.ctx.engine.generate(request_id, prompt_token_ids, params, prompt)
+        status (a stream cannot change its status once started). The returned generator ends the
+        request at `deadline` (504) and calls `release` (the rollout id's claim) when it closes."""
+        gen = self._bounded(request_id, self.ctx.engine.generate(request_id, prompt_token_ids, params, prompt),
+                            deadline, release)
         try:
             first = await gen.__anext__()
         except InvalidRequestError as e:
             raise bad_request(str(e)) from e
+        except EngineOverloadedError as e:
+            raise OpenAIError(429, f"the server is busy: {e}", "rate_limit_error",
+                              headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         except EngineRequestError as e:
-            raise engine_error(str(e)) from e
+            raise internal_error("the engine could not accept the request", request_id, e) from e
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from e
+        except BaseException:
+            await gen.aclose()
+            raise
         return first, gen
+
+    async def _bounded(
+        self, request_id: str, gen: AsyncIterator[RequestDelta], deadline: float, release: Callable[[], None]
+    ) -> AsyncIterator[RequestDelta]:
+        """`gen` until `deadline`; past it the engine request is aborted and OpenAIError(504) raised."""
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        delta = await anext(gen)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError as e:
+                    raise OpenAIError(
+                        504, f"request {request_id} did not finish within its deadline and was aborted; send a "
+                        "larger `timeout` (seconds) or fewer max_tokens", "timeout_error", "timeout") from e
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            try:
+                await gen.aclose()  # aborts the engine request unless it finished
+            finally:
+                release()
 
     async def iterate(self, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
         try:
@@ -176,8 +289,12 @@ class OpenAIServing:
     def check_finished_ok(self, final: RequestOutput) -> None:
         for c in final.outputs:
             if c.finish_reason == "error":
+                # the engine's own message says what failed (a worker step, an R3 gather, the engine);
+                # it is logged beside the request id, where the engine's log has the traceback
                 self.ctx.counters.request_errors += 1
-                raise engine_error(c.error or "the engine failed this request without a message")
+                message = c.error or "the engine failed this request without a message"
+                logger.error("request %s choice %d failed: %s", final.request_id, c.index, message)
+                raise engine_error(f"{message} (request {final.request_id})")
 
     # -- R3 ---------------------------------------------------------------------------------------
 
@@ -191,7 +308,8 @@ class OpenAIServing:
             r3 = await asyncio.to_thread(self.ctx.delivery.deliver, final, rollout_id)
         except R3StoreFailedError as e:
             counters.r3_store_failures += 1
-            raise engine_error(str(e)) from e
+            raise internal_error(f"storing routed_experts of rollout {rollout_id!r} failed", final.request_id,
+                                 e.__cause__ or e) from e
         except R3DeliveryError as e:
             raise engine_error(f"{e}; refusing to deliver it") from e
         finally:
