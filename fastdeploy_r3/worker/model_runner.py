@@ -19,11 +19,10 @@ from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
-from fastdeploy_r3.worker.sampler import sample_token
+from fastdeploy_r3.worker.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +43,7 @@ class ModelRunner:
         self.routing_host: RoutingBuffer | None = None
         self.routing_writer: RoutingWriter | None = None  # rank 0 only: writes into routing_host
         self.routing_capture: RoutingCapture | None = None
-        self._params: dict[str, SamplingParams] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self.sampler = StepSampler(config.model_config.vocab_size, self.device)
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -129,8 +127,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_request_ids:
-            self._params.pop(rid, None)
-            self._generators.pop(rid, None)
+            self.sampler.forget(rid)
         if not step.requests:
             return StepOutput(step.step_id, {})
         model = self.model
@@ -145,8 +142,10 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[tuple[int, ScheduledRequestData]] = []
+        chunk_rows: list[tuple[int, ScheduledRequestData]] = []  # (row of the chunk's first token, chunk)
         for r in step.requests:
-            self._remember(r)
+            self.sampler.remember(r)
+            chunk_rows.append((query_start_loc[-1], r))
             n = len(r.token_ids)
             pos = np.arange(r.start_pos, r.start_pos + n, dtype=np.int64)
             input_ids.extend(r.token_ids)
@@ -189,22 +188,15 @@ class ModelRunner:
                 rows = self.routing_writer.rows_of(capture, len(input_ids))  # [T, L, K]
                 self.routing_writer.write(rows, slot_t, tags_t, pos_t)
 
-        sampled: dict[str, int] = {}
+        out = StepOutput(step.step_id, {})
         # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
-        if sample_rows and self.rank == 0:
-            idx = torch.tensor([i for i, _ in sample_rows], dtype=torch.int64, device=dev)
-            logits = model.compute_logits(hidden[idx]).float().cpu()  # [S, V]
-            for row, (_, r) in enumerate(sample_rows):
-                sampled[r.request_id] = sample_token(
-                    logits[row], self._params[r.request_id], self._generators.get(r.request_id)
-                )
-        return StepOutput(step.step_id, sampled)
-
-    def _remember(self, r: ScheduledRequestData) -> None:
-        if r.sampling_params is not None:
-            self._params[r.request_id] = r.sampling_params
-            if r.sampling_seed is not None:
-                self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
+        if self.rank == 0:
+            if sample_rows:
+                idx = torch.tensor([i for i, _ in sample_rows], dtype=torch.int64, device=dev)
+                logits = model.compute_logits(hidden[idx])  # [S, V]
+                out.sampled_token_ids, out.logprobs = self.sampler.sample(logits, [r for _, r in sample_rows])
+            out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
+        return out
 
     def close(self) -> None:
         if self.routing_writer is not None:
