@@ -50,8 +50,10 @@ class TokenProcessor:
         finish the request if it stops here. Before min_tokens tokens nothing but the length stops it."""
         req.output_token_ids.append(token_id)
         if req.output_logprobs is not None:
-            if logprob is None:
-                raise RuntimeError(f"request {req.request_id} asked for logprobs but the worker sent none")
+            if logprob is None:  # never expected; fail this request, not the engine
+                self.finish(req, RequestStatus.FINISHED_ERROR,
+                            error=f"request {req.request_id} asked for logprobs but the worker sent none")
+                return
             req.output_logprobs.append(logprob)
         params = req.sampling_params
         may_stop = len(req.output_token_ids) >= params.min_tokens

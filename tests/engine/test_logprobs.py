@@ -63,6 +63,7 @@ def test_greedy_and_prompt_logprobs_equal_hf_log_softmax(engine) -> None:
     _check_records(out.prompt_logprobs[1:], ref[: p - 1], prompt[1:], 2)
 
 
+@pytest.mark.parametrize("engine", ["qwen3_moe"], indirect=True)  # family-independent: one is enough
 def test_sampled_logprobs_are_those_of_the_temperature_scaled_distribution(engine) -> None:
     """temperature 0.7, top_k 5 (truncation does not change the numbers): logprob = log_softmax(z / 0.7)."""
     llm, hf = engine
@@ -111,6 +112,7 @@ def test_penalties_change_greedy_tokens_exactly_as_specified(engine) -> None:
     assert changed > 0 and a.outputs[0].token_ids != b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("engine", ["qwen3_moe"], indirect=True)
 def test_min_tokens_holds_back_stop_token_ids(engine) -> None:
     """The greedy 2nd token as stop_token_ids ends the plain request at 2 tokens; with min_tokens=5
     the stop token cannot be sampled before 5 tokens and the request runs to max_tokens or a later stop."""
