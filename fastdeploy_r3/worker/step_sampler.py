@@ -64,15 +64,35 @@ class StepSampler:
         self, logits: torch.Tensor, rows: list[ScheduledRequestData]
     ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         """logits [S, V] of rows (one per sampling chunk) -> ({request id: token}, {request id: logprob
-        record} for the rows whose params ask for logprobs)."""
-        states = [self._requests[r.request_id] for r in rows]
-        processed = self._process(logits.float(), rows, states)  # [S, V]
-        cpu = processed.cpu()  # the per-row sampler draws with CPU generators
-        ids = [sample_token(cpu[i], s.params, s.generator) for i, s in enumerate(states)]
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=processed.device)  # [S]
-        self.stats.record([r.request_id for r in rows], ids_t)
-        sampled = {r.request_id: tok for r, tok in zip(rows, ids)}
+        record} for the rows whose params ask for logprobs). Three stages, so that a batched device
+        sampler replaces `draw` alone: process -> draw -> finish."""
+        processed = self.process(logits, rows)  # [S, V]
+        ids = self.draw(processed, rows)  # [S]
+        return self.finish(processed, rows, ids)
 
+    def process(self, logits: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+        """logits [S, V] -> float32 logits [S, V] after penalties and min_tokens (the rows without
+        either are unchanged); the input may be modified."""
+        return self._process(logits.float(), rows, [self._requests[r.request_id] for r in rows])
+
+    def draw(self, processed: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+        """processed [S, V] -> ids [S] int64 on its device: one token per row (sampler.py, per row,
+        with the request's CPU generator)."""
+        cpu = processed.cpu()
+        ids = []
+        for i, r in enumerate(rows):
+            state = self._requests[r.request_id]
+            ids.append(sample_token(cpu[i], state.params, state.generator))
+        return torch.tensor(ids, dtype=torch.int64, device=processed.device)
+
+    def finish(
+        self, processed: torch.Tensor, rows: list[ScheduledRequestData], ids: torch.Tensor
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Count the drawn ids [S] for the penalties, take the logprob records the rows asked for
+        (from processed [S, V]), and hand both to the host."""
+        states = [self._requests[r.request_id] for r in rows]
+        self.stats.record([r.request_id for r in rows], ids)
+        sampled = {r.request_id: tok for r, tok in zip(rows, ids.cpu().tolist())}
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         records: dict[str, TokenLogprob] = {}
         if want:
@@ -80,7 +100,7 @@ class StepSampler:
             nums = [states[i].params.logprobs or 0 for i in want]
             temps = torch.tensor([states[i].params.temperature for i in want], dtype=torch.float32,
                                  device=processed.device)  # [S']
-            res = token_logprobs(processed[idx], ids_t[idx], max(nums), temps).to_host(nums)
+            res = token_logprobs(processed[idx], ids[idx], max(nums), temps).to_host(nums)
             records = {rows[i].request_id: rec for i, rec in zip(want, res)}
         return sampled, records
 
