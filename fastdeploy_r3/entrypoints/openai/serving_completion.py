@@ -67,20 +67,20 @@ class OpenAIServingCompletion(OpenAIServing):
 
             extras = request.return_token_ids or fmt is not None
             offsets: dict[int, int] = {}  # per choice: characters streamed so far (logprobs text_offset)
-            echo_state = {"pending": request.echo, "first": True}
+            state = {"echo_pending": request.echo, "first_chunk": True}
 
             def response(choices: list[CompletionChoice], **kw) -> dict:
-                if echo_state["first"] and request.return_token_ids:
+                if state["first_chunk"] and request.return_token_ids:
                     kw["prompt_token_ids"] = prompt_token_ids
-                echo_state["first"] = False
+                state["first_chunk"] = False
                 return CompletionStreamResponse(id=request_id, model=model, choices=choices,
                                                 **kw).model_dump(exclude_none=True)
 
             def echo_chunks(delta: RequestDelta) -> list[dict]:
                 """The prompt (and its logprobs, once the engine scored it), first, once per choice."""
-                if not echo_state["pending"] or (params.prompt_logprobs is not None and delta.prompt_logprobs is None):
+                if not state["echo_pending"] or (params.prompt_logprobs is not None and delta.prompt_logprobs is None):
                     return []
-                echo_state["pending"] = False
+                state["echo_pending"] = False
                 text = self.echo_text(prompt, prompt_token_ids)
                 lp = None
                 if fmt is not None and delta.prompt_logprobs is not None:
