@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fastdeploy_r3.logprobs import PromptLogprobs, TokenLogprob
+
 
 @dataclass
 class CompletionOutput:
@@ -20,6 +22,7 @@ class CompletionOutput:
     routed_experts: np.ndarray | None = None  # [rows, L, K]
     routed_experts_start: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -31,6 +34,7 @@ class RequestOutput:
     finished: bool
     moe_layer_ids: list[int] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
 
 
 @dataclass
@@ -45,6 +49,7 @@ class CompletionDelta:
     routed_experts: np.ndarray | None = None  # [rows, L, K], on the finishing delta only
     routed_experts_start: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token id, when asked for
 
 
 @dataclass
@@ -59,6 +64,8 @@ class RequestDelta:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     moe_layer_ids: list[int] | None = None
+    # once, on the delta of the step that scored the prompt's last position
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OutputAssembler:
@@ -73,6 +80,8 @@ class OutputAssembler:
         self.finished = False
         self._texts: dict[int, list[str]] = {}
         self._token_ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
+        self.prompt_logprobs: PromptLogprobs | None = None
         self._last: dict[int, CompletionDelta] = {}
 
     def add(self, delta: RequestDelta) -> None:
@@ -81,11 +90,15 @@ class OutputAssembler:
         if delta.prompt_token_ids is not None:
             self.prompt, self.prompt_token_ids = delta.prompt, list(delta.prompt_token_ids)
             self.moe_layer_ids = delta.moe_layer_ids
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens
         self.finished = delta.finished
         for c in delta.outputs:
             self._texts.setdefault(c.index, []).append(c.text)
             self._token_ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                self._logprobs.setdefault(c.index, []).extend(c.logprobs)
             self._last[c.index] = c
 
     def output(self) -> RequestOutput:
@@ -100,6 +113,7 @@ class OutputAssembler:
                 routed_experts=last.routed_experts,
                 routed_experts_start=last.routed_experts_start,
                 error=last.error,
+                logprobs=list(self._logprobs.get(i, [])) if last.logprobs is not None else None,
             )
             for i, last in sorted(self._last.items())
         ]
@@ -111,4 +125,5 @@ class OutputAssembler:
             finished=self.finished,
             moe_layer_ids=self.moe_layer_ids,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )

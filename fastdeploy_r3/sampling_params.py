@@ -7,8 +7,8 @@ Validation admits only what the sampler can run, so that no request can make a s
     temperature  finite, >= 0; below MIN_TEMPERATURE it samples greedily (dividing logits by a
                  temperature like 1e-300 overflows to inf and the softmax to NaN), as vLLM does
     seed         an integer in [-2**63, 2**64), reduced to 64 bits (seed mod 2**64, so -1 is
-                 2**64 - 1, as torch.Generator.manual_seed reads it); choice i of an n > 1 request
-                 uses (seed + i) mod 2**64
+                 2**64 - 1); the sampler's noise is keyed by those 64 bits and the token's
+                 position; choice i of an n > 1 request uses (seed + i) mod 2**64
     top_p        in (0, 1]; NaN is refused (it fails every comparison)
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from fastdeploy_r3.logprobs import MAX_LOGPROBS
 
 MIN_TEMPERATURE = 1e-5  # below this, greedy (vLLM's _SAMPLING_EPS)
 SEED_MODULUS = 2**64
@@ -37,6 +39,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # stop tokens, EOS and stop strings do not end a completion shorter than this
+    # penalties, as vLLM defines them (worker/logits_processor.py): off at 0, 0 and 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # logprobs (definition in fastdeploy_r3/logprobs.py): None = none; N = the chosen token's logprob
+    # plus the N most likely alternatives (0: the chosen token's only)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # R3, per request: None = the server's default (on when R3 is enabled)
     return_routed_experts: bool | None = None
     routed_experts_start: int = 0
@@ -67,6 +80,17 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if self.routed_experts_start < 0:
             raise InvalidRequestError(f"routed_experts_start={self.routed_experts_start}; use a row index >= 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens={self.min_tokens}; use a value in [0, max_tokens={self.max_tokens}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name}={getattr(self, name)}; use a value in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise InvalidRequestError(f"repetition_penalty={self.repetition_penalty}; use a value > 0 (1 is off)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name}={value}; use a value in [0, {MAX_LOGPROBS}] or leave it unset")
 
     @property
     def greedy(self) -> bool:
@@ -75,3 +99,7 @@ class SamplingParams:
     def choice_seed(self, index: int) -> int | None:
         """The seed of choice `index` when one request asks for n > 1 choices."""
         return None if self.seed is None else (self.seed + index) % SEED_MODULUS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -31,7 +31,12 @@ from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionDelta, RequestDelta
 from fastdeploy_r3.r3.layouts import row_range
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
-from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
+from fastdeploy_r3.worker.messages import (
+    AttachRoutingBuffer,
+    ScheduledRequestData,
+    StepInput,
+    WorkerReady,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +196,9 @@ class EngineService:
         for i, rid in enumerate(child_ids):
             child_params = params
             if params.n > 1:
-                child_params = replace(params, n=1, seed=params.choice_seed(i))
+                # every choice scores the same prompt: the first one alone computes its logprobs
+                child_params = replace(params, n=1, seed=params.choice_seed(i),
+                                       prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             req = Request(rid, list(prompt_token_ids), child_params)
             group.children.append(req)
             self._child_group[rid] = request_id
@@ -255,9 +262,14 @@ class EngineService:
                         "requests of the step were served; the engine log has the details"))
                 served = [c for c in out.chunks if not c.request.is_finished]
                 self.scheduler.update_after_step(replace(out, chunks=served))
+                scheduled = {c.request.request_id: c.request for c in served}
+                for rid, (first, records) in step.prompt_logprobs.items():
+                    if rid in scheduled:
+                        scheduled[rid].add_prompt_logprobs(first, records)
                 for chunk in served:
                     if chunk.samples:
-                        self.token_processor.append_token(chunk.request, step.sampled[chunk.request.request_id])
+                        rid = chunk.request.request_id
+                        self.token_processor.append_token(chunk.request, step.sampled[rid], step.logprobs.get(rid))
                 for chunk in out.chunks:
                     req = chunk.request
                     touched.add(self._child_group[req.request_id])
@@ -291,6 +303,8 @@ class EngineService:
                     sampling_seed=r.sampling_params.seed if first else None,
                 )
             )
+            if first:
+                self._first_chunk_extras(reqs[-1], r)
         finished: list[str] = []
         if not retry:
             finished = [rid for rid in self._finished_since_step if rid in self._worker_known]
@@ -301,7 +315,18 @@ class EngineService:
         errors = [o.error for o in outs if o.error]
         if errors:
             return StepAttempt(error=errors[0])
-        return StepAttempt(sampled=outs[0].sampled_token_ids)
+        o = outs[0]
+        return StepAttempt(sampled=o.sampled_token_ids, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs)
+
+    def _first_chunk_extras(self, data: ScheduledRequestData, r: Request) -> None:
+        """What the worker's StepSampler needs beyond the chunk, sent once (worker/messages.py)."""
+        p = r.sampling_params
+        data.num_prompt_tokens = r.num_prompt_tokens
+        if p.has_penalties or p.prompt_logprobs is not None:
+            data.prompt_token_ids = r.prompt_token_ids
+        if p.min_tokens > 0:
+            eos = [] if p.ignore_eos else sorted(self.token_processor.eos_token_ids)
+            data.min_tokens_stop_ids = sorted(set(eos) | set(p.stop_token_ids))
 
     def _collect(self, group_ids: set[str]) -> list[RequestDelta]:
         deltas = []
@@ -324,7 +349,9 @@ class EngineService:
         for i, req in enumerate(group.children):
             if req.delta_finished:
                 continue  # its finishing delta went out already
+            sent = req.num_sent_tokens
             text, token_ids = self.token_processor.take_delta(req)
+            logprobs = None if req.output_logprobs is None else req.output_logprobs[sent : sent + len(token_ids)]
             finish_reason = None
             if req.is_finished:
                 finish_reason, req.delta_finished = req.status.value, True
@@ -339,6 +366,7 @@ class EngineService:
                     routed_experts_start=row_range(req.num_prompt_tokens, req.num_sent_tokens,
                                                    req.sampling_params.routed_experts_start)[0],
                     error=req.error,
+                    logprobs=logprobs,
                 )
             )
         delta = RequestDelta(
@@ -347,6 +375,12 @@ class EngineService:
             finished=all(r.is_finished for r in group.children),
             num_cached_tokens=max(group.children[0].num_cached_tokens, 0),
         )
+        first_child = group.children[0]  # every choice scores the same prompt: send the first one's
+        if first_child.prompt_logprobs is not None and not first_child.prompt_logprobs_sent and (
+            not first_child.needs_prompt_logprobs or first_child.is_finished
+        ):
+            first_child.prompt_logprobs_sent = True
+            delta.prompt_logprobs = list(first_child.prompt_logprobs)
         if not group.announced:
             group.announced = True
             delta.prompt, delta.prompt_token_ids = group.prompt, group.prompt_token_ids

@@ -16,7 +16,9 @@ from fastdeploy_r3.r3.rollout_id import RolloutIdConflictError, resolve_rollout_
 from fastdeploy_r3.r3.stores import make_routing_store
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
-PromptType = str | list[int]
+# vLLM's prompt forms: text, token ids, TextPrompt {"prompt": str} and TokensPrompt
+# {"prompt_token_ids": [int]} (the form verl and most RL code pass)
+PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -47,7 +49,10 @@ class LLM:
         rollout_ids: Sequence[str] | None = None,
         overwrite_rollouts: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        """Generate for every prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids":
+        ids} dicts) with one SamplingParams or one per prompt; outputs come back in prompt order, each
+        with its prompt_token_ids, and per-token logprobs where the params ask (`logprobs`,
+        `prompt_logprobs`; definition in fastdeploy_r3/logprobs.py).
 
         With a `local` or `p2pstore` routing store, each finished prompt's R3 is stored under its
         rollout id (`rollout_ids[i]`, else the output's request_id) before generate() returns. As in
@@ -56,7 +61,7 @@ class LLM:
         Rollout ids must be distinct, and are refused (RolloutIdConflictError, before anything runs)
         where the store already holds them, unless `overwrite_rollouts`.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
@@ -143,6 +148,18 @@ class LLM:
             self.engine.step()
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, list):
+                    raise InvalidRequestError("prompt_token_ids must be a list of int token ids")
+            elif set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError(
+                    f"a dict prompt has the keys {sorted(prompt)}; use {{'prompt_token_ids': [ids]}} or "
+                    "{'prompt': text}"
+                )
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; pass prompts as lists of token ids")

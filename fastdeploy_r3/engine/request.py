@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy_r3.logprobs import PromptLogprobs, TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 
@@ -60,6 +61,27 @@ class Request:
     stop_reason: str | int | None = None
     error: str | None = None
     routed_experts: np.ndarray | None = None
+    # logprobs (fastdeploy_r3/logprobs.py), when the params ask: one record per output token, and
+    # the prompt's (entry 0 None) filled chunk by chunk; prompt_logprobs_sent once the delta carried them
+    output_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and some position not scored yet (its KV must be computed, not hit)."""
+        return self.prompt_logprobs is not None and any(p is None for p in self.prompt_logprobs[1:])
+
+    def add_prompt_logprobs(self, first_position: int, records: list[TokenLogprob]) -> None:
+        """Entries for prompt positions first_position.. (a recompute after preemption rewrites the same)."""
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs[first_position : first_position + len(records)] = records
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
+from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager, PrefixHit
 from fastdeploy_r3.engine.request import Request, RequestStatus
 
 
@@ -110,7 +110,8 @@ class Scheduler:
         # 2. waiting requests in order, unless this step had to preempt
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.find_cached_prefix(req)
+            # prompt logprobs need the logits of every prompt position: no prefix hit may skip one
+            hit = PrefixHit() if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req)
             hit_tokens = hit.num_blocks * self.kv.block_size
             num_new = req.num_tokens - hit_tokens
             if num_new > budget:

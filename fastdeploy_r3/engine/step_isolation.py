@@ -21,24 +21,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from fastdeploy_r3.logprobs import TokenLogprob
+
 C = TypeVar("C")
 
 
 @dataclass
 class StepAttempt:
-    """The outcome of one run of a batch: sampled tokens by request id, or the worker's error."""
+    """The outcome of one run of a batch: by request id, sampled tokens, the sampled tokens' logprob
+    records and prompt logprobs (worker/messages.StepOutput's); or the worker's error."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     error: str | None = None
 
 
 @dataclass
 class IsolatedStep(Generic[C]):
-    """What a step produced once failures were isolated."""
+    """What a step produced once failures were isolated: the successful attempts' results, merged."""
 
     sampled: dict[str, int]
     failed: list[tuple[C, str]]  # (chunk, error of the smallest batch that still failed: itself)
     num_attempts: int
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -51,7 +58,7 @@ def run_isolating_failures(chunks: list[C], run: Callable[[list[C], bool], StepA
     `run(batch, retry)` runs one worker step over `batch`; `retry` is False only for the first,
     whole-batch attempt (the caller sends per-step bookkeeping such as finished request ids once).
     """
-    sampled: dict[str, int] = {}
+    done = StepAttempt()
     failed: list[tuple[C, str]] = []
     attempts = 0
 
@@ -60,7 +67,9 @@ def run_isolating_failures(chunks: list[C], run: Callable[[list[C], bool], StepA
         attempts += 1
         result = run(batch, retry)
         if result.error is None:
-            sampled.update(result.sampled)
+            done.sampled.update(result.sampled)
+            done.logprobs.update(result.logprobs)
+            done.prompt_logprobs.update(result.prompt_logprobs)
             return
         if len(batch) == 1:
             failed.append((batch[0], result.error))
@@ -71,4 +80,4 @@ def run_isolating_failures(chunks: list[C], run: Callable[[list[C], bool], StepA
 
     if chunks:
         attempt(list(chunks), False)
-    return IsolatedStep(sampled, failed, attempts)
+    return IsolatedStep(done.sampled, failed, attempts, done.logprobs, done.prompt_logprobs)

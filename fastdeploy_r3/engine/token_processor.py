@@ -16,6 +16,7 @@ from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManage
 from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler
+from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.r3.errors import RoutingReplayError
 from fastdeploy_r3.r3.layouts import row_range
 
@@ -44,28 +45,37 @@ class TokenProcessor:
         self.routing = routing
         self.r3 = R3Counters()
 
-    def append_token(self, req: Request, token_id: int) -> None:
-        """Record a sampled token and finish the request if it stops here."""
+    def append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Record a sampled token (and its logprob record, when the request asked for logprobs) and
+        finish the request if it stops here. Before min_tokens tokens nothing but the length stops it."""
         req.output_token_ids.append(token_id)
+        if req.output_logprobs is not None:
+            if logprob is None:  # never expected; fail this request, not the engine
+                self.finish(req, RequestStatus.FINISHED_ERROR,
+                            error=f"request {req.request_id} asked for logprobs but the worker sent none")
+                return
+            req.output_logprobs.append(logprob)
         params = req.sampling_params
+        may_stop = len(req.output_token_ids) >= params.min_tokens
         status: RequestStatus | None = None
-        if token_id in params.stop_token_ids:
+        if may_stop and token_id in params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
+        elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         at_length = len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
         if self.tokenizer is not None:
             if req.detokenizer is None:
-                req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+                req.detokenizer = IncrementalDetokenizer(_Decoding(self.tokenizer, params.skip_special_tokens))
             new_text = req.detokenizer.push([token_id])
             if status is not None or at_length:
                 new_text += req.detokenizer.flush()
             searched = len(req.pending_text)
             req.pending_text += new_text
-            if params.stop and status is None and new_text:
+            if params.stop and status is None and new_text and may_stop:
                 cut = _find_stop(req.pending_text, params.stop, searched)
                 if cut is not None:
-                    req.pending_text = req.pending_text[: cut[0]]
+                    end = cut[0] + len(cut[1]) if params.include_stop_str_in_output else cut[0]
+                    req.pending_text = req.pending_text[:end]
                     req.stop_reason = cut[1]
                     status = RequestStatus.FINISHED_STOPPED
         if status is None and at_length:
@@ -122,6 +132,17 @@ class TokenProcessor:
         self.r3.rows_delivered += rows.shape[0]
         self.r3.bytes_delivered += rows.nbytes
         return rows
+
+
+class _Decoding:
+    """The tokenizer's decode with the request's skip_special_tokens (what IncrementalDetokenizer calls)."""
+
+    def __init__(self, tokenizer: object, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)  # type: ignore[attr-defined]
 
 
 def _find_stop(text: str, stops: list[str], searched: int) -> tuple[int, str] | None:

@@ -4,7 +4,7 @@ Shape legend: S = rows to sample this step (one per request that samples), V = v
 
     logits [S, V] ──temperature──top-k──softmax──top-p──► probs [S, V] ──race against noise──► ids [S]
 
-Greedy rows take the argmax of the raw logits (the same token as sampler.sample_token). The others use
+Greedy rows take the argmax of the raw logits (the first maximum, as torch.argmax picks it). The others use
 the exponential race: argmax_v probs[v] / e[v] with e[v] ~ Exp(1) picks v with probability probs[v]. The
 noise is a counter-based hash of (request seed, position of the sampled token, v), computed on the
 device, so a seeded request draws the same tokens alone or in any batch, and no generator state lives
@@ -92,7 +92,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.any_top_k or batch.any_top_p:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V]
         if batch.any_top_k:
-            # keep logits >= the k-th largest (ties at the k-th kept, as sample_token does); k = 0 keeps all
+            # keep logits >= the k-th largest (ties at the k-th kept); k = 0 keeps all
             k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)  # [S]
             kth = sorted_logits.gather(1, (k - 1)[:, None])  # [S, 1]
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))

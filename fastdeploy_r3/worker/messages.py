@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.lifecycle import Shutdown
+from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = ["AttachRoutingBuffer", "ScheduledRequestData", "Shutdown", "StepInput", "StepOutput", "WorkerReady"]
@@ -42,6 +43,12 @@ class ScheduledRequestData:
     sample: bool  # this chunk reaches the last token: sample the next one
     sampling_params: SamplingParams | None = None  # sent the first time the worker sees the request
     sampling_seed: int | None = None
+    # also on the first time only, for what needs more than the chunk (StepSampler): the whole prompt
+    # when penalties or prompt logprobs are asked for, and the ids min_tokens holds back (EOS unless
+    # ignore_eos, plus stop_token_ids) when min_tokens > 0
+    num_prompt_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+    min_tokens_stop_ids: list[int] | None = None
 
 
 @dataclass
@@ -56,3 +63,7 @@ class StepOutput:
     step_id: int
     sampled_token_ids: dict[str, int]
     error: str | None = None
+    # per request that asked: the sampled token's logprob record; and prompt logprobs of the chunk's
+    # positions as (position of the first entry, entries), entry j scoring prompt token first + j
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)

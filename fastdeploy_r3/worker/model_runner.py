@@ -8,8 +8,6 @@ the tokens leave the worker, so when the engine sees a token, every forwarded ro
 from __future__ import annotations
 
 import logging
-import math
-import random
 
 import numpy as np
 import torch
@@ -20,13 +18,12 @@ from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from fastdeploy_r3.sampling_params import SamplingParams
-from fastdeploy_r3.worker.batch_sampler import SampledIds, SamplingBatch, sample_batch
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher
-from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
+from fastdeploy_r3.worker.messages import StepInput, StepOutput
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
+from fastdeploy_r3.worker.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +45,9 @@ class ModelRunner:
         self.routing_writer: RoutingWriter | None = None  # rank 0 only: writes into routing_host
         self.routing_capture: RoutingCapture | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA, graph-safe attention, not enforce_eager
-        self._params: dict[str, SamplingParams] = {}
-        self._seeds: dict[str, int] = {}  # per request: the sampling noise is a function of (seed, position)
-        self._unseeded = random.Random()  # seeds for requests that bring none
         self.input_batcher = InputBatcher(self.block_size, self.device)
-        self._sampled_ids = SampledIds(config.scheduler_config.max_num_seqs, self.device)
+        self.sampler = StepSampler(config.model_config.vocab_size, config.scheduler_config.max_num_seqs,
+                                   self.device)
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -155,8 +150,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_request_ids:
-            self._params.pop(rid, None)
-            self._seeds.pop(rid, None)
+            self.sampler.forget(rid)
         if not step.requests:
             return StepOutput(step.step_id, {})
         model = self.model
@@ -165,7 +159,7 @@ class ModelRunner:
 
         inp = self.input_batcher.prepare(step.requests)
         for r in step.requests:
-            self._remember(r)
+            self.sampler.remember(r)
         slot_t, pos_t = inp.slot_mapping, inp.positions  # [T], [T]
         meta = AttentionMetadata(
             slot_mapping=slot_t,
@@ -182,7 +176,7 @@ class ModelRunner:
         if capture is not None:
             capture.begin_step(inp.num_tokens, pos_t)
         graphs = self.decode_graphs
-        logits = None
+        logits = hidden = None
         if graphs is not None and graphs.can_run(step.requests):
             if capture is not None:
                 capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
@@ -200,41 +194,17 @@ class ModelRunner:
                 rows = self.routing_writer.rows_of(capture, inp.num_tokens)  # [T, L, K]
                 self.routing_writer.write(rows, slot_t, inp.tags, pos_t, synchronize=not samples_here)
 
-        sampled: dict[str, int] = {}
+        out = StepOutput(step.step_id, {})
         # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
-        if inp.sample_rows and self.rank == 0:
-            if logits is None:
-                logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
-            sampled = self._sample(logits, inp.sample_rows)
-        return StepOutput(step.step_id, sampled)
-
-    def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequestData]]) -> dict[str, int]:
-        """logits [S, V] -> {request id: token}; the step's only host sync (batch_sampler.py)."""
-        params = [self._params[r.request_id] for _, r in sample_rows]
-        for p, (_, r) in zip(params, sample_rows):
-            # the batched sampler would turn these into silent garbage: raise, so the engine's bisection
-            # fails this request alone (SamplingParams refuses them; this guards what bypassed it)
-            if not math.isfinite(p.temperature) or p.temperature < 0:
-                raise ValueError(f"request {r.request_id}: temperature {p.temperature} cannot be sampled")
-        batch = SamplingBatch.build(
-            temperature=[0.0 if p.greedy else p.temperature for p in params],  # below the floor: greedy
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            seeds=[_as_int64(self._seeds[r.request_id]) for _, r in sample_rows],
-            counters=[r.start_pos + len(r.token_ids) for _, r in sample_rows],  # position of the new token
-            device=self.device,
-        )
-        ids = self._sampled_ids.fetch(sample_batch(logits, batch))
-        return {r.request_id: tok for (_, r), tok in zip(sample_rows, ids)}
-
-    def _remember(self, r: ScheduledRequestData) -> None:
-        if r.sampling_params is not None:
-            self._params[r.request_id] = r.sampling_params
-            # params arrive again when a failed step is re-run (bisection): keep the request's seed, so
-            # the re-run draws the noise the failed attempt drew (batch_sampler.py keys it by seed, position)
-            if r.request_id not in self._seeds:
-                seed = r.sampling_seed
-                self._seeds[r.request_id] = seed if seed is not None else self._unseeded.getrandbits(63)
+        if self.rank == 0:
+            if inp.sample_rows:
+                if logits is None:
+                    logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
+                out.sampled_token_ids, out.logprobs = self.sampler.sample(logits, [r for _, r in inp.sample_rows])
+            if hidden is not None:  # a replayed decode graph feeds no prompt position
+                chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
+                out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
+        return out
 
     def close(self) -> None:
         self.decode_graphs = None  # before the KV cache and capture buffer its graphs point into
@@ -249,9 +219,3 @@ class ModelRunner:
             self._kv_segment.close()
             self._kv_segment = None
 
-
-def _as_int64(seed: int) -> int:
-    """A 64-bit seed (SamplingParams keeps it in [0, 2**64)) as the int64 with the same bits."""
-    if not -(2**63) <= seed < 2**64:
-        raise ValueError(f"seed {seed} is not a 64-bit integer")
-    return seed - 2**64 if seed >= 2**63 else seed

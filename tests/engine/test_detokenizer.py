@@ -18,7 +18,7 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.decoded_tokens = 0
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         self.decoded_tokens += len(token_ids)
         return bytes(token_ids).decode("utf-8", errors="replace")
 

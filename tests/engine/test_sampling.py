@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from fastdeploy_r3 import LLM, SamplingParams
+from fastdeploy_r3.sampling_params import InvalidRequestError
 
 PROMPT = "Hello world!"
 EOS_PROMPT = "The quick brown fox"  # greedy decoding of the fake checkpoint emits EOS after 3 tokens
@@ -123,3 +124,27 @@ def test_tqdm_bar_on_eight_prompts(llm: LLM, capsys: pytest.CaptureFixture[str])
     assert [o.prompt_token_ids for o in outs] == prompts
     assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
     assert "8/8" in capsys.readouterr().err
+
+
+def test_vllm_prompt_dicts_and_a_list_of_params(llm: LLM) -> None:
+    """{"prompt_token_ids": ids} and {"prompt": text} prompts with one SamplingParams each give what
+    the plain forms give, with prompt_token_ids in the outputs; logprobs only where asked."""
+    ids = llm.tokenizer.encode(PROMPT)
+    params = [greedy(max_tokens=4, ignore_eos=True, logprobs=2), greedy(max_tokens=4, ignore_eos=True)]
+    a, b = llm.generate([{"prompt_token_ids": ids}, {"prompt": PROMPT}], params, use_tqdm=False)
+    (ref,) = llm.generate(PROMPT, greedy(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert a.prompt_token_ids == b.prompt_token_ids == ids and b.prompt == PROMPT and a.prompt is None
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert [r.token_id for r in a.outputs[0].logprobs] == a.outputs[0].token_ids
+    assert all(len(r.top) == 2 for r in a.outputs[0].logprobs) and b.outputs[0].logprobs is None
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        llm.generate({"token_ids": ids}, use_tqdm=False)
+
+
+def test_skip_special_tokens_false_keeps_eos_text(llm: LLM) -> None:
+    """EOS_PROMPT with ignore_eos runs through <|im_end|>: it is in the text only with skip_special_tokens=False."""
+    (out,) = llm.generate(EOS_PROMPT, greedy(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert EOS_ID in out.outputs[0].token_ids and "<|im_end|>" not in out.outputs[0].text
+    (kept,) = llm.generate(EOS_PROMPT, greedy(max_tokens=6, ignore_eos=True, skip_special_tokens=False),
+                           use_tqdm=False)
+    assert kept.outputs[0].token_ids == out.outputs[0].token_ids and "<|im_end|>" in kept.outputs[0].text

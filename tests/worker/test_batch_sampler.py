@@ -1,13 +1,11 @@
-"""The batched sampler on the CPU: greedy equals sample_token, filters restrict the support exactly,
+"""The batched sampler on the CPU: greedy equals the argmax, filters restrict the support exactly,
 seeded draws are a pure function of (seed, position), and the draw follows the distribution."""
 
 from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.batch_sampler import SamplingBatch, sample_batch, uniform_noise
-from fastdeploy_r3.worker.sampler import sample_token
 
 CPU = torch.device("cpu")
 
@@ -22,7 +20,7 @@ def test_greedy_rows_equal_sample_token() -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
     got = sample_batch(logits, batch(6, temperature=0.0)).tolist()
-    assert got == [sample_token(row, SamplingParams(temperature=0.0), None) for row in logits]
+    assert got == logits.argmax(dim=-1).tolist()
 
 
 def test_mixed_batch_keeps_greedy_rows_greedy() -> None:

@@ -5,6 +5,10 @@ R3 extras on requests: `return_routed_experts`, `routed_experts_start`, `rollout
 `routed_experts_start`, and the response's `moe_layer_ids`. Also on requests: `timeout` (seconds).
 Unknown request fields, and values of the wrong JSON type, are rejected (400) rather than silently
 ignored or coerced.
+
+Token extras (vLLM's names): `return_token_ids` puts each choice's `token_ids` and the response's
+`prompt_token_ids` in the answer (completions also on the choice, where vLLM puts them); logprobs
+follow OpenAI's shapes (logprobs_format.py) with the project's definition (fastdeploy_r3/logprobs.py).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fastdeploy_r3.entrypoints.openai.logprobs_format import ChatLogprobs, CompletionLogprobs
+from fastdeploy_r3.logprobs import MAX_LOGPROBS
 from fastdeploy_r3.r3.rollout_id import MAX_CHOICES
-from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 
 class StrictModel(BaseModel):
@@ -55,6 +61,13 @@ class _SamplingFields(StrictModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -88,6 +101,14 @@ class _SamplingFields(StrictModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self._logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             return_routed_experts=self.return_routed_experts,
             routed_experts_start=self.routed_experts_start,
         )
@@ -99,10 +120,25 @@ class _SamplingFields(StrictModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def _logprobs(self) -> int | None:
+        return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     # a batch (list of prompts) is accepted only with one element: one request, one rollout
     prompt: str | list[int] | list[str] | list[list[int]]
+    # the number of alternatives per token (OpenAI allows 5, vLLM 20); 0 = the chosen token's only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt first in text (and, with logprobs, its logprobs, the first None)
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -114,9 +150,16 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None  # handed to the chat template, as transformers does
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError(f"top_logprobs={self.top_logprobs} needs logprobs=true; set both")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class PromptTokensDetails(OpenAIBaseModel):
@@ -139,9 +182,11 @@ class _R3Choice(OpenAIBaseModel):
 class CompletionChoice(_R3Choice):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
+    prompt_token_ids: list[int] | None = None
 
 
 def _now() -> int:
@@ -156,6 +201,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -171,9 +217,10 @@ class ChatMessageOut(OpenAIBaseModel):
 class ChatCompletionChoice(_R3Choice):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -184,14 +231,16 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     moe_layer_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamChoice(_R3Choice):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -202,6 +251,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -212,6 +262,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(OpenAIBaseModel):

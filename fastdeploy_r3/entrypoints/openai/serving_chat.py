@@ -7,6 +7,7 @@ import asyncio
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fastdeploy_r3.config import ConfigError
+from fastdeploy_r3.entrypoints.openai.logprobs_format import LogprobFormatter
 from fastdeploy_r3.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -72,6 +73,8 @@ class OpenAIServingChat(OpenAIServing):
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
+        fmt = LogprobFormatter(self.ctx.engine.tokenizer) if params.logprobs is not None else None
+        ids = request.return_token_ids
 
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -88,11 +91,16 @@ class OpenAIServingChat(OpenAIServing):
                         role = ChatCompletionStreamChoice(
                             index=c.index, delta=DeltaMessage(role="assistant", content="")
                         )
-                        chunks.append(chunk([role]))
-                    if c.text:
-                        chunks.append(
-                            chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text))])
+                        # return_token_ids: the prompt's ids ride on each choice's first chunk
+                        chunks.append(chunk([role], prompt_token_ids=prompt_token_ids if ids else None))
+                    if c.text or ((ids or fmt is not None) and c.token_ids):
+                        choice = ChatCompletionStreamChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=c.text),
+                            logprobs=fmt.chat(c.logprobs) if fmt is not None and c.logprobs is not None else None,
+                            token_ids=c.token_ids if ids else None,
                         )
+                        chunks.append(chunk([choice]))
                 return chunks
 
             def final_chunks(out: RequestOutput, r3: R3Result) -> list[dict]:
@@ -136,6 +144,8 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionChoice(
                 index=c.index,
                 message=ChatMessageOut(content=c.text),
+                logprobs=fmt.chat(c.logprobs) if fmt is not None and c.logprobs is not None else None,
+                token_ids=c.token_ids if ids else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 routed_experts=r3.payloads[c.index],
@@ -144,6 +154,7 @@ class OpenAIServingChat(OpenAIServing):
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
         body = ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=self.usage(final), moe_layer_ids=moe_layer_ids
+            id=request_id, model=model, choices=choices, usage=self.usage(final), moe_layer_ids=moe_layer_ids,
+            prompt_token_ids=prompt_token_ids if ids else None,
         )
         return JSONResponse(body.model_dump())

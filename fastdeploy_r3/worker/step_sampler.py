@@ -1,0 +1,189 @@
+"""The worker's sampling state per request and one step's sampling pipeline.
+
+Shape legend: S = rows that sample this step, V = vocabulary, Q = prompt positions scored this step.
+
+    logits [S, V] float32
+      └─ penalties (rows with any) ─ min_tokens mask (rows still short) ─► processed [S, V]
+           ├─ draw one id per row (batch_sampler.py, on the device)        ─► ids [S]
+           └─ logprobs of the rows that asked (token_logprobs.py)         ─► TokenLogprob per row
+    hidden of prompt positions [Q, H] ─ logits ─ log_softmax (raw)        ─► prompt TokenLogprobs
+
+What a request needs beyond its chunk arrives with its first chunk (messages.ScheduledRequestData):
+the whole prompt (penalties, prompt logprobs) and the ids that min_tokens holds back.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastdeploy_r3.logprobs import TokenLogprob
+from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.batch_sampler import SampledIds, SamplingBatch, sample_batch
+from fastdeploy_r3.worker.logits_processor import TokenStats, apply_penalties, mask_tokens
+from fastdeploy_r3.worker.messages import ScheduledRequestData
+from fastdeploy_r3.worker.token_logprobs import token_logprobs
+
+
+@dataclass
+class _RequestState:
+    params: SamplingParams
+    num_prompt_tokens: int
+    prompt_token_ids: list[int] | None
+    min_tokens_stop_ids: list[int]
+    seed: int  # int64 bits of the request's 64-bit seed; the draw's noise is a function of (seed, position)
+
+
+class StepSampler:
+    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device) -> None:
+        self.device = device
+        self.stats = TokenStats(vocab_size, device)
+        self._requests: dict[str, _RequestState] = {}
+        self._unseeded = random.Random()  # seeds for requests that bring none
+        self._sampled_ids = SampledIds(max_num_seqs, device)
+
+    def remember(self, r: ScheduledRequestData) -> None:
+        """Keep what the first chunk of a request carries (later chunks carry no params). A failed step
+        re-run by the engine's bisection sends them again: the state already kept stays (same seed,
+        the prompt counted once for penalties), so the re-run draws what the failed attempt drew."""
+        params = r.sampling_params
+        if params is None or r.request_id in self._requests:
+            return
+        seed = r.sampling_seed if r.sampling_seed is not None else self._unseeded.getrandbits(63)
+        self._requests[r.request_id] = _RequestState(
+            params, r.num_prompt_tokens, r.prompt_token_ids, list(r.min_tokens_stop_ids or []), _as_int64(seed)
+        )
+        if params.has_penalties:
+            if r.prompt_token_ids is None:
+                raise ValueError(f"request {r.request_id} has penalties but its first chunk carries no prompt")
+            self.stats.add(r.request_id, r.prompt_token_ids)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self.stats.remove(request_id)
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[ScheduledRequestData]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """logits [S, V] of rows (one per sampling chunk) -> ({request id: token}, {request id: logprob
+        record} for the rows whose params ask for logprobs). Three stages, so that a batched device
+        sampler replaces `draw` alone: process -> draw -> finish."""
+        processed = self.process(logits, rows)  # [S, V]
+        ids = self.draw(processed, rows)  # [S]
+        return self.finish(processed, rows, ids)
+
+    def process(self, logits: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+        """logits [S, V] -> float32 logits [S, V] after penalties and min_tokens (the rows without
+        either are unchanged); the input may be modified."""
+        return self._process(logits.float(), rows, [self._requests[r.request_id] for r in rows])
+
+    def draw(self, processed: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+        """processed [S, V] -> ids [S] int64 on its device: one batched draw for all rows
+        (batch_sampler.py: greedy rows take the argmax; the others race a counter-hash noise)."""
+        states = [self._requests[r.request_id] for r in rows]
+        for s, r in zip(states, rows):
+            # the batched draw would turn these into silent garbage: raise, so the engine's bisection
+            # fails this request alone (SamplingParams refuses them; this guards what bypassed it)
+            if not math.isfinite(s.params.temperature) or s.params.temperature < 0:
+                raise ValueError(f"request {r.request_id}: temperature {s.params.temperature} cannot be sampled")
+        batch = SamplingBatch.build(
+            temperature=[0.0 if s.params.greedy else s.params.temperature for s in states],  # floor: greedy
+            top_k=[s.params.top_k for s in states],
+            top_p=[s.params.top_p for s in states],
+            seeds=[s.seed for s in states],
+            counters=[r.start_pos + len(r.token_ids) for r in rows],  # position of the token drawn
+            device=processed.device,
+        )
+        return sample_batch(processed, batch)
+
+    def finish(
+        self, processed: torch.Tensor, rows: list[ScheduledRequestData], ids: torch.Tensor
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Count the drawn ids [S] for the penalties, take the logprob records the rows asked for
+        (from processed [S, V]), and hand both to the host."""
+        states = [self._requests[r.request_id] for r in rows]
+        self.stats.record([r.request_id for r in rows], ids)
+        # the step's one wait: the ids land in pinned memory (after the R3 scatter on the same stream)
+        sampled = {r.request_id: tok for r, tok in zip(rows, self._sampled_ids.fetch(ids))}
+        want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        records: dict[str, TokenLogprob] = {}
+        if want:
+            idx = torch.tensor(want, dtype=torch.int64, device=processed.device)  # [S']
+            nums = [states[i].params.logprobs or 0 for i in want]
+            temps = torch.tensor([states[i].params.temperature for i in want], dtype=torch.float32,
+                                 device=processed.device)  # [S']
+            res = token_logprobs(processed[idx], ids[idx], max(nums), temps).to_host(nums)
+            records = {rows[i].request_id: rec for i, rec in zip(want, res)}
+        return sampled, records
+
+    def _process(self, logits: torch.Tensor, rows: list[ScheduledRequestData],
+                 states: list[_RequestState]) -> torch.Tensor:
+        """Penalties and min_tokens on logits [S, V], in place on the rows that have them."""
+        pen = [i for i, s in enumerate(states) if s.params.has_penalties]
+        if pen:
+            idx = torch.tensor(pen, dtype=torch.int64, device=logits.device)  # [S']
+            mask, counts = self.stats.stack([rows[i].request_id for i in pen])  # [S', V] each
+
+            def per_row(name: str) -> torch.Tensor:
+                return torch.tensor([getattr(states[i].params, name) for i in pen], dtype=torch.float32,
+                                    device=logits.device)  # [S']
+
+            logits[idx] = apply_penalties(logits[idx], mask, counts, per_row("repetition_penalty"),
+                                          per_row("frequency_penalty"), per_row("presence_penalty"))
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i, (r, s) in enumerate(zip(rows, states)):
+            num_output = r.start_pos + len(r.token_ids) - s.num_prompt_tokens  # tokens generated so far
+            if num_output < s.params.min_tokens:
+                ban_rows.extend([i] * len(s.min_tokens_stop_ids))
+                ban_ids.extend(s.min_tokens_stop_ids)
+        return mask_tokens(logits, ban_rows, ban_ids)
+
+    def prompt_logprobs(
+        self,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        hidden: torch.Tensor,
+        chunks: list[tuple[int, ScheduledRequestData]],
+    ) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """hidden [T, H] of the step, chunks = (row of the chunk's first token in hidden, chunk):
+        for requests that asked, the raw logprob of each prompt token this chunk's positions predict.
+        A chunk feeding positions [s, e) scores prompt tokens s + 1 .. min(e, P - 1)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[str, int, int, int]] = []  # request id, first scored position, count, N
+        for first_row, r in chunks:
+            state = self._requests[r.request_id]
+            num = state.params.prompt_logprobs
+            if num is None or state.prompt_token_ids is None:
+                continue
+            end = min(r.start_pos + len(r.token_ids), state.num_prompt_tokens - 1)
+            count = end - r.start_pos
+            if count <= 0:
+                continue
+            rows.extend(range(first_row, first_row + count))
+            targets.extend(state.prompt_token_ids[r.start_pos + 1 : end + 1])
+            spans.append((r.request_id, r.start_pos + 1, count, num))
+        if not rows:
+            return {}
+        idx = torch.tensor(rows, dtype=torch.int64, device=hidden.device)  # [Q]
+        logits = compute_logits(hidden[idx]).float()  # [Q, V]
+        tgt = torch.tensor(targets, dtype=torch.int64, device=logits.device)  # [Q]
+        nums = [n for _, _, count, n in spans for _ in range(count)]
+        records = token_logprobs(logits, tgt, max(nums)).to_host(nums)
+        out: dict[str, tuple[int, list[TokenLogprob]]] = {}
+        at = 0
+        for rid, first_pos, count, _ in spans:
+            out[rid] = (first_pos, records[at : at + count])
+            at += count
+        return out
+
+
+def _as_int64(seed: int) -> int:
+    """A 64-bit seed (SamplingParams keeps it in [0, 2**64)) as the int64 with the same bits."""
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed {seed} is not a 64-bit integer")
+    return seed - 2**64 if seed >= 2**63 else seed
