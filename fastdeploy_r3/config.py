@@ -156,7 +156,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of CPU tier
     num_cpu_blocks_override: int | None = None
-    kv_storage: str | None = None  # file:///dir or redis://host:port/db
+    kv_storage: str | None = None  # file:///dir, redis://host:port/db or mooncake://master:port?...
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -169,9 +169,10 @@ class CacheConfig:
             raise ConfigError(f"swap_space={self.swap_space}; use 0 (no CPU tier) or a positive size in GiB")
         if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
             raise ConfigError(f"num_cpu_blocks_override={self.num_cpu_blocks_override}; use 0 or more")
-        if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://")):
+        if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://", "mooncake://")):
             raise ConfigError(
-                f"kv_storage={self.kv_storage!r}; use file:///absolute/dir or redis://127.0.0.1:6379/0"
+                f"kv_storage={self.kv_storage!r}; use file:///absolute/dir, redis://127.0.0.1:6379/0 or "
+                "mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp"
             )
 
     @property
@@ -324,7 +325,10 @@ class RoutingReplayConfig:
         if self.enable_routing_replay and self.routing_store_type == "local" and not self.local_store_dir:
             raise ConfigError("routing_store_type 'local' needs local_store_dir (a directory to write .npy files)")
         if self.enable_routing_replay and self.routing_store_type == "p2pstore" and not self.p2pstore_url:
-            raise ConfigError("routing_store_type 'p2pstore' needs p2pstore_url, e.g. redis://127.0.0.1:6379/0")
+            raise ConfigError(
+                "routing_store_type 'p2pstore' needs p2pstore_url, e.g. redis://127.0.0.1:6379/0 or "
+                "mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp"
+            )
         if self.ttl_s <= 0:
             raise ConfigError(f"ttl_s={self.ttl_s}; use a positive number of seconds")
 
@@ -415,7 +419,10 @@ class EngineConfig:
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU tier for swapped KV")
         p.add_argument("--num-cpu-blocks-override", type=int, default=None)
-        p.add_argument("--kv-storage", default=None, help="file:///dir or redis://127.0.0.1:6379/0")
+        p.add_argument(
+            "--kv-storage", default=None,
+            help="file:///dir, redis://127.0.0.1:6379/0 or mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp",
+        )  # fmt: skip
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

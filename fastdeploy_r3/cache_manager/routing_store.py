@@ -340,5 +340,9 @@ def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore
         return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)
     if cfg.routing_store_type == "p2pstore":
         assert cfg.p2pstore_url is not None
+        if cfg.p2pstore_url.startswith("mooncake://"):
+            from fastdeploy_r3.cache_manager.mooncake_backends import MooncakeRoutingStore
+
+            return MooncakeRoutingStore(cfg.p2pstore_url, namespace, cfg.use_fused_put, cfg.only_last_turn)
         return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn)
     raise RoutingStoreError(f"unknown routing_store_type {cfg.routing_store_type!r}")

@@ -191,7 +191,7 @@ class RedisStorageBackend(KVStorageBackend):
 
 
 def make_storage_backend(url: str, namespace: str) -> KVStorageBackend:
-    """`file:///abs/dir` or `redis://host:port/db`; keys are namespaced by a hash of `namespace`."""
+    """`file:///abs/dir`, `redis://host:port/db` or `mooncake://master:port?...`; keys namespaced by `namespace`."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -199,7 +199,13 @@ def make_storage_backend(url: str, namespace: str) -> KVStorageBackend:
         return FileStorageBackend(parsed.path, namespace)
     if parsed.scheme in ("redis", "rediss", "unix"):
         return RedisStorageBackend(url, namespace)
-    raise StorageError(f"unknown storage URL {url!r}; use file:///absolute/dir or redis://host:port/db")
+    if parsed.scheme == "mooncake":
+        from fastdeploy_r3.cache_manager.mooncake_backends import MooncakeStorageBackend
+
+        return MooncakeStorageBackend(url, namespace)
+    raise StorageError(
+        f"unknown storage URL {url!r}; use file:///absolute/dir, redis://host:port/db or mooncake://host:port?..."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
