@@ -398,6 +398,8 @@ class EngineService:
             except Exception:
                 logger.exception("waiting for write-through")
         self._stop_children()
+        if hasattr(self, "kv") and self.kv.storage is not None:
+            self.kv.storage.close()  # a Mooncake client takes the objects of its segment with it
         _live_engines.discard(self)
 
 
