@@ -107,9 +107,6 @@ class MooncakeRoutingStore(RoutingStore):
             return rid if layer is None else f"{rid}_{layer}"
         return f"{self.namespace}:{rid}" if layer is None else f"{self.namespace}:{rid}:{layer}"
 
-    def ping(self) -> None:
-        """Joining the store in __init__ already proved the master reachable."""
-
     def _read(self, key: str) -> np.ndarray:
         try:
             data = self._store.get(key)
