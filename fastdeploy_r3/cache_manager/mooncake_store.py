@@ -28,7 +28,6 @@ URL: `mooncake://MASTER_HOST:PORT?metadata=P2PHANDSHAKE&protocol=tcp&segment=256
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import socket
@@ -39,8 +38,6 @@ from dataclasses import dataclass, replace
 from urllib.parse import parse_qs, urlparse
 
 import xxhash
-
-logger = logging.getLogger(__name__)
 
 _TRAILER = struct.Struct("<8sQ")  # magic, xxh3_64 of the payload
 _MAGIC = b"FDR3MCv1"
@@ -156,7 +153,7 @@ class MooncakeStore:
 
     `pin` is the default hard pin of `put` (the URL's `pin=` overrides it): a KV tier leaves objects
     evictable (a miss costs a recompute), an R3 store pins what a trainer has not read yet.
-    Thread-safe: the engine's storage lookups and the CTM may share one client.
+    Thread-safe: the API server delivers R3 from several threads through one client.
     """
 
     def __init__(self, url: str | MooncakeURL, pin: bool = False, segment_bytes: int | None = None) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -191,21 +193,24 @@ def test_mooncake_objects_of_a_killed_producer_are_misses() -> None:
 
 
 def test_mooncake_evicts_unpinned_blocks_silently_and_keeps_pinned_ones() -> None:
-    """A 16 MB segment evicting above half full, one hard-pinned 1 MB object, then 40 unpinned 1 MB blocks:
+    """A 16 MB segment evicting above half full, one hard-pinned 1 MB object, then unpinned 1 MB blocks:
     some blocks that were stored are gone (misses, no error anywhere), the pinned object stays, and every
     block still there reads back whole."""
     with mooncake_master("--eviction_high_watermark_ratio=0.5") as master:
         store = make_storage_backend(mooncake_url(master, segment="16MB"), "m@v1")
         store._store.put(store.mooncake_key("0f"), b"p" * (2**20 - 16), pin=True)
-        stored = []
-        for i in range(40):
+        stored: list[int] = []
+        for i in itertools.count():  # 40 blocks, then more until the master's (asynchronous) eviction shows
             try:
-                store.put(f"{i + 16:x}", bytes([i]) * (2**20 - 16))  # 1 MB with the client's 16-byte trailer
+                store.put(f"{i + 16:x}", bytes([i % 256]) * (2**20 - 16))  # 1 MB with the client's 16-byte trailer
                 stored.append(i)
             except StorageError:
-                pass  # segment full until the master evicts
+                time.sleep(0.01)  # segment full until the master evicts
+            if i >= 39 and not all(store.exists([f"{j + 16:x}" for j in stored])):
+                break
+            assert i < 1000, "the master never evicted an unpinned block"
         present = [i for i in stored if store.get(f"{i + 16:x}") is not None]
         assert len(stored) > len(present) > 0, (stored, present)
-        assert all(store.get(f"{i + 16:x}") == bytes([i]) * (2**20 - 16) for i in present)
+        assert all(store.get(f"{i + 16:x}") == bytes([i % 256]) * (2**20 - 16) for i in present)
         assert store.get("0f") == b"p" * (2**20 - 16)
         store.close()
