@@ -107,40 +107,38 @@ class MooncakeRoutingStore(RoutingStore):
             return rid if layer is None else f"{rid}_{layer}"
         return f"{self.namespace}:{rid}" if layer is None else f"{self.namespace}:{rid}:{layer}"
 
-    def _read(self, key: str) -> np.ndarray:
+    def _read(self, keys: list[str]) -> list[np.ndarray]:
         try:
-            data = self._store.get(key)
+            values = self._store.get_many(keys)
         except MooncakeCorruptObjectError as e:
-            raise RoutedExpertsDecodeError(f"R3 object {key!r} in {redact_url(self.url)}: {e}") from e
-        if data is None:
-            raise KeyError(f"no R3 under key {key!r} (never written, deleted, or lost with the client holding it)")
-        return load_npy(data, key)
+            raise RoutedExpertsDecodeError(f"R3 in {redact_url(self.url)}: {e}") from e
+        missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+        if missing:
+            raise KeyError(f"no R3 under keys {missing} (never written, deleted, or lost with the client holding it)")
+        return [load_npy(v, k) for k, v in zip(keys, values, strict=True)]
 
     def _get(self, rid: str, moe_layer_ids: list[int] | None) -> np.ndarray:
         if moe_layer_ids is None:
-            return np.ascontiguousarray(self._read(self.key(rid)).transpose(1, 0, 2))  # [L, T, K] -> [T, L, K]
-        return np.stack([self._read(self.key(rid, layer)) for layer in moe_layer_ids], axis=1)  # [T, L, K]
+            (fused,) = self._read([self.key(rid)])
+            return np.ascontiguousarray(fused.transpose(1, 0, 2))  # [L, T, K] -> [T, L, K]
+        return np.stack(self._read([self.key(rid, layer) for layer in moe_layer_ids]), axis=1)  # [T, L, K]
 
     def _put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]:
         n = len(routed_experts)
-        items: list[tuple[str, np.ndarray]] = []
+        items: list[tuple[str, bytes]] = []
         for i, arr in enumerate(routed_experts):
             rid = choice_rollout_id(rollout_id, i, n)
             if self.use_fused_put:
-                items.append((self.key(rid), arr.transpose(1, 0, 2)))  # [L, T, K]
+                items.append((self.key(rid), npy_bytes(arr.transpose(1, 0, 2))))  # [L, T, K]
             else:
-                items.extend((self.key(rid, layer), arr[:, j, :]) for j, layer in enumerate(moe_layer_ids))  # [T, K]
-        written: list[str] = []
+                items.extend((self.key(rid, layer), npy_bytes(arr[:, j, :])) for j, layer in enumerate(moe_layer_ids))
         try:
-            for key, arr in items:
-                self._store.put(key, npy_bytes(arr))
-                written.append(key)
+            # one batch; no transaction in Mooncake, so a refused batch is taken back whole by put_many
+            self._store.put_many(items)
         except MooncakeError as e:
-            # No transaction in Mooncake: take back what went in, so a reader never finds part of a rollout.
-            self._store.delete(written, force=True)
             where = redact_url(self.url)
             raise RoutingStoreError(f"storing R3 of rollout {rollout_id!r} in {where} failed: {e}") from e
-        return written
+        return [key for key, _ in items]
 
     def _delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         keys = []

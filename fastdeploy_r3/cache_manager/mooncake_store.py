@@ -209,6 +209,29 @@ class MooncakeStore:
         if rc != 0:
             raise MooncakeError(f"Mooncake refused object {key!r} ({len(data)} bytes): error {rc} (segments full?)")
 
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]], pin: bool | None = None) -> None:
+        """put() of several objects in one batch; on failure none of them is left behind."""
+        if not items:
+            return
+        config = self._pinned if (self.pin if pin is None else pin) else self._unpinned
+        keys = [k for k, _ in items]
+        data = [frame(v) for _, v in items]
+        if max(len(d) for d in data) > self.url.buffer_bytes:
+            raise MooncakeError(f"an object of {keys} exceeds the transfer buffer; raise buffer= in the Mooncake URL")
+        with self._lock:
+            rc = self._store.upsert_batch(keys, data, config)
+        if rc != 0:
+            self.delete(keys, force=True)
+            raise MooncakeError(f"Mooncake refused the batch {keys}: error {rc} (segments full?)")
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """get() of several objects in one batch."""
+        if not keys:
+            return []
+        with self._lock:
+            values = self._store.get_batch(list(keys))
+        return [unframe(v, k) if v else None for k, v in zip(keys, values, strict=True)]
+
     def get(self, key: str) -> bytes | None:
         """The value, or None when missing, evicted or lost with its owner; raises MooncakeCorruptObjectError."""
         data = self.get_raw(key)
