@@ -95,10 +95,11 @@ class MooncakeRoutingStore(RoutingStore):
     ) -> None:
         super().__init__(use_fused_put, only_last_turn)
         self.url = url
-        self.key_style = MooncakeURL.parse(url).key_style
         self.namespace = validate_rollout_id(namespace, "namespace")
         try:
-            self._store = MooncakeStore(url, pin=True, segment_bytes=segment_bytes)
+            parsed = MooncakeURL.parse(url)
+            self.key_style = parsed.key_style
+            self._store = MooncakeStore(parsed, pin=True, segment_bytes=segment_bytes)
         except MooncakeError as e:
             raise RoutingStoreError(f"R3 p2pstore {redact_url(url)}: {e}") from e
 

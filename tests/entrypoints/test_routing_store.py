@@ -16,6 +16,7 @@ from fastdeploy_r3.cache_manager.routing_store import (
     LocalRoutingStore,
     RedisRoutingStore,
     RoutedExpertsDecodeError,
+    RoutingStoreError,
     make_routing_store,
     previous_turn_rollout_id,
     validate_rollout_id,
@@ -115,8 +116,6 @@ def test_redis_per_layer_only_last_turn_and_no_wipe(redis_url: str) -> None:
 
 
 def test_redis_put_to_dead_server_raises() -> None:
-    from fastdeploy_r3.cache_manager.routing_store import RoutingStoreError
-
     store = RedisRoutingStore("redis://127.0.0.1:1/0", "ns", ttl_s=60)
     with pytest.raises(RoutingStoreError, match="127.0.0.1:1"):
         store.put("user", [_rows(0)], MOE_LAYER_IDS)
@@ -238,6 +237,13 @@ def test_mooncake_corrupt_r3_is_a_clear_error(mooncake_store_url: str) -> None:
             store.get(rid)
     raw.close()
     store.close()
+
+
+def test_bad_mooncake_p2pstore_url_is_a_routing_store_error() -> None:
+    with pytest.raises(RoutingStoreError, match="key_style='fd'; use one of"):
+        MooncakeRoutingStore("mooncake://127.0.0.1:1?key_style=fd", "ns")
+    with pytest.raises(RoutingStoreError, match="unreachable"):
+        MooncakeRoutingStore("mooncake://127.0.0.1:1?protocol=tcp", "ns")
 
 
 def test_mooncake_r3_of_an_exited_server_is_gone_not_stale() -> None:
