@@ -16,15 +16,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from api_server_process import free_port
+
 
 class MooncakeMissing(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _binary(name: str) -> str:
@@ -80,7 +76,7 @@ def _process(argv: list[str], port: int, what: str, timeout: float) -> Iterator[
 @contextlib.contextmanager
 def mooncake_master(*flags: str, timeout: float = 15.0) -> Iterator[str]:
     """Start mooncake_master (extra `--flag=value`s) on free 127.0.0.1 ports; yield `127.0.0.1:PORT`."""
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     argv = [_binary("mooncake_master"), f"--rpc_port={port}", "--rpc_address=127.0.0.1",
             f"--metrics_port={metrics_port}", "--metrics_host=127.0.0.1", "--rpc_thread_num=2", *flags]  # fmt: skip
     with _process(argv, port, "mooncake_master", timeout):
@@ -90,7 +86,7 @@ def mooncake_master(*flags: str, timeout: float = 15.0) -> Iterator[str]:
 @contextlib.contextmanager
 def mooncake_holder(master: str, segment: str = "256MB", timeout: float = 15.0) -> Iterator[None]:
     """A `mooncake_client` contributing `segment` of memory to `master` until the context exits."""
-    port = _free_port()
+    port = free_port()
     argv = [_binary("mooncake_client"), f"--master_server_address={master}", "--metadata_server=P2PHANDSHAKE",
             "--host=127.0.0.1", f"--port={port}", f"--global_segment_size={segment}", "--protocol=tcp"]  # fmt: skip
     with _process(argv, port, "mooncake_client", timeout):
