@@ -8,7 +8,7 @@ PORT ?= 8000
 R3_CONFIG ?= {"enable_routing_replay": true, "routing_store_type": "response"}
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint redis install clean
+.PHONY: serve test lint redis mooncake paddle install clean
 
 # A machine that already has torch (the GPU machine) keeps it: the venv sees the system packages.
 # Elsewhere torch is pinned to the CPU build first, so nothing pulls a multi-GB CUDA build.
@@ -37,7 +37,20 @@ redis:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; \
 	  else echo "redis-server is missing: install it with 'sudo apt-get install -y redis-server'"; exit 1; fi; }
 
-test: $(VENV)/.installed redis
+# The Mooncake tests start their own mooncake_master (and holder) from the wheel; its non-CUDA build
+# loads libibverbs even for TCP.
+mooncake: $(VENV)/.installed
+	@ldconfig -p | grep -q libibverbs.so.1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null; \
+	  else echo "libibverbs1 is missing: install it with 'sudo apt-get install -y libibverbs1'"; exit 1; fi; }
+	@$(VPY) -c "import mooncake.store" 2>/dev/null || $(VPY) -m pip install -q -e '.[mooncake]'
+
+# PaddlePaddle (CPU, ~195 MB wheel, ~750 MB installed) for the trainer-boundary test.
+paddle: $(VENV)/.installed
+	@$(VPY) -c "import paddle" 2>/dev/null || $(VPY) -m pip install -q -e '.[paddle]'
+
+test: $(VENV)/.installed redis mooncake paddle
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
 
 lint: $(VENV)/.installed

@@ -23,6 +23,11 @@ setup(
     ],
     extras_require={
         "triton": ["triton"],
+        # Mooncake Store (storage tier, R3 p2pstore): the CPU build; needs `apt-get install libibverbs1`.
+        # Where there is a CUDA driver, install `mooncake-transfer-engine` (the CUDA build) instead.
+        "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+        # R3 as Paddle tensors at the trainer boundary (CPU build; paddlepaddle-gpu on GPU trainers).
+        "paddle": ["paddlepaddle==3.3.1"],
         "test": ["pytest", "pytest-timeout", "transformers>=5", "openai", "httpx", "ruff", "triton"],
     },
     entry_points={"console_scripts": ["fastdeploy-r3=fastdeploy_r3.entrypoints.cli:main"]},

@@ -8,6 +8,8 @@ manager, and the KV tier has no business with the R3 payload.
     BlobStore           put / get / exists / delete (+ put_many / get_many); a missing key is None
       LocalBlobStore    files under a root directory; a key is a relative path; atomic writes
       RedisBlobStore    one string per key under a prefix; errors never show the URL's password
+      MooncakeBlobStore mooncake_store.py: objects in a Mooncake cluster's memory segments
+      ChecksummedBlobStore  any of them, with every value ending in its xxh3_64 (checksummed)
     checksummed / verify_checksum   an xxh3_64 trailer for values that must not be trusted as read
 
 A backend plugs in by implementing the five abstract methods. Its contract, which callers rely on:
@@ -116,6 +118,47 @@ class BlobStore(abc.ABC):
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
+
+
+class ChecksummedBlobStore(BlobStore):
+    """`inner` with every value stored as `checksummed([value])`; `get` raises ChecksumError (naming the
+    key) for a value that is short or does not match, so a corrupt value is never returned as data.
+
+    For values that carry no checksum of their own and live where bytes can go missing under the
+    reader (the R3 `.npy` values in Mooncake); KV blocks need none, their codec checksums them.
+    """
+
+    def __init__(self, inner: BlobStore) -> None:
+        self.inner = inner
+
+    def put(self, key: str, value: bytes | memoryview, ttl_s: int | None = None) -> None:
+        self.inner.put(key, checksummed([value]), ttl_s)
+
+    def put_many(self, items: dict[str, bytes], ttl_s: int | None = None) -> None:
+        self.inner.put_many({k: checksummed([v]) for k, v in items.items()}, ttl_s)
+
+    def _verified(self, key: str, blob: bytes | None) -> bytes | None:
+        if blob is None:
+            return None
+        try:
+            return bytes(verify_checksum(blob))
+        except ChecksumError as e:
+            raise ChecksumError(f"value of {key!r}: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        return self._verified(key, self.inner.get(key))
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [self._verified(k, v) for k, v in zip(keys, self.inner.get_many(keys), strict=True)]
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return self.inner.exists(keys)
+
+    def delete(self, keys: list[str]) -> None:
+        self.inner.delete(keys)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class LocalBlobStore(BlobStore):

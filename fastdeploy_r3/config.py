@@ -140,7 +140,11 @@ class CacheConfig:
     enable_prefix_caching: bool = flag(True, "reuse the KV (and R3 rows) of shared prompt prefixes")
     swap_space: float = flag(0.0, "GiB of CPU tier for swapped-out KV blocks, per worker rank")
     num_cpu_blocks_override: int | None = flag(None, "number of CPU-tier blocks, instead of --swap-space")
-    kv_storage: str | None = flag(None, "storage tier below the CPU tier: file:///dir or redis://127.0.0.1:6379/0")
+    kv_storage: str | None = flag(
+        None,
+        "storage tier below the CPU tier: file:///dir, redis://127.0.0.1:6379/0 or "
+        "mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp",
+    )
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -153,9 +157,10 @@ class CacheConfig:
             raise ConfigError(f"swap_space={self.swap_space}; use 0 (no CPU tier) or a positive size in GiB")
         if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
             raise ConfigError(f"num_cpu_blocks_override={self.num_cpu_blocks_override}; use 0 or more")
-        if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://")):
+        if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://", "mooncake://")):
             raise ConfigError(
-                f"kv_storage={self.kv_storage!r}; use file:///absolute/dir or redis://127.0.0.1:6379/0"
+                f"kv_storage={self.kv_storage!r}; use file:///absolute/dir, redis://127.0.0.1:6379/0 or "
+                "mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp"
             )
 
     @property
@@ -314,7 +319,10 @@ class RoutingReplayConfig:
         if self.enable_routing_replay and self.routing_store_type == "local" and not self.local_store_dir:
             raise ConfigError("routing_store_type 'local' needs local_store_dir (a directory to write .npy files)")
         if self.enable_routing_replay and self.routing_store_type == "p2pstore" and not self.p2pstore_url:
-            raise ConfigError("routing_store_type 'p2pstore' needs p2pstore_url, e.g. redis://127.0.0.1:6379/0")
+            raise ConfigError(
+                "routing_store_type 'p2pstore' needs p2pstore_url, e.g. redis://127.0.0.1:6379/0 or "
+                "mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp"
+            )
         if self.ttl_s <= 0:
             raise ConfigError(f"ttl_s={self.ttl_s}; use a positive number of seconds")
 

@@ -4,6 +4,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from fake_model import make_fake_model
+from mooncake_server import MooncakeMissing, mooncake_holder, mooncake_master, mooncake_url
 from redis_server import RedisServerMissing, redis_server
 
 
@@ -14,6 +15,19 @@ def redis_url() -> Iterator[str]:
         with redis_server() as url:
             yield url
     except RedisServerMissing as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def mooncake_store_url() -> Iterator[str]:
+    """A real mooncake_master and a 256 MB holder for the whole session; fails (never skips) when not installed.
+
+    The URL has `segment=0`: clients made from it keep nothing themselves, so what they put outlives them.
+    """
+    try:
+        with mooncake_master() as master, mooncake_holder(master):
+            yield mooncake_url(master, segment="0")
+    except MooncakeMissing as e:
         pytest.fail(str(e))
 
 

@@ -11,17 +11,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from api_server_process import free_port
+
 REDIS_SERVER = "/usr/bin/redis-server"
 
 
 class RedisServerMissing(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -46,7 +42,7 @@ def redis_server(timeout: float = 10.0) -> Iterator[str]:
     if exe is None:
         raise RedisServerMissing("redis-server is not installed; run `apt-get install -y redis-server`")
     tmp = tempfile.mkdtemp(prefix="fdr3_redis_")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp],
         stdout=subprocess.DEVNULL,

@@ -10,6 +10,7 @@ import redis
 from fastdeploy_r3.blob_store import (
     BlobStoreError,
     ChecksumError,
+    ChecksummedBlobStore,
     LocalBlobStore,
     RedisBlobStore,
     checksummed,
@@ -67,3 +68,22 @@ def test_checksum_trailer_catches_a_flipped_bit_and_truncation() -> None:
         verify_checksum(bytes(bad))
     with pytest.raises(ChecksumError, match="truncated"):
         verify_checksum(blob[:5])
+
+
+def test_checksummed_store_adds_eight_bytes_and_never_returns_a_corrupt_value(tmp_path) -> None:
+    """Over a local directory: values round-trip, each file is the value plus its 8-byte xxh3_64, a
+    flipped byte or a cut file is a ChecksumError naming the key, and a missing key is still None."""
+    inner = LocalBlobStore(str(tmp_path))
+    store = ChecksummedBlobStore(inner)
+    store.put_many({"a": b"abcdef", "b": b"xyz"})
+    assert store.get_many(["a", "b", "c"]) == [b"abcdef", b"xyz", None]
+    assert len(inner.get("a")) == 6 + 8 and inner.get("a")[:6] == b"abcdef"
+    flipped = bytearray(inner.get("a"))
+    flipped[2] ^= 0x01
+    inner.put("a", bytes(flipped))
+    inner.put("b", inner.get("b")[:-1])
+    for key in ("a", "b"):
+        with pytest.raises(ChecksumError, match=f"value of '{key}'"):
+            store.get(key)
+    store.delete(["a", "b"])
+    assert store.exists(["a", "b"]) == [False, False]

@@ -19,7 +19,7 @@ def parser() -> argparse.ArgumentParser:
 def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
     flags = [a.option_strings[0] for a in parser()._actions if a.dest != "help"]
     assert flags == [
-        "--model", "--dtype", "--load-format", "--max-model-len", "--seed", "--weight-version",
+        "--model", "--dtype", "--load-format", "--max-model-len", "--seed", "--weight-version", "--enforce-eager",
         "--block-size", "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-space-gib",
         "--enable-prefix-caching", "--swap-space", "--num-cpu-blocks-override", "--kv-storage",
         "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--max-waiting-requests",

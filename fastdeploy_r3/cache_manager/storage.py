@@ -32,6 +32,7 @@ from fastdeploy_r3.blob_store import (
     LocalBlobStore,
     RedisBlobStore,
     checksummed,
+    redact_url,
     verify_checksum,
 )
 
@@ -75,8 +76,8 @@ class KVStorageBackend:
 
     `get` never raises for a missing or unreadable value: it logs and returns None (a miss), because a
     storage hiccup must only cost recomputation; `exists` likewise answers False. `put` raises
-    StorageError when the value was not stored. A new backend (Mooncake) is a BlobStore plus a branch in
-    make_storage_backend.
+    StorageError when the value was not stored. A backend is a BlobStore plus a branch in
+    make_storage_backend (Mooncake: MooncakeBlobStore in mooncake_store.py).
     """
 
     def __init__(self, blobs: BlobStore, blob_key: Callable[[str], str]) -> None:
@@ -145,8 +146,31 @@ class RedisStorageBackend(KVStorageBackend):
         super().__init__(blobs, lambda key: key)
 
 
-def make_storage_backend(url: str, namespace: str) -> KVStorageBackend:
-    """`file:///abs/dir` or `redis://host:port/db`; keys are namespaced by a hash of `namespace`."""
+class MooncakeStorageBackend(KVStorageBackend):
+    """`mooncake://master:port?...`: one object per block under `fdr3:kv:<namespace prefix>:<key>`.
+
+    Objects are not pinned (an evicted block costs a recompute) and carry no trailer of their own: the
+    block's checksum (encode_block) already makes a short, flipped or foreign object a miss.
+    `lookup_only`: contribute no memory segment (the engine only asks `exists`; the cache transfer
+    manager's client holds what it writes).
+    """
+
+    def __init__(self, url: str, namespace: str, lookup_only: bool = False) -> None:
+        from fastdeploy_r3.mooncake_store import MooncakeBlobStore  # needs the mooncake extra
+
+        prefix = f"fdr3:kv:{namespace_prefix(namespace)}:"
+        try:
+            blobs = MooncakeBlobStore(url, pin=False, segment_bytes=0 if lookup_only else None)
+        except BlobStoreError as e:
+            raise StorageError(f"KV storage {redact_url(url)}: {e}") from e
+        super().__init__(blobs, lambda key: prefix + key)
+
+
+def make_storage_backend(url: str, namespace: str, lookup_only: bool = False) -> KVStorageBackend:
+    """`file:///abs/dir`, `redis://host:port/db` or `mooncake://master:port?...`; keys namespaced by `namespace`.
+
+    `lookup_only`: the caller only asks `exists` (the engine); a Mooncake client then stores nothing itself.
+    """
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -154,7 +178,11 @@ def make_storage_backend(url: str, namespace: str) -> KVStorageBackend:
         return FileStorageBackend(parsed.path, namespace)
     if parsed.scheme in ("redis", "rediss", "unix"):
         return RedisStorageBackend(url, namespace)
-    raise StorageError(f"unknown storage URL {url!r}; use file:///absolute/dir or redis://host:port/db")
+    if parsed.scheme == "mooncake":
+        return MooncakeStorageBackend(url, namespace, lookup_only)
+    raise StorageError(
+        f"unknown storage URL {url!r}; use file:///absolute/dir, redis://host:port/db or mooncake://host:port?..."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ class EngineService:
         if cc.enable_prefix_caching and cc.kv_storage:
             from fastdeploy_r3.cache_manager.storage import make_storage_backend
 
-            storage = make_storage_backend(cc.kv_storage, namespace)
+            storage = make_storage_backend(cc.kv_storage, namespace, lookup_only=True)  # the CTM writes
         transfer = None
         if num_cpu_blocks > 0 or storage is not None:
             from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
@@ -472,6 +472,8 @@ class EngineService:
             except Exception:
                 logger.exception("waiting for write-through")
         self._stop_children()
+        if hasattr(self, "kv") and self.kv.storage is not None:
+            self.kv.storage.close()  # a Mooncake client takes the objects of its segment with it
         _live_engines.discard(self)
 
 

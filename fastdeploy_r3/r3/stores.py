@@ -7,10 +7,12 @@ One put per finished request, with one `[T, L, K]` array per choice, on a BlobSt
                {local_store_dir}/{rid}.layers/layer_{layer}.npy  per layer [T, K]
     p2pstore   {namespace}/{rid}                                 fused  [L, T, K]  (.npy bytes)
                {namespace}/{rid}/layer_{layer}                   per layer [T, K]
+               (Mooncake, key_style=fastdeploy: {rid} / {rid}_{layer}; see r3/stores_mooncake.py)
 
 `rid` is the rollout id, or `{rollout_id}#{i}` for choice i of a request with n > 1 (r3/rollout_id.py);
 `layer` is the model's layer index (an entry of `moe_layer_ids`), not the position among the MoE
-layers. Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them.
+layers. Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them
+(Mooncake's are the exception: see r3/stores_mooncake.py).
 
 Keys cannot run into each other (issue 11, F6/F7): a rollout id holds neither `/` nor `#`, a namespace
 neither `/` nor `:`, so `{namespace}/` is one deployment's and never the KV tier's (`fdr3:kv:...`),
@@ -21,7 +23,7 @@ another rollout's.
 Contract: `put` returns only when every array is durable in the store (the caller answers the
 request afterwards, so a trainer never looks for a key that is not there); it raises
 `RoutingStoreError` otherwise. Stores are never wiped at start: other deployments and earlier
-rollouts may share them. A new backend (Mooncake) is a BlobStore and a key scheme.
+rollouts may share them. A backend is a BlobStore and a key scheme: Mooncake's is r3/stores_mooncake.py.
 """
 
 from __future__ import annotations
@@ -32,9 +34,16 @@ import re
 
 import numpy as np
 
-from fastdeploy_r3.blob_store import DIR_MODE, BlobStore, BlobStoreError, LocalBlobStore, RedisBlobStore
+from fastdeploy_r3.blob_store import (
+    DIR_MODE,
+    BlobStore,
+    BlobStoreError,
+    ChecksumError,
+    LocalBlobStore,
+    RedisBlobStore,
+)
 from fastdeploy_r3.config import RoutingReplayConfig
-from fastdeploy_r3.r3.codec import load_npy, npy_bytes
+from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError, load_npy, npy_bytes
 from fastdeploy_r3.r3.rollout_id import (
     any_n_rollout_ids,
     choice_rollout_id,
@@ -119,15 +128,16 @@ class RoutingStore(abc.ABC):
         validate_rollout_id(rollout_id)
         rid = choice_rollout_id(rollout_id, choice)
         if moe_layer_ids is None:
-            data = self.blobs.get(self.fused_key(rid))
+            data = self._read([self.fused_key(rid)])[0]
             if data is not None:
                 return np.ascontiguousarray(load_npy(data, self.fused_key(rid)).transpose(1, 0, 2))  # [T, L, K]
             moe_layer_ids = self.stored_layers(rid)
             if not moe_layer_ids:
                 raise KeyError(f"no R3 for rollout {rid!r} in {self.where}: no {self.fused_key(rid)!r} and no "
-                               "per-layer entries found (expired, or stored per layer: pass moe_layer_ids)")
+                               "per-layer entries found (expired, lost with the client that held it, or stored "
+                               "per layer: pass moe_layer_ids)")
         keys = [self.layer_key(rid, layer) for layer in moe_layer_ids]
-        values = self.blobs.get_many(keys)
+        values = self._read(keys)
         missing = [k for k, v in zip(keys, values, strict=True) if v is None]
         if missing:
             raise KeyError(f"no R3 for rollout {rid!r} in {self.where} under {missing}")
@@ -146,6 +156,12 @@ class RoutingStore(abc.ABC):
             return any(self.blobs.exists(keys))
         except BlobStoreError as e:
             raise RoutingStoreError(f"cannot tell whether rollout {rollout_id!r} is stored: {e}") from e
+
+    def _read(self, keys: list[str]) -> list[bytes | None]:
+        try:
+            return self.blobs.get_many(keys)
+        except ChecksumError as e:  # a store that checksums its values (Mooncake) found a corrupt one
+            raise RoutedExpertsDecodeError(f"R3 in {self.where}: {e}") from e
 
     def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         """Remove what any put(rollout_id, ...) wrote, fused or per layer, whatever its number of choices."""
@@ -242,5 +258,9 @@ def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore
         return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)
     if cfg.routing_store_type == "p2pstore":
         assert cfg.p2pstore_url is not None
+        if cfg.p2pstore_url.startswith("mooncake://"):
+            from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore  # needs the mooncake extra
+
+            return MooncakeRoutingStore(cfg.p2pstore_url, namespace, cfg.use_fused_put, cfg.only_last_turn)
         return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn)
     raise RoutingStoreError(f"unknown routing_store_type {cfg.routing_store_type!r}")

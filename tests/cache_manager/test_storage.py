@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
+from mooncake_server import mooncake_master, mooncake_url, raw_client
 
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
     FileStorageBackend,
     InvalidStorageKeyError,
+    MooncakeStorageBackend,
     RedisStorageBackend,
     StorageError,
     decode_block,
     encode_block,
     make_storage_backend,
 )
+from fastdeploy_r3.mooncake_store import MooncakeBlobStore
 
 # 2 ranks, 3 layers, block_size 4, 2 kv heads, head dim 8, float32; R3 with L=2 MoE layers, K=2, uint8.
 LAYOUT = BlockLayout(
@@ -113,9 +122,105 @@ def test_bad_urls_and_namespace_say_what_to_do(tmp_path) -> None:
         make_storage_backend(f"file://{tmp_path}", "")
     with pytest.raises(StorageError, match="unreachable"):
         make_storage_backend("redis://127.0.0.1:1/0", "m@v1")
+    with pytest.raises(StorageError, match="unreachable"):
+        make_storage_backend("mooncake://127.0.0.1:1?protocol=tcp", "m@v1")
+    with pytest.raises(StorageError, match=r"unknown parameter\(s\) \['segmnt'\]"):
+        make_storage_backend("mooncake://127.0.0.1:1?segmnt=0", "m@v1")
+    with pytest.raises(StorageError, match="at least 16MB"):
+        make_storage_backend("mooncake://127.0.0.1:1?segment=8MB", "m@v1")
+    with pytest.raises(StorageError, match="needs a master address"):
+        make_storage_backend("mooncake:///x", "m@v1")
 
 
 def test_redis_backend_errors_never_show_the_password() -> None:
     with pytest.raises(StorageError, match="unreachable") as info:
         make_storage_backend("redis://kv:hunter2@127.0.0.1:1/0", "m@v1")
     assert "hunter2" not in str(info.value)
+
+
+# -- Mooncake: the same contract on a real mooncake_master, plus the ways its objects disappear ---------------
+
+
+def test_mooncake_backend(mooncake_store_url: str) -> None:
+    store = make_storage_backend(mooncake_store_url, "qwen3-moe@v1")
+    assert isinstance(store, MooncakeStorageBackend)
+    _exercise_backend(store, make_storage_backend(mooncake_store_url, "qwen3-moe@v2"))
+    store.close()
+    # The holder keeps the objects: a new client (a restarted engine) finds what the closed one put.
+    again = make_storage_backend(mooncake_store_url, "qwen3-moe@v1")
+    assert again.get("ab") == b"v2"
+    again.delete(["ab"])
+    assert again.exists(["ab"]) == [False]
+    again.close()
+
+
+def test_mooncake_short_flipped_and_foreign_objects_are_misses(mooncake_store_url: str) -> None:
+    """Objects under the backend's keys that are truncated, have one flipped byte, or are not block blobs
+    come back as they are and fail the block codec (its checksum), so the loader counts them as misses."""
+    store = make_storage_backend(mooncake_store_url, "m@v1")
+    kv, rows = _block(3)
+    good = encode_block(LAYOUT, kv, rows)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01  # inside the KV bytes
+    raw = raw_client(mooncake_store_url.split("://", 1)[1].split("?", 1)[0])
+    try:
+        for key, value in [("a1", good[:-3]), ("a2", bytes(flipped)), ("a3", b"not a block"), ("a4", good)]:
+            assert raw.upsert(store.blob_key(key), value) == 0
+        for key, why in [("a1", "truncated"), ("a2", "checksum mismatch"), ("a3", "truncated")]:
+            with pytest.raises(BlockDecodeError, match=why):
+                decode_block(store.get(key), LAYOUT)
+        assert store.exists(["a1", "a2", "a3"]) == [True, True, True]  # present, yet never served as data
+        got_kv, got_rows = decode_block(store.get("a4"), LAYOUT)
+        assert got_kv[0].tobytes() == kv[0].tobytes() and np.array_equal(got_rows, rows)
+    finally:
+        raw.remove_all(True)
+        raw.close()
+        store.close()
+
+
+def test_mooncake_objects_of_a_killed_producer_are_misses() -> None:
+    """A producer with its own segment puts a block and is SIGKILLed: the master still lists the key
+    (until client_ttl), but reading it is a miss, never stale or partial bytes."""
+    with mooncake_master() as master:
+        url = mooncake_url(master, segment="16MB")
+        producer = (
+            "import os, signal\n"
+            "from fastdeploy_r3.cache_manager.storage import make_storage_backend\n"
+            f"store = make_storage_backend({url!r}, 'm@v1')\n"
+            "store.put('beef', b'x' * 1000)\n"
+            "assert store.get('beef') == b'x' * 1000\n"
+            "print('stored', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.run([sys.executable, "-c", producer], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == -9 and "stored" in proc.stdout, proc.stderr[-2000:]
+        reader = make_storage_backend(mooncake_url(master, segment="0"), "m@v1")
+        assert reader.get("beef") is None
+        reader.close()
+
+
+def test_mooncake_evicts_unpinned_blocks_silently_and_keeps_pinned_ones() -> None:
+    """A 16 MB segment evicting above half full, one hard-pinned 1 MB object, then unpinned 1 MB blocks:
+    some blocks that were stored are gone (misses, no error anywhere), the pinned object stays, and every
+    block still there reads back whole."""
+    with mooncake_master("--eviction_high_watermark_ratio=0.5") as master:
+        store = make_storage_backend(mooncake_url(master, segment="16MB"), "m@v1")
+        pinner = MooncakeBlobStore(mooncake_url(master, segment="0"), pin=True)
+        pinner.put(store.blob_key("0f"), b"p" * 2**20)
+        stored: list[int] = []
+        for i in itertools.count():  # 40 blocks, then more until the master's (asynchronous) eviction shows
+            try:
+                store.put(f"{i + 16:x}", bytes([i % 256]) * 2**20)  # 1 MB
+                stored.append(i)
+            except StorageError:
+                time.sleep(0.01)  # segment full until the master evicts
+            if i >= 39 and not all(store.exists([f"{j + 16:x}" for j in stored])):
+                break
+            assert i < 1000, "the master never evicted an unpinned block"
+        present = [i for i in stored if store.get(f"{i + 16:x}") is not None]
+        assert len(stored) > len(present) > 0, (stored, present)
+        assert all(store.get(f"{i + 16:x}") == bytes([i % 256]) * 2**20 for i in present)
+        assert store.get("0f") == b"p" * 2**20
+        pinner.close()
+        store.close()

@@ -1,5 +1,5 @@
 """Cache tiers end to end: greedy outputs are the same whether shared prefixes stay on the GPU,
-go through the CPU tier and back, or come back from the storage tier (file and Redis); and a dead
+go through the CPU tier and back, or come back from the storage tier (file, Redis, Mooncake); and a dead
 cache transfer manager fails in-flight requests instead of hanging."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import signal
 from collections.abc import Callable
 
 import pytest
+from mooncake_server import flush_all, mooncake_master, mooncake_url
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.shm import list_segments
@@ -57,16 +58,34 @@ def test_cpu_tier_swaps_shared_prefixes_out_and_back(model_dir, prompts, referen
     assert m["swap_out_blocks"] > 0 and m["swap_in_blocks"] > 0, m
 
 
-@pytest.mark.parametrize("backend", ["file", "redis"])
+@pytest.mark.parametrize("backend", ["file", "redis", "mooncake"])
 def test_storage_tier_without_cpu_tier(model_dir, prompts, reference, tmp_path, backend, request) -> None:
     """No CPU tier: evicted prefixes come back from storage; a second engine starts warm from the same store."""
-    url = f"file://{tmp_path}/kv" if backend == "file" else request.getfixturevalue("redis_url").replace("/0", "/1")
+    if backend == "file":
+        url = f"file://{tmp_path}/kv"
+    elif backend == "redis":
+        url = request.getfixturevalue("redis_url").replace("/0", "/1")
+    else:
+        url = request.getfixturevalue("mooncake_store_url")
+        flush_all(url)  # blocks another test stored for this model must not be found
     tokens, m = generate(model_dir, prompts, num_gpu_blocks_override=16, kv_storage=url)
     assert tokens == reference
     assert m["swap_out_blocks"] == 0 and m["storage_put_blocks"] > 0 and m["storage_load_blocks"] > 0, m
     tokens2, m2 = generate(model_dir, prompts[:3], num_gpu_blocks_override=64, kv_storage=url)
     assert tokens2 == reference[:3]
     assert m2["storage_load_blocks"] >= 3 * 6 - 3, m2  # each prompt's 6 full prefix blocks (one capped)
+
+
+def test_mooncake_blocks_of_an_exited_engine_are_recomputed(model_dir, prompts, reference) -> None:
+    """No holder: the engine's own segments keep its blocks, so once it exits a second engine on the same
+    master finds none of them (no load, no stale data) and recomputes the same greedy tokens."""
+    with mooncake_master() as master:
+        url = mooncake_url(master, segment="64MB")
+        tokens, m = generate(model_dir, prompts, num_gpu_blocks_override=16, kv_storage=url)
+        assert tokens == reference and m["storage_put_blocks"] > 0, m
+        tokens2, m2 = generate(model_dir, prompts[:3], num_gpu_blocks_override=64, kv_storage=url)
+        assert tokens2 == reference[:3]
+        assert m2["storage_load_blocks"] == 0 and m2["storage_put_blocks"] > 0, m2
 
 
 def test_killed_cache_transfer_manager_fails_in_flight_requests(model_dir, prompts) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_r3 import LLM, SamplingParams
-from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
+from fastdeploy_r3.client import read_local_rollout, read_mooncake_rollout, read_redis_rollout
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -35,15 +35,18 @@ def test_local_store_per_layer_files_with_two_choices(model_dir: str, tmp_path) 
             assert got.dtype == np.uint8 and np.array_equal(got, c.routed_experts)
 
 
-def test_p2pstore_keys_default_to_request_ids(model_dir: str, redis_url: str) -> None:
-    """Redis, fused put, no rollout ids given: each prompt's R3 is stored under its request id."""
-    r3 = {"enable_routing_replay": True, "routing_store_type": "p2pstore", "p2pstore_url": redis_url, "ttl_s": 60}
+@pytest.mark.parametrize("backend", ["redis", "mooncake"])
+def test_p2pstore_keys_default_to_request_ids(model_dir: str, backend: str, request: pytest.FixtureRequest) -> None:
+    """Redis or Mooncake, fused put, no rollout ids given: each prompt's R3 is stored under its request id."""
+    url = request.getfixturevalue("redis_url" if backend == "redis" else "mooncake_store_url")
+    read = read_redis_rollout if backend == "redis" else read_mooncake_rollout
+    r3 = {"enable_routing_replay": True, "routing_store_type": "p2pstore", "p2pstore_url": url, "ttl_s": 60}
     with LLM(model_dir, block_size=4, routing_replay_config=r3, r3_namespace="offline-test") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         with pytest.raises(InvalidRolloutIdError):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False, rollout_ids=["../x"])
     for out in outs:
-        got = read_redis_rollout(redis_url, "offline-test", out.request_id)
+        got = read(url, "offline-test", out.request_id)
         assert np.array_equal(got, out.outputs[0].routed_experts)
 
 

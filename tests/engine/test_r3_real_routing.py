@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from mooncake_server import flush_all, raw_client
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain
+from fastdeploy_r3.cache_manager.storage import namespace_prefix
 from fastdeploy_r3.config import ModelConfig
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, softmax_topk
@@ -235,15 +237,39 @@ def test_stale_tag_on_a_cached_prefix_block_fails_closed(tiered: LLM, alone: Alo
 # -- storage tier: a second engine on the same store must load ------------------------------------------------
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "mooncake"])
 def storage_url(request: pytest.FixtureRequest, tmp_path: str) -> str:
     if request.param == "file":
         return f"file://{tmp_path}/kv"
+    if request.param == "mooncake":
+        url = request.getfixturevalue("mooncake_store_url")
+        flush_all(url)  # blocks of an earlier parametrization must not be found
+        return url
     redis_url = request.getfixturevalue("redis_url")
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()  # blocks of an earlier parametrization must not be found
     return redis_url
+
+
+def _flip_stored_routing_byte(llm: LLM, url: str, key: str) -> None:
+    """Flip one byte inside the routing rows of stored block `key`, just before the blob's 8-byte checksum."""
+    if url.startswith("file://"):
+        (path,) = glob.glob(os.path.join(url[len("file://"):], "**", key), recursive=True)
+        blob = bytearray(open(path, "rb").read())
+        blob[-8 - 5] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(blob)
+        return
+    mc = llm.engine.config.model_config
+    mooncake_key = f"fdr3:kv:{namespace_prefix(f'{mc.model_identity}|{mc.weight_version}')}:{key}"
+    raw = raw_client(url.split("://", 1)[1].split("?", 1)[0])
+    try:
+        blob = bytearray(raw.get(mooncake_key))
+        blob[-8 - 5] ^= 0x01  # the blob ends in its 8-byte checksum, as in a file
+        assert raw.upsert(mooncake_key, bytes(blob)) == 0
+    finally:
+        raw.close()
 
 
 def _storage_llm(model_dir: str, url: str) -> LLM:
@@ -255,8 +281,9 @@ def test_storage_load_serves_the_rows_recorded_by_the_writer(
     model_dir: str, storage_url: str, alone: AloneOracle
 ) -> None:
     """Engine 1 computes PREFIX and PREFIX2 (written through); engine 2 (no CPU tier) loads PREFIX for B:
-    B's prefix rows are engine 1's, bit for bit. For file://, one routing byte of PREFIX2's block 3 is
-    flipped: engine 2 loads blocks 0..2, misses block 3, recomputes from there and still matches alone."""
+    B's prefix rows are engine 1's, bit for bit. For file:// and mooncake://, one routing byte of PREFIX2's
+    block 3 is flipped: engine 2 loads blocks 0..2, misses block 3, recomputes from there and still matches
+    alone."""
     a_prompt, b_prompt = _with(PREFIX, 100), _with(PREFIX, 113)
     d_prompt, e_prompt = _with(PREFIX2, 100), _with(PREFIX2, 116)
     with _storage_llm(model_dir, storage_url) as writer:
@@ -274,12 +301,8 @@ def test_storage_load_serves_the_rows_recorded_by_the_writer(
         assert np.array_equal(_rows(b)[:P], rows_a[:P])
         alone.check(b_prompt, b)
 
-        if storage_url.startswith("file://"):
-            (path,) = glob.glob(os.path.join(storage_url[len("file://"):], "**", hashes2[3].hex()), recursive=True)
-            blob = bytearray(open(path, "rb").read())
-            blob[-8 - 5] ^= 0x01  # inside the routing rows, just before the 8-byte checksum
-            with open(path, "wb") as f:
-                f.write(blob)
+        if not storage_url.startswith("redis://"):
+            _flip_stored_routing_byte(reader, storage_url, hashes2[3].hex())
             m1 = reader.engine.metrics()
             e = _one(reader, e_prompt)
             # blocks 4, 5 arrive in the same task but are dropped after block 3's miss: the hit is 3 blocks

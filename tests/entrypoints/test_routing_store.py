@@ -8,11 +8,20 @@ import os
 import numpy as np
 import pytest
 import redis
+from mooncake_server import flush_all, mooncake_master, mooncake_url, raw_client
 
-from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
+from fastdeploy_r3.client import (
+    decode_fastdeploy_routing,
+    read_fastdeploy_rollout,
+    read_local_rollout,
+    read_mooncake_rollout,
+    read_redis_rollout,
+)
 from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, previous_turn_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore, RoutingStoreError, make_routing_store
+from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore
 
 MOE_LAYER_IDS = [1, 2, 3]  # layer 0 dense, as in GLM's first_k_dense_replace
 
@@ -163,8 +172,117 @@ def test_server_puts_r3_per_layer_in_redis_before_answering(p2p_server, redis_ur
         bad.completions.create(model=first.model, prompt="anon", max_tokens=2, user="not a key/")
 
 
-def test_get_of_a_missing_rollout_is_a_key_error(tmp_path, redis_url: str) -> None:
+def test_get_of_a_missing_rollout_is_a_key_error(tmp_path, redis_url: str, mooncake_store_url: str) -> None:
     with pytest.raises(KeyError):
         read_local_rollout(str(tmp_path), "never-written")
     with pytest.raises(KeyError):
         read_redis_rollout(redis_url, "ns3", "never-written", moe_layer_ids=MOE_LAYER_IDS)
+    with pytest.raises(KeyError):
+        read_mooncake_rollout(mooncake_store_url, "ns3", "never-written", moe_layer_ids=MOE_LAYER_IDS)
+
+
+# -- Mooncake: the same store contract on a real mooncake_master ---------------------------------------------
+
+
+def _master(url: str) -> str:
+    return url.split("://", 1)[1].split("?", 1)[0]
+
+
+def test_mooncake_fused_per_layer_only_last_turn_and_no_wipe(mooncake_store_url: str) -> None:
+    flush_all(mooncake_store_url)
+    raw = raw_client(_master(mooncake_store_url))
+    raw.upsert("mc1:someone-else", b"keep")
+    fused = MooncakeRoutingStore(mooncake_store_url, "mc1")
+    a, b = _rows(3), _rows(4)
+    assert fused.put("d:g:0:0", [a, b], MOE_LAYER_IDS) == ["mc1/d:g:0:0#0", "mc1/d:g:0:0#1"]
+    assert np.array_equal(read_mooncake_rollout(mooncake_store_url, "mc1", "d:g:0:0", choice=1), b)
+
+    per_layer = MooncakeRoutingStore(mooncake_store_url, "mc1", use_fused_put=False, only_last_turn=True)
+    c, d = _rows(5), _rows(6, t=9)
+    assert per_layer.put("d:g:0:4", [c], MOE_LAYER_IDS) == ["mc1/d:g:0:4/layer_1", "mc1/d:g:0:4/layer_2", "mc1/d:g:0:4/layer_3"]
+    assert np.array_equal(read_mooncake_rollout(mooncake_store_url, "mc1", "d:g:0:4", moe_layer_ids=[1, 2, 3]), c)
+    per_layer.put("d:g:1:4", [d], MOE_LAYER_IDS)  # next turn: the previous turn's keys go, even just read
+    assert raw.batch_is_exist(["mc1/d:g:0:4/layer_1", "mc1/d:g:0:4/layer_2", "mc1/d:g:0:4/layer_3"]) == [0, 0, 0]
+    assert np.array_equal(per_layer.get("d:g:1:4", moe_layer_ids=[1, 2, 3]), d)
+    assert raw.get("mc1:someone-else") == b"keep"
+    # the same rollout id stored again serves the new value, never the old one
+    fused.put("d:g:0:0", [b, a], MOE_LAYER_IDS)
+    assert np.array_equal(fused.get("d:g:0:0", choice=0), b)
+    fused.close()
+    per_layer.close()
+    raw.close()
+
+
+def test_mooncake_fastdeploy_keys_and_release_after_read(mooncake_store_url: str) -> None:
+    """key_style=fastdeploy: `{rid}` fused and `{rid}_{layer}` per layer; release=True deletes after reading."""
+    url = mooncake_store_url + "&key_style=fastdeploy"
+    a = _rows(7)
+    fused = MooncakeRoutingStore(url, "ignored")
+    assert fused.put("fd-r1", [a], MOE_LAYER_IDS) == ["fd-r1"]
+    per_layer = MooncakeRoutingStore(url, "ignored", use_fused_put=False)
+    assert per_layer.put("fd-r2", [a], MOE_LAYER_IDS) == ["fd-r2_1", "fd-r2_2", "fd-r2_3"]
+    assert np.array_equal(read_mooncake_rollout(url, "any", "fd-r1", release=True), a)
+    with pytest.raises(KeyError, match="'fd-r1'"):
+        read_mooncake_rollout(url, "any", "fd-r1")
+    assert np.array_equal(read_mooncake_rollout(url, "any", "fd-r2", moe_layer_ids=[1, 2, 3], release=True), a)
+    with pytest.raises(KeyError, match="'fd-r2_1'"):
+        read_mooncake_rollout(url, "any", "fd-r2", moe_layer_ids=[1, 2, 3])
+    fused.close()
+    per_layer.close()
+
+
+def test_mooncake_corrupt_r3_is_a_clear_error(mooncake_store_url: str) -> None:
+    """A flipped byte or a truncated object under an R3 key is an error naming the key, never ids."""
+    store = MooncakeRoutingStore(mooncake_store_url, "mc2")
+    store.put("bad1", [_rows(8)], MOE_LAYER_IDS)
+    raw = raw_client(_master(mooncake_store_url))
+    good = raw.get("mc2/bad1")
+    flipped = bytearray(good)
+    flipped[-9] ^= 0x01  # the last expert id, just before the 8-byte checksum
+    raw.upsert("mc2/bad1", bytes(flipped))
+    raw.upsert("mc2/bad2", good[:-1])
+    for rid in ("bad1", "bad2"):
+        with pytest.raises(RoutedExpertsDecodeError, match=f"'mc2/{rid}'"):
+            store.get(rid)
+    raw.close()
+    store.close()
+
+
+def test_bad_mooncake_p2pstore_url_is_a_routing_store_error() -> None:
+    with pytest.raises(RoutingStoreError, match="key_style='fd'; use one of"):
+        MooncakeRoutingStore("mooncake://127.0.0.1:1?key_style=fd", "ns")
+    with pytest.raises(RoutingStoreError, match="unreachable"):
+        MooncakeRoutingStore("mooncake://127.0.0.1:1?protocol=tcp", "ns")
+
+
+def test_mooncake_r3_of_an_exited_server_is_gone_not_stale() -> None:
+    """No holder: the server's own segment holds R3, so after it closes a trainer gets KeyError."""
+    with mooncake_master() as master:
+        store = MooncakeRoutingStore(mooncake_url(master, segment="16MB"), "mc3")
+        store.put("gone", [_rows(9)], MOE_LAYER_IDS)
+        assert np.array_equal(read_mooncake_rollout(mooncake_url(master), "mc3", "gone"), _rows(9))
+        store.close()
+        with pytest.raises(KeyError, match="lost with the client"):
+            read_mooncake_rollout(mooncake_url(master), "mc3", "gone")
+
+
+def test_fastdeploy_bare_arrays_are_read_with_their_padding_dropped(mooncake_store_url: str) -> None:
+    """What FastDeploy itself puts: bare int32 `[L, max_model_len, K]` (fused) or `[max_model_len, K]`
+    per layer, padded with -1 rows; the reader returns `[T, L, K]` equal to the unpadded ids."""
+    ids = _rows(10, t=5).astype(np.int32)  # [T=5, L=3, K=2]
+    padded = np.full((3, 12, 2), -1, dtype=np.int32)  # [L, max_model_len=12, K]
+    padded[:, :5] = ids.transpose(1, 0, 2)
+    raw = raw_client(_master(mooncake_store_url))
+    raw.upsert("fdpad", padded.tobytes())
+    for j, layer in enumerate(MOE_LAYER_IDS):
+        raw.upsert(f"fdpad_{layer}", padded[j].tobytes())
+    url = mooncake_store_url + "&key_style=fastdeploy"
+    assert np.array_equal(read_fastdeploy_rollout(url, "fdpad", MOE_LAYER_IDS, top_k=2), ids)
+    assert np.array_equal(read_fastdeploy_rollout(url, "fdpad", MOE_LAYER_IDS, top_k=2, fused=False), ids)
+    holed = padded.copy()
+    holed[1, 2, 0] = -1
+    with pytest.raises(RoutedExpertsDecodeError, match="inside the routed rows"):
+        decode_fastdeploy_routing(holed.tobytes(), 3, 2)
+    with pytest.raises(RoutedExpertsDecodeError, match="whole rows"):
+        decode_fastdeploy_routing(padded.tobytes()[:-4], 3, 2)
+    raw.close()

@@ -98,7 +98,8 @@ def _model_card(ctx: ServingContext, store: RoutingStore | None, namespace: str)
         "use_fused_put": rr.use_fused_put,
         "only_last_turn": rr.only_last_turn,
         "debug_mode": rr.debug_mode,
-        "namespace": namespace if isinstance(store, RedisRoutingStore) else None,
+        "namespace": namespace if isinstance(store, RedisRoutingStore) or getattr(store, "key_style", "") == "fdr3"
+        else None,
         "p2pstore_url": redact_url(rr.p2pstore_url) if rr.p2pstore_url else None,
         # local_store_dir is not shown: a path on the server is no client's business (issue 11)
         "block_size": cfg.cache_config.block_size,
@@ -233,7 +234,7 @@ async def run_server(args: argparse.Namespace) -> None:
     namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
     store = make_routing_store(config.routing_replay_config, namespace)
     if isinstance(store, RedisRoutingStore):
-        store.ping()
+        store.ping()  # a MooncakeRoutingStore joined its master when it was made
     from fastdeploy_r3.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
