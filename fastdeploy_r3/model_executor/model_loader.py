@@ -43,7 +43,7 @@ def random_weights(model: nn.Module, seed: int, router_std: float = 0.5) -> dict
     return {name: random_weight(name, shapes[name], generator, router_std) for name in sorted(shapes)}
 
 
-def _safetensors_files(model_dir: str) -> list[str]:
+def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -57,7 +57,19 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the files and its shape, read from the headers (no tensor data)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in files:
@@ -86,7 +98,7 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
         weights = random_weights(model, model_config.seed)
         model.load_weights(weights.items())
     else:
-        model.load_weights(_iter_safetensors(_safetensors_files(model_config.model)))
+        model.load_weights(iter_safetensors(safetensors_files(model_config.model)))
     model.eval()
     model.requires_grad_(False)
     return model

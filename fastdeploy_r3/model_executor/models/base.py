@@ -219,9 +219,35 @@ class MoeCausalLM(nn.Module):
             if name.endswith("e_score_correction_bias"):
                 yield name, buf
 
+    def check_checkpoint_weights(self, shapes: dict[str, tuple[int, ...]], require_all: bool) -> None:
+        """Raise WeightLoadingError unless every (name, full shape) is one this model loads or deliberately
+        skips, and, with require_all, every weight of the model is there. Reads no tensor data, so a
+        weight update can refuse a wrong checkpoint before it changes a single parameter."""
+        expected = self.checkpoint_weight_shapes()
+        for name, shape in shapes.items():
+            if name not in expected:
+                if self._skip_checkpoint_weight(name) or (self.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                raise WeightLoadingError(
+                    f"unexpected weight {name!r}: {type(self).__name__} has no such parameter (the weights are "
+                    "for another architecture or config)"
+                )
+            if tuple(shape) != expected[name]:
+                raise WeightLoadingError(
+                    f"weight {name!r} has shape {tuple(shape)}, the model expects {expected[name]}"
+                )
+        if require_all:
+            missing = sorted(set(expected) - set(shapes))
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF checkpoint tensors by name; raise WeightLoadingError naming any bad or missing key."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+        """Load HF checkpoint tensors by name; raise WeightLoadingError naming any bad or missing key.
+
+        strict=False loads a subset (a weight update that sends some tensors): nothing is required.
+        """
         expected = self.checkpoint_weight_shapes()
         tensors = dict(self._loadable_tensors())
         loaded: set[str] = set()
@@ -254,7 +280,7 @@ class MoeCausalLM(nn.Module):
                     tensors[name].copy_(w)
             loaded.add(ckpt_name)
         missing = sorted(set(expected) - loaded)
-        if missing:
+        if missing and strict:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
 
