@@ -92,3 +92,13 @@ def test_update_from_a_trainer_over_gloo_gives_each_tp_rank_its_shard(fake_model
     n = len(_model(new).checkpoint_weight_shapes())
     assert results == [(0, n, True), (1, n, True)]
     assert [p.exitcode for p in procs] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "glm4_moe"])
+def test_checkpoint_weights_are_what_the_checkpoint_holds(fake_model_dir, arch: str) -> None:
+    model_dir = fake_model_dir(arch)
+    model = _model(model_dir)
+    ours = dict(model.checkpoint_weights())
+    on_disk = dict(iter_safetensors(safetensors_files(model_dir)))
+    assert ours.keys() == on_disk.keys()
+    assert all(torch.equal(ours[k], on_disk[k]) for k in ours)

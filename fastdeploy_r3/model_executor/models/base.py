@@ -212,6 +212,25 @@ class MoeCausalLM(nn.Module):
                 shapes[self._to_checkpoint_name(name)] = tuple(tensor.shape)
         return shapes
 
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This model's weights as an HF checkpoint holds them (names and full shapes of
+        checkpoint_weight_shapes; stacked experts split back per expert), e.g. for a trainer pushing
+        them to a server. Views, not copies; a tensor-parallel shard has no full tensors to give."""
+        if any(isinstance(m, ShardedLinear) and m.tp_size > 1 for m in self.modules()):
+            raise WeightLoadingError("checkpoint_weights() needs the whole model (tensor_parallel_size 1)")
+        gate_name, up_name, down_name = self.expert_proj_names
+        for mod_name, module in self.named_modules():
+            if isinstance(module, FusedExperts):
+                prefix = self._to_checkpoint_name(mod_name)
+                inter = module.intermediate_size
+                for e in range(module.num_experts):
+                    yield f"{prefix}.{e}.{gate_name}.weight", module.w13[e, :inter]  # [I, H]
+                    yield f"{prefix}.{e}.{up_name}.weight", module.w13[e, inter:]  # [I, H]
+                    yield f"{prefix}.{e}.{down_name}.weight", module.w2[e]  # [H, I]
+        for name, tensor in self._loadable_tensors():
+            if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), FusedExperts):
+                yield self._to_checkpoint_name(name), tensor
+
     def _loadable_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         # named_parameters() drops the tied lm_head.weight as a duplicate, which is what we want
         yield from self.named_parameters()
