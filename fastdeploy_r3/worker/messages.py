@@ -50,5 +50,43 @@ class StepOutput:
 
 
 @dataclass
+class InitWeightUpdateGroup:
+    """Join a trainer's group as rank rank_offset + tp_rank (SGLang's /init_weights_update_group)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+@dataclass
+class DestroyWeightUpdateGroup:
+    group_name: str
+
+
+@dataclass
+class UpdateWeights:
+    """New weights, from exactly one source: a checkpoint directory, a trainer's broadcast over a
+    group (names/dtypes/shapes announced, in broadcast order), or full tensors in the message."""
+
+    model_path: str | None = None
+    group_name: str | None = None
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    tensors: list[tuple[str, object]] | None = None  # (HF name, torch.Tensor) for offline LLM.update_weights
+
+
+@dataclass
+class WeightUpdateResult:
+    rank: int
+    error: str | None = None
+    weights_changed: bool = False  # error after some parameters took new values
+    num_tensors: int = 0
+
+
+@dataclass
 class Shutdown:
     pass

@@ -18,7 +18,15 @@ from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.sampling_params import SamplingParams
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
+from fastdeploy_r3.worker.messages import (
+    DestroyWeightUpdateGroup,
+    InitWeightUpdateGroup,
+    ScheduledRequestData,
+    StepInput,
+    StepOutput,
+    UpdateWeights,
+    WeightUpdateResult,
+)
 from fastdeploy_r3.worker.sampler import sample_token
 
 logger = logging.getLogger(__name__)
@@ -44,6 +52,7 @@ class ModelRunner:
         self.routing_capture = None
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self.weight_updater = None  # WeightUpdater, once the model is loaded
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -51,7 +60,36 @@ class ModelRunner:
         from fastdeploy_r3.model_executor.model_loader import load_model
 
         torch.manual_seed(self.config.model_config.seed)
+        from fastdeploy_r3.worker.weight_updater import WeightUpdater
+
         self.model = load_model(self.config.model_config, self.device, self.rank, self.world_size)
+        self.weight_updater = WeightUpdater(self.model, self.device, self.rank)
+
+    def weight_control(
+        self, msg: InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights
+    ) -> WeightUpdateResult:
+        """Run one weight-update command between steps; failures come back as the result's error."""
+        from fastdeploy_r3.worker.weight_updater import WeightUpdateError
+
+        updater = self.weight_updater
+        assert updater is not None
+        try:
+            if isinstance(msg, InitWeightUpdateGroup):
+                updater.init_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                                   msg.group_name, msg.backend)
+                return WeightUpdateResult(self.rank)
+            if isinstance(msg, DestroyWeightUpdateGroup):
+                updater.destroy_group(msg.group_name)
+                return WeightUpdateResult(self.rank)
+            if msg.model_path is not None:
+                n = updater.from_disk(msg.model_path)
+            elif msg.group_name is not None:
+                n = updater.from_distributed(msg.names, msg.dtypes, msg.shapes, msg.group_name)
+            else:
+                n = updater.from_tensors(list(msg.tensors or []))  # type: ignore[arg-type]
+            return WeightUpdateResult(self.rank, num_tensors=n)
+        except WeightUpdateError as e:
+            return WeightUpdateResult(self.rank, error=str(e), weights_changed=e.weights_changed)
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -219,6 +257,9 @@ class ModelRunner:
                 self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
 
     def close(self) -> None:
+        if self.weight_updater is not None:
+            self.weight_updater.close()
+            self.weight_updater = None
         if self.mapped_writer is not None:
             self.mapped_writer.close()
             self.mapped_writer = None
