@@ -22,7 +22,7 @@ from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from fastdeploy_r3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, weight_version_spans
 from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.token_processor import TokenProcessor
@@ -156,6 +156,9 @@ class EngineService:
                 self._routing_host, cc.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
             )
         self.token_processor = TokenProcessor(self.scheduler, self.tokenizer, eos, cfg.max_model_len, routing)
+        from fastdeploy_r3.engine.control import EngineControl
+
+        self.control = EngineControl(self)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -167,6 +170,7 @@ class EngineService:
         prompt: str | None = None,
     ) -> None:
         self._check_alive()
+        self.control.check_weights_usable()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self._groups or any(rid in self._child_group for rid in child_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
@@ -176,7 +180,7 @@ class EngineService:
             child_params = params
             if params.n > 1:
                 child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            req = Request(rid, list(prompt_token_ids), child_params)
+            req = Request(rid, list(prompt_token_ids), child_params, weight_version=self.weight_version)
             group.children.append(req)
             self._child_group[rid] = request_id
             self.scheduler.add_request(req)
@@ -196,18 +200,33 @@ class EngineService:
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, message: str | None = None) -> None:
         group = self._groups.get(request_id)
         if group is None:
             return
         for req in group.children:
             if not req.is_finished:
+                req.finish_message = message
                 self.token_processor.finish(req, RequestStatus.FINISHED_ABORTED)
                 self._finished_since_step.append(req.request_id)
         self._pending_outputs.append(request_id)
 
+    def unfinished_requests(self) -> list[Request]:
+        return [req for group in self._groups.values() for req in group.children if not req.is_finished]
+
+    def request_ids(self) -> list[str]:
+        return list(self._groups)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def has_work(self) -> bool:
+        """A step would do something: outputs to send, or requests to advance and no pause."""
+        return bool(self._pending_outputs) or (bool(self._groups) and self.control.paused is None)
+
+    @property
+    def weight_version(self) -> str:
+        return self.config.model_config.weight_version
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -218,7 +237,8 @@ class EngineService:
         try:
             self._check_children()
             self.kv.poll_transfers()
-            out = self.scheduler.schedule()
+            # paused: nothing advances (in_place requests keep their blocks); aborts still go out
+            out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
             if out.chunks:
                 sampled = self._run_workers(out)
                 if isinstance(sampled, str):
@@ -300,6 +320,9 @@ class EngineService:
                     routed_experts_start=min(req.sampling_params.routed_experts_start,
                                              req.num_prompt_tokens + n - 1),
                     error=req.error,
+                    finish_message=req.finish_message,
+                    weight_versions=weight_version_spans(req.weight_version_events, req.weight_version, n),
+                    spans_weight_versions=req.spans_weight_versions,
                 )
             )
         cached = group.children[0].num_cached_tokens

@@ -38,6 +38,44 @@ class RequestStatus(enum.Enum):
         )
 
 
+@dataclass(frozen=True)
+class WeightVersionEvent:
+    """A weight update reached a request in flight: `version` had sampled its first num_output_tokens
+    tokens and computed KV (and R3 rows) for its first num_computed_tokens."""
+
+    version: str
+    num_output_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens [start, end) were sampled by weights `version` (SGLang's meta_info weight_versions)."""
+
+    version: str
+    start: int
+    end: int
+
+
+def weight_version_spans(
+    events: list[WeightVersionEvent], current: str, num_output_tokens: int
+) -> list[WeightVersionSpan]:
+    """The versions that sampled a request's output tokens, in order; one span when no update reached it."""
+    spans: list[WeightVersionSpan] = []
+    for version, end in [(e.version, e.num_output_tokens) for e in events] + [(current, num_output_tokens)]:
+        end = min(end, num_output_tokens)
+        start = spans[-1].end if spans else 0
+        if spans and end <= start:
+            continue
+        if spans and spans[-1].version == version:
+            spans[-1] = WeightVersionSpan(version, spans[-1].start, end)
+        elif spans and spans[-1].start == spans[-1].end:
+            spans[-1] = WeightVersionSpan(version, start, end)  # a version that sampled nothing
+        else:
+            spans.append(WeightVersionSpan(version, start, end))
+    return spans
+
+
 @dataclass
 class Request:
     request_id: str
@@ -54,7 +92,16 @@ class Request:
     num_returned_tokens: int | None = None  # N: output tokens returned to the user, set at finish
     stop_reason: str | int | None = None
     error: str | None = None
+    finish_message: str | None = None  # why an aborted request stopped, in words
     routed_experts: np.ndarray | None = None
+    # weight versions: the one computing this request now, and the updates it lived through
+    weight_version: str = ""
+    weight_version_events: list[WeightVersionEvent] = field(default_factory=list)
+
+    @property
+    def spans_weight_versions(self) -> bool:
+        """Some of its tokens, KV or R3 rows come from weights other than the current ones."""
+        return any(e.num_output_tokens or e.num_computed_tokens for e in self.weight_version_events)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,6 +130,9 @@ class CompletionOutput:
     routed_experts: np.ndarray | None = None  # [rows, L, K]
     routed_experts_start: int = 0
     error: str | None = None
+    finish_message: str | None = None
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    spans_weight_versions: bool = False  # tokens/R3 of more than one weight version (an in-place update)
 
 
 @dataclass

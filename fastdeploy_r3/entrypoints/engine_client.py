@@ -13,7 +13,7 @@ import itertools
 import multiprocessing.process
 import os
 import pickle
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -23,6 +23,9 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_process import (
     AbortRequest,
     AddRequest,
+    ControlCommand,
+    ControlReply,
+    ControlRequest,
     EngineAddresses,
     EngineCrashed,
     EngineInfo,
@@ -183,7 +186,7 @@ class AsyncEngineClient:
                 if q is not None:
                     err = InvalidRequestError(msg.message) if msg.invalid else EngineRequestError(msg.message)
                     q.put_nowait(err)
-            elif isinstance(msg, (MetricsReply, HealthReply)):
+            elif isinstance(msg, (MetricsReply, HealthReply, ControlReply)):
                 fut = self._replies.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -228,20 +231,29 @@ class AsyncEngineClient:
                 with contextlib.suppress(zmq.ZMQError):
                     await self._send(AbortRequest(request_id))
 
-    async def abort(self, request_id: str) -> None:
-        if self.is_alive:
-            await self._send(AbortRequest(request_id))
-
-    async def _query(self, msg_type: type, timeout_s: float) -> Any:
+    async def _query(self, make_msg: Callable[[int], object], timeout_s: float) -> Any:
+        """Send make_msg(query_id) and wait for the reply carrying that query_id."""
         self._check_alive()
         query_id = next(self._query_ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[query_id] = fut
         try:
-            await self._send(msg_type(query_id))
+            await self._send(make_msg(query_id))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._replies.pop(query_id, None)
+
+    async def control(self, command: ControlCommand, timeout_s: float = 3600.0) -> ControlReply:
+        """Run an RL control command in the engine (between two steps) and return its answer."""
+        return await self._query(lambda query_id: ControlRequest(query_id, command), timeout_s)
+
+    async def abort(self, request_id: str, message: str | None = None) -> None:
+        if self.is_alive:
+            await self._send(AbortRequest(request_id, message))
+
+    def in_flight_request_ids(self) -> list[str]:
+        """Requests this server is waiting on."""
+        return list(self._queues)
 
     async def metrics(self, timeout_s: float = 30.0) -> dict[str, float]:
         reply: MetricsReply = await self._query(MetricsQuery, timeout_s)

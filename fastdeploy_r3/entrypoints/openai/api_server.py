@@ -37,6 +37,7 @@ from fastdeploy_r3.cache_manager.routing_store import (
 )
 from fastdeploy_r3.config import ConfigError, EngineConfig
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineStartupError
+from fastdeploy_r3.entrypoints.native.api import add_native_routes
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from fastdeploy_r3.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -46,6 +47,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, Serving
 logger = logging.getLogger("fastdeploy_r3.api_server")
 
 _HEALTH_TIMEOUT_S = 10.0
+_OPEN_PATHS = ("/health", "/metrics")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -115,7 +117,8 @@ def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastA
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        # every endpoint but the probes: the native API changes weights
+        if api_key is not None and request.url.path not in _OPEN_PATHS:
             auth = request.headers.get("authorization", "")
             if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
                 err = OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
@@ -171,6 +174,8 @@ def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastA
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest) -> Response:
         return await chat.create_chat_completion(request)
+
+    add_native_routes(app, ctx)
 
     return app
 
