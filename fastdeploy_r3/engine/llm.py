@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
@@ -94,6 +95,28 @@ class LLM:
             for i, out in enumerate(outputs):
                 self._store_r3(out, rollout_ids[i] if rollout_ids is not None else out.request_id)
         return outputs
+
+    def update_weights(
+        self,
+        weights: str | os.PathLike | Mapping[str, Any] | Iterable[tuple[str, Any]],
+        weight_version: str | None = None,
+    ) -> str:
+        """New weights in place, between generate() calls; returns the new weight_version.
+
+        `weights`: a checkpoint directory (config.json + *.safetensors, e.g. what `save_pretrained`
+        wrote), or full tensors under their HF names (a state dict, or (name, tensor) pairs; a subset is
+        fine). The new version roots the prefix cache, so nothing computed by the old weights is
+        reused. Raises EngineControlError (nothing changed) when the weights do not fit the model.
+        """
+        from fastdeploy_r3.worker.messages import UpdateWeights
+
+        if isinstance(weights, (str, os.PathLike)):
+            source = UpdateWeights(model_path=os.fspath(weights))
+        else:
+            items = weights.items() if isinstance(weights, Mapping) else weights
+            # through the workers' pipes: plain CPU tensors
+            source = UpdateWeights(tensors=[(name, t.detach().to("cpu")) for name, t in items])
+        return self.engine.control.update_weights(source, weight_version, abort_all_requests=False)
 
     def _store_r3(self, out: RequestOutput, rollout_id: str) -> None:
         """Put every choice's R3; a choice without R3 (failed, or opted out) stores nothing of the rollout."""
