@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server in front of the engine process.
+"""OpenAI-compatible HTTP server in front of the engine process, with SGLang's native API beside it
+(/generate and the RL control endpoints, entrypoints/native/).
 
     python -m fastdeploy_r3.entrypoints.openai.api_server --model DIR \\
         --routing-replay-config '{"enable_routing_replay": true}' --port 8000 [--api-key K]
