@@ -389,6 +389,7 @@ class EngineService:
             "storage_put_blocks": c.storage_put_blocks,
             "evicted_blocks": c.evicted_blocks,
             "preemptions": self.scheduler.num_preemptions,
+            "weight_updates": self.control.num_weight_updates,
             "r3_rows_delivered": r3.rows_delivered,
             "r3_bytes": r3.bytes_delivered,
             "r3_failures": r3.failures,

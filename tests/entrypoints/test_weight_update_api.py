@@ -45,10 +45,10 @@ def _rollout(server: ServerHandle) -> tuple[dict, np.ndarray]:
     return out, rows.reshape(-1, NUM_LAYERS, TOP_K)
 
 
-def _counters(server: ServerHandle) -> dict[str, float]:
+def _counters(server: ServerHandle, names: tuple[str, ...] = COUNTERS) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
-    return {name: values[f"fastdeploy_r3_engine_{name}_total"] for name in COUNTERS}
+    return {name: values[f"fastdeploy_r3_engine_{name}_total"] for name in names}
 
 
 def _fresh_engine(model_dir: str) -> tuple[list[int], np.ndarray]:
@@ -80,9 +80,11 @@ def _assert_new_version_serves_no_old_block(server: ServerHandle, model_dir: str
 def test_update_from_disk(server: ServerHandle, fake_model_dir) -> None:
     new = fake_model_dir("qwen3_moe", seed=1)
     _warm_old_version(server)
+    updates = _counters(server, ("weight_updates",))["weight_updates"]
     r = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": new, "weight_version": "disk-1"},
                    timeout=120)
     assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert _counters(server, ("weight_updates",))["weight_updates"] == updates + 1
     assert httpx.get(f"{server.url}/get_weight_version").json() == {"weight_version": "disk-1"}
     _assert_new_version_serves_no_old_block(server, new, "disk-1")
 

@@ -1,7 +1,7 @@
 """Routes of the SGLang-compatible native API, beside the OpenAI ones on the same server.
 
     POST /generate                           rollouts (serving_generate.py)
-    POST /flush_cache                        forget every cached prefix (GPU pool, CPU tier)
+    GET|POST /flush_cache                    forget every cached prefix (GPU pool, CPU tier)
     POST /abort_request                      {"rid"} or {"abort_all": true}
     POST /pause_generation                   {"mode": "abort" | "in_place"}
     POST /continue_generation
@@ -68,7 +68,7 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def generate(body: GenerateRequest):
         return await serving.generate(body)
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang takes both
     async def flush_cache() -> JSONResponse:
         return answer(await control(FlushCache()))
 
