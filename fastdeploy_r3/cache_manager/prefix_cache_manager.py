@@ -18,16 +18,45 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
-from fastdeploy_r3.cache_manager.transfer import TransferKind, TransferTask
-
-if TYPE_CHECKING:
-    from fastdeploy_r3.engine.request import Request
+from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind, TransferTask
 
 logger = logging.getLogger(__name__)
+
+
+class Request(Protocol):
+    """What the prefix cache reads of a request (engine.request.Request): its id and token cursors."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+class BlockStorage(Protocol):
+    """What the prefix cache asks the storage tier (KVStorageBackend): which block keys it holds."""
+
+    def exists(self, keys: list[str]) -> list[bool]: ...
+
+
+class TransferClient(Protocol):
+    """What the prefix cache asks the CacheTransferManager (CacheTransferClient): run tasks, report acks."""
+
+    def submit(self, task: TransferTask) -> None: ...
+
+    def poll(self) -> list[TransferAck]: ...
+
+    def wait(self, task_id: int, timeout: float | None = 60) -> TransferAck: ...
 
 
 @dataclass
@@ -63,8 +92,8 @@ class PrefixCacheManager:
         enable_prefix_caching: bool,
         root_hash: bytes,
         num_cpu_blocks: int = 0,
-        storage: object | None = None,  # KVStorageBackend: exists(keys) for lookups
-        transfer: object | None = None,  # CacheTransferClient: submit / wait / poll
+        storage: BlockStorage | None = None,
+        transfer: TransferClient | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -104,6 +133,10 @@ class PrefixCacheManager:
             hashes.append(parent)
         return hashes[:num_blocks]
 
+    def _block_tokens(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        """Token ids of full block i of a request's tokens: what a cached block must hold to be a hit."""
+        return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+
     def find_cached_prefix(self, req: Request) -> PrefixHit:
         """Pure query: the longest run of leading full blocks found in some tier.
 
@@ -114,13 +147,16 @@ class PrefixCacheManager:
             return hit
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._request_hashes(req, max_blocks)
+        tokens = req.all_token_ids
         i = 0
-        while i < len(hashes) and (b := self.gpu.lookup(hashes[i])) is not None:
+        while i < len(hashes) and (b := self.gpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None:
             hit.gpu_blocks.append(b)
             i += 1
-        while self.cpu is not None and i < len(hashes) and (b := self.cpu.lookup(hashes[i])) is not None:
+        while (self.cpu is not None and i < len(hashes)
+               and (b := self.cpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None):
             hit.cpu_blocks.append(b)
             i += 1
+        # Stored blobs carry no token ids: the storage tier trusts its 128-bit hash (DESIGN.md §4).
         if self.storage is not None and i < len(hashes):
             rest = hashes[i:]
             for h, present in zip(rest, self.storage.exists([h.hex() for h in rest])):
@@ -177,8 +213,9 @@ class PrefixCacheManager:
                 if j in ack.failed or not loaded_ok:
                     loaded_ok = False
                     continue
+                assert src.block_hash is not None and src.token_ids is not None  # found by lookup
                 dst.routing_tag = src.routing_tag
-                self.gpu.cache(dst, src.block_hash)  # type: ignore[arg-type]
+                self.gpu.cache(dst, src.block_hash, src.token_ids)
                 usable += 1
                 self.counters.swap_in_blocks += 1
             assert self.cpu is not None
@@ -191,12 +228,13 @@ class PrefixCacheManager:
                 keys=[h.hex() for h in hit.storage_hashes],
                 tags=tags,
             )
+            first, tokens = len(hit.gpu_blocks) + len(hit.cpu_blocks), req.all_token_ids  # first: its block index
             for j, (dst, h, tag) in enumerate(zip(load_dst, hit.storage_hashes, tags)):
                 if j in ack.failed or not loaded_ok:
                     loaded_ok = False
                     continue
                 dst.routing_tag = tag
-                self.gpu.cache(dst, h)
+                self.gpu.cache(dst, h, self._block_tokens(tokens, first + j))
                 usable += 1
                 self.counters.storage_load_blocks += 1  # only blocks the request uses count
             self.counters.storage_load_failed_blocks += len(ack.failed)
@@ -233,9 +271,10 @@ class PrefixCacheManager:
         if num_full <= start:
             return
         hashes = self._request_hashes(req, num_full)
+        tokens = req.all_token_ids
         new_cached = []
         for i in range(start, num_full):
-            if self.gpu.cache(blocks[i], hashes[i]):
+            if self.gpu.cache(blocks[i], hashes[i], self._block_tokens(tokens, i)):
                 new_cached.append((blocks[i], hashes[i]))
         self._num_cached[req.request_id] = num_full
         if self.storage is not None and self.transfer is not None and new_cached:
@@ -300,13 +339,13 @@ class PrefixCacheManager:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _finish_put(self, ack: object) -> None:
-        blocks = self._pinned.pop(ack.task_id, None)  # type: ignore[attr-defined]
+    def _finish_put(self, ack: TransferAck) -> None:
+        blocks = self._pinned.pop(ack.task_id, None)
         if blocks is None:
             return
-        self.counters.storage_put_blocks += len(blocks) - len(ack.failed)  # type: ignore[attr-defined]
-        if not ack.ok:  # type: ignore[attr-defined]
-            logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)  # type: ignore
+        self.counters.storage_put_blocks += len(blocks) - len(ack.failed)
+        if not ack.ok:
+            logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)
         self.gpu.free(blocks)
 
     def _new_tag(self) -> int:
@@ -329,7 +368,7 @@ class PrefixCacheManager:
             return
         pairs: list[tuple[int, KVBlock]] = []
         for ev in evicted:
-            existing = self.cpu.lookup(ev.block_hash)
+            existing = self.cpu.lookup(ev.block_hash, ev.token_ids)
             if existing is not None:  # already in the CPU tier: refresh its LRU position
                 self.cpu.touch([existing])
                 self.cpu.free([existing])
@@ -340,7 +379,7 @@ class PrefixCacheManager:
             (cpu_block,) = self.cpu.allocate(1)
             self.cpu.pop_evicted()  # the CPU tier is last in line: its evictions are dropped
             cpu_block.routing_tag = ev.routing_tag
-            self.cpu.cache(cpu_block, ev.block_hash)
+            self.cpu.cache(cpu_block, ev.block_hash, ev.token_ids)
             pairs.append((ev.block_id, cpu_block))
         if not pairs:
             return
@@ -365,9 +404,10 @@ class PrefixCacheManager:
         self.transfer.submit(task)
         return task_id
 
-    def _run(self, kind: TransferKind, **kw: list) -> object:
+    def _run(self, kind: TransferKind, **kw: list) -> TransferAck:
+        assert self.transfer is not None, f"{kind} needs the cache transfer manager"
         task_id = self._submit(kind, **kw)
-        ack = self.transfer.wait(task_id)  # type: ignore[union-attr]
+        ack = self.transfer.wait(task_id)
         if ack.failed and kind in (TransferKind.SWAP2CPU, TransferKind.SWAP2GPU):
             logger.warning("%s failed for %d blocks: %s", kind.value, len(ack.failed), ack.error)
         return ack

@@ -5,7 +5,7 @@
                          EngineReady | EngineStartupFailed, then OutputBatch / RequestRejected /
                          MetricsReply / HealthReply / ControlReply
 
-Messages are the typed dataclasses below, pickled. The loop blocks on the input socket while the
+Messages are the typed dataclasses of engine/messages.py, pickled. The loop blocks on the input socket while the
 engine is idle and steps while it has work, draining input between steps. The engine process exits
 when told to, when its parent dies, or after an unexpected error (reported first, so in-flight
 requests fail with that message rather than waiting for a timeout).
@@ -20,174 +20,43 @@ import shutil
 import signal
 import tempfile
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
 
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
-from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup, UpdateWeights
+from fastdeploy_r3.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    ContinueGeneration,
+    ControlReply,
+    ControlRequest,
+    EngineCrashed,
+    EngineInfo,
+    EngineReady,
+    EngineStartupFailed,
+    EngineState,
+    EngineStateQuery,
+    FlushCache,
+    HealthQuery,
+    HealthReply,
+    MetricsQuery,
+    MetricsReply,
+    OutputBatch,
+    PauseGeneration,
+    RequestRejected,
+    WeightUpdate,
+)
+from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
+from fastdeploy_r3.sampling_params import InvalidRequestError
+from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup
 
 if TYPE_CHECKING:
     from fastdeploy_r3.engine.engine_service import EngineService
 
 # How often an idle engine wakes to check that its parent is still alive.
 _IDLE_POLL_MS = 500
-
-
-# -- API server -> engine --------------------------------------------------------------------------
-
-
-@dataclass
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-    message: str | None = None  # why, as the request's finish message says
-
-
-@dataclass
-class MetricsQuery:
-    query_id: int
-
-
-@dataclass
-class HealthQuery:
-    query_id: int
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-@dataclass
-class PauseGeneration:
-    mode: str  # "abort" | "in_place"
-
-
-@dataclass
-class ContinueGeneration:
-    pass
-
-
-@dataclass
-class FlushCache:
-    pass
-
-
-@dataclass
-class EngineStateQuery:
-    pass
-
-
-@dataclass
-class WeightUpdate:
-    source: UpdateWeights
-    weight_version: str | None
-    abort_all_requests: bool
-
-
-ControlCommand = (
-    PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate
-    | InitWeightUpdateGroup | DestroyWeightUpdateGroup
-)
-
-
-@dataclass
-class ControlRequest:
-    """An RL control command, run between two engine steps; answered by a ControlReply."""
-
-    query_id: int
-    command: ControlCommand
-
-
-# -- engine -> API server --------------------------------------------------------------------------
-
-
-@dataclass
-class EngineInfo:
-    """What the API server needs to know about the engine it talks to."""
-
-    pid: int
-    max_model_len: int
-    moe_layer_ids: list[int]
-    num_experts: int
-    moe_top_k: int
-    routing_dtype: str | None
-    enable_routing_replay: bool
-
-
-@dataclass
-class EngineReady:
-    info: EngineInfo
-
-
-@dataclass
-class EngineStartupFailed:
-    message: str
-    traceback: str = ""
-
-
-@dataclass
-class OutputBatch:
-    outputs: list[RequestOutput]
-
-
-@dataclass
-class RequestRejected:
-    """add_request raised: the request never entered the engine."""
-
-    request_id: str
-    message: str
-    invalid: bool  # True: the request was bad (HTTP 400); False: the engine failed (HTTP 500)
-
-
-@dataclass
-class MetricsReply:
-    query_id: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class HealthReply:
-    query_id: int
-    ok: bool
-    message: str = ""
-
-
-@dataclass
-class EngineState:
-    weight_version: str
-    paused: str | None  # the pause mode, None while generating
-    num_requests: int  # user requests in flight (held ones included)
-
-
-@dataclass
-class ControlReply:
-    query_id: int
-    success: bool
-    message: str
-    state: EngineState
-    invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
-
-
-@dataclass
-class EngineCrashed:
-    """The loop died; every in-flight request must fail with this message."""
-
-    message: str
-
-
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -231,9 +100,6 @@ class _EngineLoop:
         self.output_sock = output_sock
         self.parent_pid = parent_pid
         self.running = True
-        from fastdeploy_r3.engine.engine_service import EngineDeadError
-
-        self.engine_dead_error = EngineDeadError
 
     def send(self, msg: object) -> None:
         self.output_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
@@ -314,7 +180,7 @@ class _EngineLoop:
             if self.svc.has_work():
                 try:
                     outputs = self.svc.step()
-                except self.engine_dead_error as e:
+                except EngineDeadError as e:
                     # a child of the engine died: the engine failed every in-flight request
                     self.send(OutputBatch(self.svc.fail_all()))
                     self.send(EngineCrashed(str(e)))

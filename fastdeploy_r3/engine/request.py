@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -48,34 +49,6 @@ class WeightVersionEvent:
     num_computed_tokens: int
 
 
-@dataclass(frozen=True)
-class WeightVersionSpan:
-    """Output tokens [start, end) were sampled by weights `version` (SGLang's meta_info weight_versions)."""
-
-    version: str
-    start: int
-    end: int
-
-
-def weight_version_spans(
-    events: list[WeightVersionEvent], current: str, num_output_tokens: int
-) -> list[WeightVersionSpan]:
-    """The versions that sampled a request's output tokens, in order; one span when no update reached it."""
-    spans: list[WeightVersionSpan] = []
-    for version, end in [(e.version, e.num_output_tokens) for e in events] + [(current, num_output_tokens)]:
-        end = min(end, num_output_tokens)
-        start = spans[-1].end if spans else 0
-        if spans and end <= start:
-            continue
-        if spans and spans[-1].version == version:
-            spans[-1] = WeightVersionSpan(version, spans[-1].start, end)
-        elif spans and spans[-1].start == spans[-1].end:
-            spans[-1] = WeightVersionSpan(version, start, end)  # a version that sampled nothing
-        else:
-            spans.append(WeightVersionSpan(version, start, end))
-    return spans
-
-
 @dataclass
 class Request:
     request_id: str
@@ -87,8 +60,12 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission, -1 until admitted
     num_preemptions: int = 0
-    # text/stop handling (TokenProcessor)
-    output_text: str = ""
+    # text/stop handling and deltas (TokenProcessor): text decoded but not yet sent, held back while
+    # a stop string could still begin in it; cursors of what the last delta carried
+    detokenizer: IncrementalDetokenizer | None = None
+    pending_text: str = ""
+    num_sent_tokens: int = 0
+    delta_finished: bool = False  # the delta carrying its finish went out
     num_returned_tokens: int | None = None  # N: output tokens returned to the user, set at finish
     stop_reason: str | int | None = None
     error: str | None = None
@@ -118,29 +95,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    routed_experts: np.ndarray | None = None  # [rows, L, K]
-    routed_experts_start: int = 0
-    error: str | None = None
-    finish_message: str | None = None
-    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
-    spans_weight_versions: bool = False  # tokens/R3 of more than one weight version (an in-place update)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    moe_layer_ids: list[int] | None = None
-    num_cached_tokens: int = 0

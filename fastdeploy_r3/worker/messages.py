@@ -1,4 +1,12 @@
-"""Typed messages between the engine process and worker processes (pickled over a pipe)."""
+"""Every message between the engine process and its worker processes (pickled over a pipe).
+
+    engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown;
+                       between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup
+    worker -> engine   WorkerReady (or the exception that stopped start-up), StepOutput,
+                       WeightUpdateResult
+
+`Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,13 @@ from dataclasses import dataclass, field
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.lifecycle import Shutdown
+from fastdeploy_r3.sampling_params import SamplingParams
+
+__all__ = [
+    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "ScheduledRequestData", "Shutdown",
+    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerReady",
+]
 
 
 @dataclass
@@ -85,8 +99,3 @@ class WeightUpdateResult:
     error: str | None = None
     weights_changed: bool = False  # error after some parameters took new values
     num_tensors: int = 0
-
-
-@dataclass
-class Shutdown:
-    pass

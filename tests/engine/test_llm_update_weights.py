@@ -8,8 +8,8 @@ import pytest
 
 from fastdeploy_r3.engine.control import EngineControlError
 from fastdeploy_r3.engine.llm import LLM
-from fastdeploy_r3.engine.sampling_params import SamplingParams
 from fastdeploy_r3.model_executor.model_loader import iter_safetensors, safetensors_files
+from fastdeploy_r3.sampling_params import SamplingParams
 
 PROMPT = list(range(40, 75))  # two full 16-token blocks
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

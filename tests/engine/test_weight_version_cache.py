@@ -15,14 +15,14 @@ def test_no_block_of_the_old_version_is_hit_after_reset_root():
     a = req("a", list(range(9)), max_tokens=1)
     s.add_request(a)
     step(s)
-    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    s.release(a, RequestStatus.FINISHED_LENGTH)
     assert s.kv.find_cached_prefix(req("probe", list(range(9)))).num_blocks == 2
     s.kv.reset_root(root_hash("t", "1"))
     b = req("b", list(range(9)), max_tokens=1)
     s.add_request(b)
     assert step(s) == [("b", 9, True)]
     assert b.num_cached_tokens == 0
-    s.finish(b, RequestStatus.FINISHED_LENGTH)
+    s.release(b, RequestStatus.FINISHED_LENGTH)
     assert s.kv.find_cached_prefix(req("probe", list(range(9)))).num_blocks == 2  # b's blocks, new root
 
 
@@ -35,7 +35,7 @@ def test_a_request_in_flight_across_an_update_never_caches_its_blocks():
     for _ in range(4):
         step(s)  # 'a' fills block 1 (positions 4..7) with KV of both versions
     assert a.num_computed_tokens == 10
-    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    s.release(a, RequestStatus.FINISHED_LENGTH)
     assert s.kv.find_cached_prefix(req("probe", a.all_token_ids)).num_blocks == 0
 
 

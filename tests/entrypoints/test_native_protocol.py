@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError
 from fastdeploy_r3.entrypoints.native.protocol import sglang_sampling_params
+from fastdeploy_r3.sampling_params import InvalidRequestError
 
 
 def test_sglang_names_and_defaults() -> None:

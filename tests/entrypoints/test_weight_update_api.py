@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from api_server_process import ServerHandle, api_server, free_port
 
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.sampling_params import SamplingParams
 
 NUM_LAYERS, TOP_K = 4, 4  # qwen3_moe tiny: every layer is MoE
 PROMPT = list(range(40, 90))  # 50 tokens: three full 16-token blocks

@@ -77,7 +77,7 @@ def test_nccl_broadcast_from_a_trainer_updates_the_engine_rank(fake_model_dir) -
 
 def test_llm_update_weights_from_disk_on_cuda_equals_a_fresh_llm(fake_model_dir) -> None:
     from fastdeploy_r3.engine.llm import LLM
-    from fastdeploy_r3.engine.sampling_params import SamplingParams
+    from fastdeploy_r3.sampling_params import SamplingParams
 
     old, new = fake_model_dir("qwen3_moe", seed=0), fake_model_dir("qwen3_moe", seed=1)
     prompt = list(range(40, 90))

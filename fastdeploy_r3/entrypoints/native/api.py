@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from fastdeploy_r3.engine.engine_process import (
+from fastdeploy_r3.engine.messages import (
     ContinueGeneration,
     ControlCommand,
     ControlReply,
@@ -33,7 +33,6 @@ from fastdeploy_r3.engine.engine_process import (
     PauseGeneration,
     WeightUpdate,
 )
-from fastdeploy_r3.entrypoints.engine_client import EngineDeadError
 from fastdeploy_r3.entrypoints.native.protocol import (
     AbortRequestBody,
     ContinueGenerationRequest,
@@ -46,6 +45,7 @@ from fastdeploy_r3.entrypoints.native.protocol import (
 )
 from fastdeploy_r3.entrypoints.native.serving_generate import NativeServing
 from fastdeploy_r3.entrypoints.openai.serving_engine import ServingContext, bad_request, engine_unavailable
+from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup, UpdateWeights
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 

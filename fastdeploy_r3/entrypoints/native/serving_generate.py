@@ -19,7 +19,6 @@ cumulative chunks (`data: {...}`, text and output_ids so far), R3 in the last on
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import uuid
@@ -29,18 +28,18 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastdeploy_r3.engine.request import CompletionOutput, RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.entrypoints.native.protocol import GenerateRequest, sglang_sampling_params
-from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, bad_request
+from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, bad_request, engine_error
+from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
+from fastdeploy_r3.r3.codec import encode_sglang_routed_experts
+from fastdeploy_r3.r3.delivery import R3DeliveryError
+from fastdeploy_r3.r3.layouts import to_all_layers
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 
 def sglang_routed_experts(moe_rows: np.ndarray, moe_layer_ids: list[int], num_hidden_layers: int) -> str:
-    """[R, L, K] MoE rows -> base64 of raw int32 [R, num_hidden_layers, K]; dense layers the sentinel."""
-    sentinel = np.iinfo(moe_rows.dtype).max if moe_rows.dtype.kind == "u" else -1
-    rows = np.full((moe_rows.shape[0], num_hidden_layers, moe_rows.shape[2]), sentinel, dtype=np.int32)
-    rows[:, moe_layer_ids, :] = moe_rows  # [R, H, K]
-    return base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
+    """[R, L, K] MoE rows -> SGLang's payload: base64 of raw int32 [R, num_hidden_layers, K]."""
+    return encode_sglang_routed_experts(to_all_layers(moe_rows, moe_layer_ids, num_hidden_layers))
 
 
 def finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
@@ -153,17 +152,18 @@ class NativeServing(OpenAIServing):
         logprobs = getattr(c, "logprobs", None) or []
         return [[logprobs[i] if i < len(logprobs) else None, t, None] for i, t in enumerate(c.token_ids)]
 
-    async def routed_experts(self, item: _Item, out: RequestOutput, c: CompletionOutput) -> str | None:
-        """The SGLang payload of a finished choice that asked for R3 and was not aborted."""
-        if not item.params.return_routed_experts or c.finish_reason in (None, "abort"):
-            return None
-        if c.routed_experts is None:
-            raise OpenAIError(500, f"the engine returned no routed_experts for choice {c.index} of {out.request_id}",
-                              "internal_server_error")
-        self._check_r3_rows(out, c)  # fail closed: shape, dtype, no-route holes
-        cfg = self.ctx.engine.config
-        return await asyncio.to_thread(sglang_routed_experts, c.routed_experts, self.ctx.moe_layer_ids,
-                                       cfg.model_config.num_hidden_layers)
+    async def routed_experts(self, item: _Item, out: RequestOutput) -> list[str | None]:
+        """Per choice (index order): the SGLang payload, when R3 was asked for and the request finished
+        normally. Every array passes the one fail-closed check (r3/delivery.py) first."""
+        if not item.params.return_routed_experts or any(c.finish_reason in (None, "abort") for c in out.outputs):
+            return [None] * len(out.outputs)
+        try:
+            arrays = self.ctx.delivery.checked_arrays(out)
+        except R3DeliveryError as e:
+            raise engine_error(f"{e}; refusing to deliver it") from e
+        num_layers = self.ctx.engine.config.model_config.num_hidden_layers
+        encode = [asyncio.to_thread(sglang_routed_experts, a, self.ctx.moe_layer_ids, num_layers) for a in arrays]
+        return list(await asyncio.gather(*encode))
 
     # -- the endpoint -------------------------------------------------------------------------------
 
@@ -176,7 +176,7 @@ class NativeServing(OpenAIServing):
             item = items[0]
             first, gen = await self.start_generation(item.rid, item.prompt_token_ids, item.params, item.text)
             return StreamingResponse(self._stream(item, first, gen, started), media_type="text/event-stream")
-        starts: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
+        starts: list[tuple[RequestDelta, AsyncIterator[RequestDelta]]] = []
         try:
             for it in items:
                 starts.append(await self.start_generation(it.rid, it.prompt_token_ids, it.params, it.text))
@@ -187,24 +187,41 @@ class NativeServing(OpenAIServing):
         finals = await asyncio.gather(*(self.run_to_completion(first, gen) for first, gen in starts))
         results = []
         for item, final in zip(items, finals):
+            payloads = await self.routed_experts(item, final)
             for c in sorted(final.outputs, key=lambda c: c.index):
-                results.append(self.result(item, final, c, started, await self.routed_experts(item, final, c)))
+                results.append(self.result(item, final, c, started, payloads[c.index]))
         return JSONResponse(results[0] if single and len(results) == 1 else results)
 
-    async def _stream(self, item: _Item, first: RequestOutput, gen: AsyncIterator[RequestOutput],
+    async def _deltas(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
+        yield first
+        if not first.finished:
+            async for delta in self.iterate(gen):
+                yield delta
+
+    async def _stream(self, item: _Item, first: RequestDelta, gen: AsyncIterator[RequestDelta],
                       started: float) -> AsyncIterator[str]:
+        """SGLang's cumulative chunks: text and output_ids so far, each step; R3 in the last one."""
+        assembler = OutputAssembler(first.request_id)
+        text, token_ids = "", []
         try:
-            final = first
-            if not first.finished:
-                yield f"data: {json.dumps(self.result(item, first, first.outputs[0], started, None))}\n\n"
-                async for out in self.iterate(gen):
-                    final = out
-                    if not out.finished:
-                        yield f"data: {json.dumps(self.result(item, out, out.outputs[0], started, None))}\n\n"
+            async for delta in self._deltas(first, gen):
+                assembler.add(delta)
+                if delta.finished:
+                    break
+                for c in delta.outputs:  # one choice (n = 1)
+                    if not c.token_ids:
+                        continue
+                    text, token_ids = text + c.text, token_ids + c.token_ids
+                    partial = CompletionOutput(c.index, text, list(token_ids), None,
+                                               weight_versions=c.weight_versions,
+                                               spans_weight_versions=c.spans_weight_versions)
+                    so_far = RequestOutput(first.request_id, None, assembler.prompt_token_ids, [partial], False,
+                                           num_cached_tokens=assembler.num_cached_tokens)
+                    yield f"data: {json.dumps(self.result(item, so_far, partial, started, None))}\n\n"
+            final = assembler.output()
             self.check_finished_ok(final)
-            c = final.outputs[0]
-            chunk = self.result(item, final, c, started, await self.routed_experts(item, final, c))
-            yield f"data: {json.dumps(chunk)}\n\n"
+            (payload,) = await self.routed_experts(item, final)
+            yield f"data: {json.dumps(self.result(item, final, final.outputs[0], started, payload))}\n\n"
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:

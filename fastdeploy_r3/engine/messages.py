@@ -1,0 +1,176 @@
+"""Every message between the API server and the engine process (the ZMQ boundary), pickled.
+
+    api_server -> engine   AddRequest, AbortRequest, MetricsQuery, HealthQuery, ControlRequest, Shutdown
+    engine -> api_server   EngineReady | EngineStartupFailed, then OutputBatch, RequestRejected,
+                           MetricsReply, HealthReply, ControlReply, EngineCrashed
+
+ControlRequest carries one RL control command (engine/control.py runs it between two steps): pause,
+continue, flush, a weight update, joining or leaving a trainer's weight update group, or a state query.
+
+The other boundaries keep theirs in one module each: engine <-> worker in worker/messages.py,
+engine <-> cache transfer manager in cache_manager/transfer.py. `Shutdown` is the one stop message
+of every boundary (fastdeploy_r3/lifecycle.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastdeploy_r3.lifecycle import Shutdown
+from fastdeploy_r3.outputs import RequestDelta
+from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup, UpdateWeights
+
+__all__ = [
+    "AbortRequest", "AddRequest", "ContinueGeneration", "ControlCommand", "ControlReply", "ControlRequest",
+    "EngineCrashed", "EngineInfo", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
+    "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "PauseGeneration",
+    "RequestRejected", "Shutdown", "WeightUpdate",
+]
+
+
+# -- API server -> engine --------------------------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+    message: str | None = None  # why, as the request's finish message says
+
+
+@dataclass
+class MetricsQuery:
+    query_id: int
+
+
+@dataclass
+class HealthQuery:
+    query_id: int
+
+
+@dataclass
+class PauseGeneration:
+    mode: str  # "abort" | "in_place"
+
+
+@dataclass
+class ContinueGeneration:
+    pass
+
+
+@dataclass
+class FlushCache:
+    pass
+
+
+@dataclass
+class EngineStateQuery:
+    pass
+
+
+@dataclass
+class WeightUpdate:
+    source: UpdateWeights
+    weight_version: str | None
+    abort_all_requests: bool
+
+
+ControlCommand = (
+    PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate
+    | InitWeightUpdateGroup | DestroyWeightUpdateGroup
+)
+
+
+@dataclass
+class ControlRequest:
+    """An RL control command, run between two engine steps; answered by a ControlReply."""
+
+    query_id: int
+    command: ControlCommand
+
+
+# -- engine -> API server --------------------------------------------------------------------------
+
+
+@dataclass
+class EngineInfo:
+    """What the API server needs to know about the engine it talks to."""
+
+    pid: int
+    max_model_len: int
+    moe_layer_ids: list[int]
+    num_experts: int
+    moe_top_k: int
+    routing_dtype: str | None
+    enable_routing_replay: bool
+
+
+@dataclass
+class EngineReady:
+    info: EngineInfo
+
+
+@dataclass
+class EngineStartupFailed:
+    message: str
+    traceback: str = ""
+
+
+@dataclass
+class OutputBatch:
+    """One engine step's deltas, for every request that advanced (see outputs.RequestDelta)."""
+
+    outputs: list[RequestDelta]
+
+
+@dataclass
+class RequestRejected:
+    """add_request raised: the request never entered the engine."""
+
+    request_id: str
+    message: str
+    invalid: bool  # True: the request was bad (HTTP 400); False: the engine failed (HTTP 500)
+
+
+@dataclass
+class MetricsReply:
+    query_id: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class HealthReply:
+    query_id: int
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class EngineState:
+    weight_version: str
+    paused: str | None  # the pause mode, None while generating
+    num_requests: int  # user requests in flight (held ones included)
+
+
+@dataclass
+class ControlReply:
+    query_id: int
+    success: bool
+    message: str
+    state: EngineState
+    invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
+
+
+@dataclass
+class EngineCrashed:
+    """The loop died; every in-flight request must fail with this message."""
+
+    message: str
