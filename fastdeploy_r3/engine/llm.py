@@ -129,10 +129,14 @@ class LLM:
         if any(c.finish_reason in ("error", "abort") for c in out.outputs):
             return  # already failed (with its own reason) or aborted: nothing of it is delivered
         try:
-            self.r3_delivery.deliver(out, resolve_rollout_id(rollout_id, None, out.request_id), inline=False)
+            r3 = self.r3_delivery.deliver(out, resolve_rollout_id(rollout_id, None, out.request_id), inline=False,
+                                          routing_layout=params.routing_layout)
         except R3DeliveryError as e:
             for c in out.outputs:
                 c.finish_reason, c.error, c.routed_experts = "error", f"R3DeliveryError: {e}", None
+            return
+        for c, arr in zip(sorted(out.outputs, key=lambda c: c.index), r3.arrays or []):
+            c.routed_experts = arr  # in the asked layout
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

@@ -5,11 +5,14 @@ One put per finished request, with one `[T, L, K]` array per choice, on a BlobSt
 
     local      {local_store_dir}/{rid}.npy               fused  [L, T, K]
                {local_store_dir}/{rid}/layer_{layer}.npy  per layer [T, K]
+               {local_store_dir}/{rollout_id}#meta.json   weight version(s), layout (JSON)
     p2pstore   {namespace}:{rid}                          fused  [L, T, K]  (.npy bytes)
                {namespace}:{rid}:{layer}                  per layer [T, K]
+               {namespace}:{rollout_id}#meta              weight version(s), layout (JSON)
 
 `rid` is the rollout id (r3/rollout_id.py), with `_{i}` appended for choice i when the request has
-n > 1; `layer` is the model's layer index (an entry of `moe_layer_ids`), not the position among the
+n > 1; `layer` is the model's layer index (an entry of `moe_layer_ids`, or of every layer in the `all_layers`
+layout: then the fused entry is [num_hidden_layers, T, K] too), not the position among the
 MoE layers. Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them.
 
 Contract: `put` returns only when every array is durable in the store (the caller answers the
@@ -21,8 +24,10 @@ rollouts may share them. A new backend (Mooncake) is a BlobStore and a key schem
 from __future__ import annotations
 
 import abc
+import json
 import os
 import re
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +67,9 @@ class RoutingStore(abc.ABC):
     def layer_key(self, rid: str, layer: int) -> str: ...
 
     @abc.abstractmethod
+    def meta_key(self, rid: str) -> str: ...
+
+    @abc.abstractmethod
     def entry_name(self, key: str) -> str:
         """What a reader outside this class calls the entry of a key: a file path, a full Redis key."""
 
@@ -71,8 +79,17 @@ class RoutingStore(abc.ABC):
 
     # -- operations ---------------------------------------------------------------------------------
 
-    def put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]:
+    def put(
+        self,
+        rollout_id: str,
+        routed_experts: list[np.ndarray],
+        moe_layer_ids: list[int],
+        meta: dict[str, Any] | None = None,
+    ) -> list[str]:
         """Store one `[T, L, K]` array per choice; returns the entries written (paths or full keys).
+
+        `meta` (JSON) goes to the rollout's meta entry in the same put: the weight version(s) that
+        produced it and its layout (`get_meta` reads it back).
 
         Blocking (disk or network): call it off the event loop. With `only_last_turn`, the previous
         turn's entries of a `data:gen:turn:segment` id are deleted once the new ones are in.
@@ -92,6 +109,8 @@ class RoutingStore(abc.ABC):
             else:
                 for j, layer in enumerate(moe_layer_ids):
                     items[self.layer_key(rid, layer)] = npy_bytes(arr[:, j, :])  # [T, K]
+        if meta is not None:
+            items[self.meta_key(rollout_id)] = json.dumps(meta, sort_keys=True).encode()
         try:
             self.blobs.put_many(items, self.ttl_s)
         except BlobStoreError as e:
@@ -126,9 +145,18 @@ class RoutingStore(abc.ABC):
             raise KeyError(f"no R3 for rollout {rid!r} in {self.where} under {missing}")
         return np.stack([load_npy(v, k) for k, v in zip(keys, values, strict=True)], axis=1)  # [T, L, K]
 
+    def get_meta(self, rollout_id: str) -> dict[str, Any]:
+        """The meta entry of a rollout (weight_version, weight_versions per choice, routing_layout,
+        layer_ids); KeyError when there is none."""
+        validate_rollout_id(rollout_id)
+        data = self.blobs.get(self.meta_key(rollout_id))
+        if data is None:
+            raise KeyError(f"no R3 meta entry for rollout {rollout_id!r} in {self.where}")
+        return json.loads(data)
+
     def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         """Remove what any put(rollout_id, ...) wrote, fused or per layer, whatever its number of choices."""
-        keys = []
+        keys = [self.meta_key(rollout_id)]
         for rid in any_n_rollout_ids(rollout_id):
             keys.append(self.fused_key(rid))
             keys.extend(self.layer_key(rid, layer) for layer in moe_layer_ids)
@@ -153,6 +181,9 @@ class LocalRoutingStore(RoutingStore):
 
     def fused_key(self, rid: str) -> str:
         return f"{rid}.npy"
+
+    def meta_key(self, rid: str) -> str:
+        return f"{rid}#meta.json"  # "#" is in no rollout id: no entry of another rollout can be named so
 
     def layer_key(self, rid: str, layer: int) -> str:
         return os.path.join(rid, f"layer_{layer}.npy")
@@ -192,6 +223,9 @@ class RedisRoutingStore(RoutingStore):
 
     def fused_key(self, rid: str) -> str:
         return rid
+
+    def meta_key(self, rid: str) -> str:
+        return f"{rid}#meta"  # "#" is in no rollout id: no entry of another rollout can be named so
 
     def layer_key(self, rid: str, layer: int) -> str:
         return f"{rid}:{layer}"

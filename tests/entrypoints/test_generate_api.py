@@ -61,6 +61,18 @@ def test_generate_read_as_slime_reads_it(server: ServerHandle) -> None:
     assert np.array_equal(decode_routed_experts(c["choices"][0]["routed_experts"]), r3[:, MOE_LAYER_IDS, :])
 
 
+def test_openai_all_layers_layout_and_weight_version(server: ServerHandle) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    moe = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+    full = httpx.post(f"{server.url}/v1/completions", json={**body, "routing_layout": "all_layers"}, timeout=120).json()
+    assert (moe["routing_layout"], full["routing_layout"]) == ("moe", "all_layers")
+    assert moe["weight_version"] == full["weight_version"] == "0" and full["moe_layer_ids"] == MOE_LAYER_IDS
+    rows = decode_routed_experts(full["choices"][0]["routed_experts"])
+    assert rows.shape == (len(PROMPT) + 3, NUM_LAYERS, TOP_K) and (rows[:, 0, :] == 255).all()
+    assert np.array_equal(rows[:, MOE_LAYER_IDS, :], decode_routed_experts(moe["choices"][0]["routed_experts"]))
+    assert "weight_versions" not in full["choices"][0] or full["choices"][0]["weight_versions"] is None
+
+
 def test_batches_n_and_routed_experts_start_len(server: ServerHandle) -> None:
     params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     outs = _generate(server, text=["hello world", "the quick brown fox"], sampling_params=params,

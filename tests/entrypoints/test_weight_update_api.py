@@ -75,6 +75,9 @@ def _assert_new_version_serves_no_old_block(server: ServerHandle, model_dir: str
     tokens, rows = _fresh_engine(model_dir)
     assert out["output_ids"] == tokens
     assert np.array_equal(r3, rows.astype(np.int32))
+    openai_style = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                              json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0}).json()
+    assert openai_style["weight_version"] == version
 
 
 def test_update_from_disk(server: ServerHandle, fake_model_dir) -> None:

@@ -1,8 +1,11 @@
 """OpenAI-compatible request and response bodies, plus the R3 extras (DESIGN.md §7).
 
-R3 extras on requests: `return_routed_experts`, `routed_experts_start`, `rollout_id`; on responses:
-each choice's `routed_experts` (base64 `.npy`, `[rows, L, K]`) and `routed_experts_start`, and the
-response's `moe_layer_ids`. Unknown request fields are rejected (400) rather than silently ignored.
+R3 extras on requests: `return_routed_experts`, `routed_experts_start`, `rollout_id`, `routing_layout`;
+on responses: each choice's `routed_experts` (base64 `.npy`, `[rows, L, K]`, or `[rows, num_hidden_layers, K]`
+in the all_layers layout) and `routed_experts_start`, and the response's `moe_layer_ids` and `routing_layout`.
+Every response says which weights produced it (`weight_version`); a choice that lived through a weight update
+also carries SGLang's `weight_versions` spans and `spans_weight_versions: true`. Unknown request fields are
+rejected (400) rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _SamplingFields(StrictModel):
     return_routed_experts: bool | None = None
     routed_experts_start: int = Field(default=0, ge=0)
     rollout_id: str | None = None
+    routing_layout: Literal["moe", "all_layers"] | None = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -73,6 +77,7 @@ class _SamplingFields(StrictModel):
             ignore_eos=self.ignore_eos,
             return_routed_experts=self.return_routed_experts,
             routed_experts_start=self.routed_experts_start,
+            routing_layout=self.routing_layout,
         )
 
     def _max_tokens(self) -> int | None:
@@ -112,6 +117,9 @@ class _R3Choice(OpenAIBaseModel):
     # None when R3 is off for the request or it goes to a store instead of the response
     routed_experts: str | None = None
     routed_experts_start: int | None = None
+    # only for a choice that lived through a weight update (SGLang's spans of output tokens)
+    weight_versions: list[dict[str, Any]] | None = None
+    spans_weight_versions: bool | None = None
 
 
 class CompletionChoice(_R3Choice):
@@ -134,6 +142,8 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -162,6 +172,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     moe_layer_ids: list[int] | None = None
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class ChatCompletionStreamChoice(_R3Choice):
@@ -180,6 +192,8 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -190,6 +204,8 @@ class CompletionStreamResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class ModelCard(OpenAIBaseModel):

@@ -18,6 +18,8 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     OpenAIServing,
     R3Result,
     bad_request,
+    choice_versions,
+    response_extras,
     stream_events,
 )
 from fastdeploy_r3.outputs import RequestDelta, RequestOutput
@@ -96,9 +98,11 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=c.stop_reason,
                                 routed_experts=r3.payloads[c.index],
                                 routed_experts_start=r3.starts[c.index],
+                                **choice_versions(c),
                             )
                         ],
                         moe_layer_ids=moe_layer_ids,
+                        **response_extras(out, r3),
                     )
                     for c in sorted(out.outputs, key=lambda c: c.index)
                 ]
@@ -130,10 +134,12 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=c.stop_reason,
                 routed_experts=r3.payloads[c.index],
                 routed_experts_start=r3.starts[c.index],
+                **choice_versions(c),
             )
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
         body = ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=self.usage(final), moe_layer_ids=moe_layer_ids
+            id=request_id, model=model, choices=choices, usage=self.usage(final), moe_layer_ids=moe_layer_ids,
+            **response_extras(final, r3),
         )
         return JSONResponse(body.model_dump())
