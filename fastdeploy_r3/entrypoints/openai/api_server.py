@@ -78,6 +78,8 @@ def _model_card(ctx: ServingContext, store: RoutingStore | None, namespace: str)
         "routing_store_type": rr.routing_store_type,
         "use_fused_put": rr.use_fused_put,
         "only_last_turn": rr.only_last_turn,
+        "routing_layout": rr.routing_layout,
+        "num_hidden_layers": rr.num_hidden_layers,
         "debug_mode": rr.debug_mode,
         "namespace": namespace if isinstance(store, RedisRoutingStore) else None,
         "p2pstore_url": redact_url(rr.p2pstore_url) if rr.p2pstore_url else None,
