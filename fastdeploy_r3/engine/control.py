@@ -12,8 +12,8 @@ One weight update, between two engine steps:
                            in place); their outputs carry the versions that sampled which tokens
                            (`weight_versions`) and `spans_weight_versions`, never a silent mix
 
-A failure after some parameters changed leaves no trustworthy weights: every request in flight
-fails, new ones are refused, until an update succeeds.
+A failure after some parameters changed leaves no trustworthy weights: every request in flight is
+aborted with that message, and new ones are refused until an update succeeds.
 """
 
 from __future__ import annotations

@@ -60,10 +60,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         from fastdeploy_r3.model_executor.model_loader import load_model
-
-        torch.manual_seed(self.config.model_config.seed)
         from fastdeploy_r3.worker.weight_updater import WeightUpdater
 
+        torch.manual_seed(self.config.model_config.seed)
         self.model = load_model(self.config.model_config, self.device, self.rank, self.world_size)
         self.weight_updater = WeightUpdater(self.model, self.device, self.rank)
 

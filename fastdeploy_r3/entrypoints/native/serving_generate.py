@@ -8,7 +8,8 @@
                completion_tokens, cached_tokens, e2e_latency, weight_version, weight_versions (spans
                of output tokens per version that sampled them), spans_weight_versions (tokens, KV or R3
                of more than one version: a request held in place across an update), and on request
-               output_token_logprobs ([logprob, token_id, text|None] per token) and routed_experts
+               output_token_logprobs ([logprob, token_id, text|None] per token; the engine's logprobs of the
+               distribution sampled from, after temperature, once it computes them) and routed_experts
 
 `routed_experts` is SGLang's encoding, what slime decodes: base64 of raw little-endian int32
 `[prompt_tokens + completion_tokens - 1 - routed_experts_start_len, num_hidden_layers, K]`, every hidden
@@ -19,6 +20,7 @@ cumulative chunks (`data: {...}`, text and output_ids so far), R3 in the last on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -40,6 +42,15 @@ from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 def sglang_routed_experts(moe_rows: np.ndarray, moe_layer_ids: list[int], num_hidden_layers: int) -> str:
     """[R, L, K] MoE rows -> SGLang's payload: base64 of raw int32 [R, num_hidden_layers, K]."""
     return encode_sglang_routed_experts(to_all_layers(moe_rows, moe_layer_ids, num_hidden_layers))
+
+
+# per-token logprobs computed by the engine (SamplingParams.logprobs, issue 10 part A), when it has them
+_ENGINE_LOGPROBS = "logprobs" in {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _value(logprob: Any) -> float | None:
+    """A logprob entry as a number: the engine's record (TokenLogprob.logprob) or a plain float."""
+    return getattr(logprob, "logprob", logprob)
 
 
 def finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
@@ -101,9 +112,9 @@ class NativeServing(OpenAIServing):
         if any(x != -1 for x in _per_item(body.logprob_start_len, n, "logprob_start_len")):
             raise bad_request("logprob_start_len: prompt logprobs are not computed by this server; send -1",
                               "logprob_start_len")
-        if any(x != 0 for x in _per_item(body.top_logprobs_num, n, "top_logprobs_num")):
-            raise bad_request("top_logprobs_num: top logprobs are not returned by /generate; send 0",
-                              "top_logprobs_num")
+        top_logprobs = _per_item(body.top_logprobs_num, n, "top_logprobs_num")
+        if any(x != 0 for x in top_logprobs) and not _ENGINE_LOGPROBS:
+            raise bad_request("top_logprobs_num: this engine computes no top logprobs; send 0", "top_logprobs_num")
         if body.return_routed_experts and not self.ctx.r3_enabled:
             raise bad_request("return_routed_experts is true but routing replay is off on this server; start it "
                               "with --routing-replay-config '{\"enable_routing_replay\": true}'",
@@ -120,6 +131,8 @@ class NativeServing(OpenAIServing):
         for i in range(n):
             try:
                 params = sglang_sampling_params(sampling[i], body.return_routed_experts, body.routed_experts_start_len)
+                if logprob[i] and _ENGINE_LOGPROBS:  # the engine's per-token logprobs (SGLang's definition)
+                    params = dataclasses.replace(params, logprobs=int(top_logprobs[i]))  # type: ignore[call-arg]
             except InvalidRequestError as e:
                 raise bad_request(str(e), "sampling_params") from e
             items.append(_Item(rids[i], ids[i], texts[i], params, bool(logprob[i])))
@@ -143,6 +156,8 @@ class NativeServing(OpenAIServing):
         }
         if item.return_logprob:
             meta["output_token_logprobs"] = self._output_token_logprobs(c)
+            if getattr(item.params, "logprobs", None):
+                meta["output_top_logprobs"] = self._output_top_logprobs(c)
         if routed_experts is not None:
             meta["routed_experts"] = routed_experts
         return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
@@ -150,7 +165,12 @@ class NativeServing(OpenAIServing):
     def _output_token_logprobs(self, c: CompletionOutput) -> list[list[Any]]:
         """[logprob, token_id, None] per output token; the logprob is None where the engine returned none."""
         logprobs = getattr(c, "logprobs", None) or []
-        return [[logprobs[i] if i < len(logprobs) else None, t, None] for i, t in enumerate(c.token_ids)]
+        return [[_value(logprobs[i]) if i < len(logprobs) else None, t, None] for i, t in enumerate(c.token_ids)]
+
+    @staticmethod
+    def _output_top_logprobs(c: CompletionOutput) -> list[list[list[Any]]]:
+        """SGLang's output_top_logprobs: per output token, [logprob, token_id, None] of the N most likely."""
+        return [[[lp, tid, None] for tid, lp in getattr(x, "top", [])] for x in getattr(c, "logprobs", None) or []]
 
     async def routed_experts(self, item: _Item, out: RequestOutput) -> list[str | None]:
         """Per choice (index order): the SGLang payload, when R3 was asked for and the request finished
