@@ -83,6 +83,10 @@ def test_batches_n_and_routed_experts_start_len(server: ServerHandle) -> None:
         rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
         assert rows.size == (meta["prompt_tokens"] + 3 - 1 - 2) * NUM_LAYERS * TOP_K
         assert "output_token_logprobs" not in meta  # return_logprob was not asked for
+    with_text = _generate(server, text="hello world", sampling_params=params, return_logprob=True,
+                          return_text_in_logprobs=True).json()
+    entries = with_text["meta_info"]["output_token_logprobs"]
+    assert [tid for _, tid, _ in entries] == with_text["output_ids"] and all(isinstance(t, str) for *_, t in entries)
     two = _generate(server, input_ids=PROMPT, sampling_params={**params, "n": 2, "temperature": 1.0,
                                                                "sampling_seed": 5}).json()
     assert len(two) == 2 and all(len(o["output_ids"]) == 3 for o in two)

@@ -69,12 +69,13 @@ class _Item:
     """One prompt of a /generate call."""
 
     def __init__(self, rid: str, prompt_token_ids: list[int], text: str | None, params: SamplingParams,
-                 return_logprob: bool) -> None:
+                 return_logprob: bool, return_text_in_logprobs: bool) -> None:
         self.rid = rid
         self.prompt_token_ids = prompt_token_ids
         self.text = text
         self.params = params
         self.return_logprob = return_logprob
+        self.return_text_in_logprobs = return_text_in_logprobs
 
 
 def _per_item(value: Any, n: int, what: str) -> list[Any]:
@@ -135,7 +136,7 @@ class NativeServing(OpenAIServing):
                     params = dataclasses.replace(params, logprobs=int(top_logprobs[i]))  # type: ignore[call-arg]
             except InvalidRequestError as e:
                 raise bad_request(str(e), "sampling_params") from e
-            items.append(_Item(rids[i], ids[i], texts[i], params, bool(logprob[i])))
+            items.append(_Item(rids[i], ids[i], texts[i], params, bool(logprob[i]), body.return_text_in_logprobs))
         return items, single
 
     # -- answers ------------------------------------------------------------------------------------
@@ -155,22 +156,28 @@ class NativeServing(OpenAIServing):
             "spans_weight_versions": c.spans_weight_versions,
         }
         if item.return_logprob:
-            meta["output_token_logprobs"] = self._output_token_logprobs(c)
+            meta["output_token_logprobs"] = self._output_token_logprobs(c, item.return_text_in_logprobs)
             if getattr(item.params, "logprobs", None):
-                meta["output_top_logprobs"] = self._output_top_logprobs(c)
+                meta["output_top_logprobs"] = self._output_top_logprobs(c, item.return_text_in_logprobs)
         if routed_experts is not None:
             meta["routed_experts"] = routed_experts
         return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
-    def _output_token_logprobs(self, c: CompletionOutput) -> list[list[Any]]:
-        """[logprob, token_id, None] per output token; the logprob is None where the engine returned none."""
-        logprobs = getattr(c, "logprobs", None) or []
-        return [[_value(logprobs[i]) if i < len(logprobs) else None, t, None] for i, t in enumerate(c.token_ids)]
+    def _token_text(self, token_id: int, wanted: bool) -> str | None:
+        tokenizer = self.ctx.engine.tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if wanted and tokenizer is not None else None
 
-    @staticmethod
-    def _output_top_logprobs(c: CompletionOutput) -> list[list[list[Any]]]:
-        """SGLang's output_top_logprobs: per output token, [logprob, token_id, None] of the N most likely."""
-        return [[[lp, tid, None] for tid, lp in getattr(x, "top", [])] for x in getattr(c, "logprobs", None) or []]
+    def _output_token_logprobs(self, c: CompletionOutput, with_text: bool) -> list[list[Any]]:
+        """[logprob, token_id, text] per output token (text only with return_text_in_logprobs); the logprob
+        is None where the engine returned none."""
+        logprobs = getattr(c, "logprobs", None) or []
+        return [[_value(logprobs[i]) if i < len(logprobs) else None, t, self._token_text(t, with_text)]
+                for i, t in enumerate(c.token_ids)]
+
+    def _output_top_logprobs(self, c: CompletionOutput, with_text: bool) -> list[list[list[Any]]]:
+        """SGLang's output_top_logprobs: per output token, [logprob, token_id, text] of the N most likely."""
+        return [[[lp, tid, self._token_text(tid, with_text)] for tid, lp in getattr(x, "top", [])]
+                for x in getattr(c, "logprobs", None) or []]
 
     async def routed_experts(self, item: _Item, out: RequestOutput) -> list[str | None]:
         """Per choice (index order): the SGLang payload, when R3 was asked for and the request finished
