@@ -51,13 +51,20 @@ def _counters(server: ServerHandle, names: tuple[str, ...] = COUNTERS) -> dict[s
     return {name: values[f"fastdeploy_r3_engine_{name}_total"] for name in names}
 
 
+_FRESH: dict[str, tuple[list[int], np.ndarray]] = {}
+
+
 def _fresh_engine(model_dir: str) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens and R3 of a fresh engine started on model_dir."""
+    """Greedy tokens and R3 of a fresh engine started on model_dir (one start per directory)."""
     from fastdeploy_r3.engine.llm import LLM
 
-    with LLM(model_dir, device="cpu", max_model_len=256, routing_replay_config={"enable_routing_replay": True}) as llm:
-        (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    return out.outputs[0].token_ids, out.outputs[0].routed_experts
+    if model_dir not in _FRESH:
+        r3 = {"enable_routing_replay": True}
+        with LLM(model_dir, device="cpu", max_model_len=256, routing_replay_config=r3) as llm:
+            (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                  use_tqdm=False)
+        _FRESH[model_dir] = (out.outputs[0].token_ids, out.outputs[0].routed_experts)
+    return _FRESH[model_dir]
 
 
 def _warm_old_version(server: ServerHandle) -> None:
@@ -116,6 +123,26 @@ def test_update_from_a_trainer_over_gloo(server: ServerHandle, fake_model_dir) -
     trainer.join(60)
     assert answer["success"] is True and trainer.exitcode == 0
     _assert_new_version_serves_no_old_block(server, new, "dist-2")
+
+
+def test_every_tp_rank_takes_its_shard_of_a_broadcast(fake_model_dir, tmp_path) -> None:
+    """Two TP ranks (their own gloo group) join the trainer's group as ranks 1 and 2 of 3."""
+    new = fake_model_dir("qwen3_moe", seed=2)
+    with api_server(fake_model_dir("qwen3_moe", seed=0), str(tmp_path), "--routing-replay-config",
+                    '{"enable_routing_replay": true}', "--max-model-len", "256",
+                    "--tensor-parallel-size", "2") as tp2:
+        assert httpx.get(f"{tp2.url}/get_server_info").json()["tp_size"] == 2
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        trainer = ctx.Process(target=_trainer, args=(tp2.url, new, free_port(), q))
+        trainer.start()
+        answer = q.get(timeout=120)
+        trainer.join(60)
+        assert answer["success"] is True and trainer.exitcode == 0
+        out, r3 = _rollout(tp2)
+    tokens, rows = _fresh_engine(new)  # one rank, the same checkpoint: TP=2 gives the same bits
+    assert out["meta_info"]["weight_version"] == "dist-2" and out["output_ids"] == tokens
+    assert np.array_equal(r3, rows.astype(np.int32))
 
 
 def _stream_until_first_token(server: ServerHandle) -> tuple[threading.Thread, list[dict]]:
