@@ -102,3 +102,25 @@ def test_checkpoint_weights_are_what_the_checkpoint_holds(fake_model_dir, arch: 
     on_disk = dict(iter_safetensors(safetensors_files(model_dir)))
     assert ours.keys() == on_disk.keys()
     assert all(torch.equal(ours[k], on_disk[k]) for k in ours)
+
+
+def test_update_from_a_directory_transformers_wrote(fake_model_dir, tmp_path) -> None:
+    """A trainer's step: transformers loads the checkpoint, changes every weight, save_pretrained()s it; the
+    worker loads that directory in place and computes what transformers computes."""
+    transformers = pytest.importorskip("transformers")
+    from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
+
+    old = fake_model_dir("qwen3_moe", seed=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    hf.save_pretrained(str(tmp_path))
+    model = _model(old)
+    WeightUpdater(model, torch.device("cpu"), 0).from_disk(str(tmp_path))
+    ids = torch.tensor([5, 77, 301, 12, 9, 140, 66, 2])
+    with torch.no_grad(), set_forward_context(ForwardContext(None, [])):
+        ours = model.compute_logits(model(ids, torch.arange(len(ids))))  # [T, V]
+        theirs = hf(ids[None]).logits[0].float()  # [T, V]
+    assert (ours - theirs).abs().max().item() < 1e-4
