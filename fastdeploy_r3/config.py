@@ -243,6 +243,9 @@ def routing_dtype_for(num_experts: int) -> np.dtype:
 
 
 _ROUTING_STORE_TYPES = ("response", "local", "p2pstore")
+# moe: [rows, L, K] plus moe_layer_ids (FastDeploy's readers); all_layers: [rows, num_hidden_layers, K] with
+# dense layers holding the no-route sentinel (vLLM, SGLang and slime index layers by absolute id)
+ROUTING_LAYOUTS = ("moe", "all_layers")
 
 
 @dataclass
@@ -255,8 +258,10 @@ class RoutingReplayConfig:
     use_fused_put: bool = True
     debug_mode: bool = False
     ttl_s: int = 3600
+    routing_layout: str = "moe"
     # derived once by postprocess(model_config)
     moe_layer_ids: list[int] | None = derived(default=None, repr=False)
+    num_hidden_layers: int = derived(default=0)  # layers of the all_layers layout (an MTP layer is not one)
     num_moe_layers: int = derived(default=0)
     moe_top_k: int = derived(default=0)
     num_experts: int = derived(default=0)
@@ -325,6 +330,8 @@ class RoutingReplayConfig:
             )
         if self.ttl_s <= 0:
             raise ConfigError(f"ttl_s={self.ttl_s}; use a positive number of seconds")
+        if self.routing_layout not in ROUTING_LAYOUTS:
+            raise ConfigError(f"routing_layout={self.routing_layout!r}; use one of {', '.join(ROUTING_LAYOUTS)}")
 
     def postprocess(self, model_config: ModelConfig) -> None:
         """Derive the R3 shape from the final model config; call once, after ModelConfig.finalize()."""
@@ -334,6 +341,7 @@ class RoutingReplayConfig:
             raise ConfigError("RoutingReplayConfig.postprocess() needs a finalized ModelConfig")
         self.moe_layer_ids = list(model_config.moe_layer_ids)
         self.num_moe_layers = len(self.moe_layer_ids)
+        self.num_hidden_layers = model_config.num_hidden_layers
         self.moe_top_k = model_config.moe_top_k
         self.num_experts = model_config.num_experts
         self.routing_dtype = routing_dtype_for(self.num_experts)

@@ -5,11 +5,43 @@ these from the engine's per-step deltas with one assembler (see `OutputAssembler
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fastdeploy_r3.logprobs import PromptLogprobs, TokenLogprob
+
+
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens [start, end) were sampled by weights `version` (SGLang's meta_info weight_versions)."""
+
+    version: str
+    start: int
+    end: int
+
+
+def weight_version_spans(
+    updates: list[tuple[str, int]], current: str, num_output_tokens: int
+) -> list[WeightVersionSpan]:
+    """The versions that sampled a request's output tokens, in order; one span when no update reached it.
+
+    updates: per weight update the request lived through, (the old version, how many output tokens
+    the request had then); current: the version computing it now.
+    """
+    spans: list[WeightVersionSpan] = []
+    for version, end in [*updates, (current, num_output_tokens)]:
+        end = min(end, num_output_tokens)
+        start = spans[-1].end if spans else 0
+        if spans and end <= start:
+            continue
+        if spans and spans[-1].version == version:
+            spans[-1] = WeightVersionSpan(version, spans[-1].start, end)
+        elif spans and spans[-1].start == spans[-1].end:
+            spans[-1] = WeightVersionSpan(version, start, end)  # a version that sampled nothing
+        else:
+            spans.append(WeightVersionSpan(version, start, end))
+    return spans
 
 
 @dataclass
@@ -23,6 +55,9 @@ class CompletionOutput:
     routed_experts_start: int = 0
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
+    finish_message: str | None = None  # why an aborted choice stopped, in words
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    spans_weight_versions: bool = False  # tokens/R3 of more than one weight version (an in-place update)
 
 
 @dataclass
@@ -50,6 +85,9 @@ class CompletionDelta:
     routed_experts_start: int = 0
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token id, when asked for
+    finish_message: str | None = None
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)  # so far (a few entries)
+    spans_weight_versions: bool = False
 
 
 @dataclass
@@ -114,6 +152,9 @@ class OutputAssembler:
                 routed_experts_start=last.routed_experts_start,
                 error=last.error,
                 logprobs=list(self._logprobs.get(i, [])) if last.logprobs is not None else None,
+                finish_message=last.finish_message,
+                weight_versions=list(last.weight_versions),
+                spans_weight_versions=last.spans_weight_versions,
             )
             for i, last in sorted(self._last.items())
         ]

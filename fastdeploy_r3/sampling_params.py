@@ -53,6 +53,7 @@ class SamplingParams:
     # R3, per request: None = the server's default (on when R3 is enabled)
     return_routed_experts: bool | None = None
     routed_experts_start: int = 0
+    routing_layout: str | None = None  # "moe" | "all_layers"; None = the server's routing_layout
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +79,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k={self.top_k}; use -1 or 0 (disabled) or a positive k")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.routing_layout not in (None, "moe", "all_layers"):
+            raise InvalidRequestError(f"routing_layout={self.routing_layout!r}; use 'moe' or 'all_layers'")
         if self.routed_experts_start < 0:
             raise InvalidRequestError(f"routed_experts_start={self.routed_experts_start}; use a row index >= 0")
         if not 0 <= self.min_tokens <= self.max_tokens:

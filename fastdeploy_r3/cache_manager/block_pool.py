@@ -134,6 +134,14 @@ class BlockPool:
             self._cached.pop(block.block_hash, None)
             block.block_hash, block.token_ids = None, None
 
+    def uncache_all(self) -> int:
+        """Forget every hash (a flush); blocks keep their owners and places. Returns how many."""
+        n = len(self._cached)
+        for bid in self._cached.values():
+            self.blocks[bid].block_hash, self.blocks[bid].token_ids = None, None
+        self._cached.clear()
+        return n
+
     def pop_evicted(self) -> list[EvictedBlock]:
         out, self._evicted = self._evicted, []
         return out

@@ -107,6 +107,9 @@ class PrefixCacheManager:
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks so far
         self._num_cached: dict[str, int] = {}  # leading blocks of the request registered in the pool
         self._pinned: dict[int, list[KVBlock]] = {}  # write-through task id -> blocks it reads
+        # requests whose KV predates the current root (in flight across a weight update): their blocks
+        # mix two weight versions, so none of them is ever cached or stored
+        self._stale: set[str] = set()
         self._next_tag = 1
         self._next_task_id = 1
 
@@ -258,7 +261,7 @@ class PrefixCacheManager:
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's newly full, computed blocks; write them through to storage."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.request_id in self._stale:
             return
         blocks = self._blocks.get(req.request_id)
         if not blocks:
@@ -295,8 +298,29 @@ class PrefixCacheManager:
                 n += 1
         return n
 
+    def flush(self) -> int:
+        """Forget every cached prefix in the GPU pool and the CPU tier (SGLang's /flush_cache); blocks in
+        use keep their owners. The storage tier is left alone: its keys are rooted at the weight version,
+        so nothing in it can be served to another version. Returns the number of entries dropped."""
+        n = self.gpu.uncache_all()
+        if self.cpu is not None:
+            n += self.cpu.uncache_all()
+        return n
+
+    def reset_root(self, root_hash: bytes) -> None:
+        """A new weight version: every hash from now on chains from root_hash, the caches are flushed,
+        and requests already holding blocks (their KV computed by the old weights) never cache theirs.
+
+        A request preempted later recomputes from scratch under the new weights, so it leaves the
+        stale set when it frees its blocks."""
+        self.root_hash = root_hash
+        self.flush()
+        self._stale.update(self._blocks)
+        self._hashes.clear()
+
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first; cached ones stay cached."""
+        self._stale.discard(req.request_id)
         blocks = self._blocks.pop(req.request_id, [])
         self.gpu.free(list(reversed(blocks)))
         self._num_cached.pop(req.request_id, None)

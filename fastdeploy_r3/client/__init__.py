@@ -1,23 +1,39 @@
-"""Trainer-side helpers for Rollout Routing Replay (see docs/r3_client.md)."""
+"""Trainer-side helpers for Rollout Routing Replay (see docs/r3_client.md and docs/rl_control.md)."""
 
 from fastdeploy_r3.client.mooncake_rollouts import (
     decode_fastdeploy_routing,
     read_fastdeploy_rollout,
     read_mooncake_rollout,
 )
-from fastdeploy_r3.client.routed_experts import read_local_rollout, read_redis_rollout, to_megatron_router_replay
+from fastdeploy_r3.client.routed_experts import (
+    read_local_rollout,
+    read_local_rollout_meta,
+    read_redis_rollout,
+    read_redis_rollout_meta,
+    to_megatron_router_replay,
+    to_moe_layout,
+)
 from fastdeploy_r3.client.tensors import as_tensor
-from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError, decode_routed_experts, encode_routed_experts
+from fastdeploy_r3.r3.codec import (
+    RoutedExpertsDecodeError,
+    decode_routed_experts,
+    decode_sglang_routed_experts,
+    encode_routed_experts,
+)
 
 __all__ = [
     "RoutedExpertsDecodeError",
     "as_tensor",
     "decode_fastdeploy_routing",
     "decode_routed_experts",
+    "decode_sglang_routed_experts",
     "encode_routed_experts",
     "read_fastdeploy_rollout",
     "read_local_rollout",
     "read_mooncake_rollout",
+    "read_local_rollout_meta",
     "read_redis_rollout",
+    "read_redis_rollout_meta",
     "to_megatron_router_replay",
+    "to_moe_layout",
 ]

@@ -3,7 +3,7 @@
     api_server ──PUSH  {ipc_dir}/input ──►  PULL  engine process (EngineService)
     api_server ◄─PULL  {ipc_dir}/output ◄── PUSH
                          EngineReady | EngineStartupFailed, then OutputBatch / RequestRejected /
-                         MetricsReply / HealthReply
+                         MetricsReply / HealthReply / ControlReply
 
 Messages are the typed dataclasses of engine/messages.py, pickled. The loop blocks on the input socket while the
 engine is idle and steps while it has work, draining input between steps. The engine process exits
@@ -29,20 +29,29 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.messages import (
     AbortRequest,
     AddRequest,
+    ContinueGeneration,
+    ControlReply,
+    ControlRequest,
     EngineCrashed,
     EngineInfo,
     EngineReady,
     EngineStartupFailed,
+    EngineState,
+    EngineStateQuery,
+    FlushCache,
     HealthQuery,
     HealthReply,
     MetricsQuery,
     MetricsReply,
     OutputBatch,
+    PauseGeneration,
     RequestRejected,
+    WeightUpdate,
 )
 from fastdeploy_r3.engine.scheduler import QueueFullError
 from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 from fastdeploy_r3.sampling_params import InvalidRequestError
+from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup
 
 if TYPE_CHECKING:
     from fastdeploy_r3.engine.engine_service import EngineService
@@ -107,15 +116,50 @@ class _EngineLoop:
             except Exception as e:  # noqa: BLE001 - the engine refused it; other requests are unaffected
                 self.send(RequestRejected(msg.request_id, f"{type(e).__name__}: {e}", invalid=False))
         elif isinstance(msg, AbortRequest):
-            self.svc.abort_request(msg.request_id)
+            self.svc.abort_request(msg.request_id, msg.message)
         elif isinstance(msg, MetricsQuery):
             self.send(MetricsReply(msg.query_id, {k: float(v) for k, v in self.svc.metrics().items()}))
         elif isinstance(msg, HealthQuery):
             self.send(HealthReply(msg.query_id, ok=True))
+        elif isinstance(msg, ControlRequest):
+            self.send(self.control(msg))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
             raise TypeError(f"engine process got an unknown message {type(msg).__name__}")
+
+    def control(self, msg: ControlRequest) -> ControlReply:
+        from fastdeploy_r3.engine.control import EngineControlError
+
+        ctl = self.svc.control
+        cmd = msg.command
+        try:
+            if isinstance(cmd, PauseGeneration):
+                n = ctl.pause(cmd.mode)
+                message = f"generation paused ({cmd.mode}); {n} requests {'aborted' if cmd.mode == 'abort' else 'held'}"
+            elif isinstance(cmd, ContinueGeneration):
+                ctl.resume()
+                message = "generation continued"
+            elif isinstance(cmd, FlushCache):
+                message = f"cache flushed: {ctl.flush_cache()} cached blocks forgotten"
+            elif isinstance(cmd, EngineStateQuery):
+                message = "ok"
+            elif isinstance(cmd, WeightUpdate):
+                version = ctl.update_weights(cmd.source, cmd.weight_version, cmd.abort_all_requests)
+                message = f"weights updated; weight_version is {version}"
+            elif isinstance(cmd, InitWeightUpdateGroup):
+                ctl.init_weight_update_group(cmd)
+                message = f"joined weight update group {cmd.group_name!r}"
+            elif isinstance(cmd, DestroyWeightUpdateGroup):
+                ctl.destroy_weight_update_group(cmd)
+                message = f"left weight update group {cmd.group_name!r}"
+            else:
+                raise EngineControlError(f"unknown control command {type(cmd).__name__}")
+            ok, invalid = True, False
+        except EngineControlError as e:
+            ok, invalid, message = False, e.invalid, str(e)
+        state = EngineState(self.svc.weight_version, ctl.paused, len(self.svc.request_ids()))
+        return ControlReply(msg.query_id, ok, message, state, invalid)
 
     def drain(self, block_ms: int) -> None:
         """Handle every queued message; wait up to `block_ms` for the first one."""
@@ -132,11 +176,11 @@ class _EngineLoop:
         while self.running:
             if os.getppid() != self.parent_pid:
                 return  # orphaned, busy or not: nobody will read our outputs
-            busy = self.svc.has_unfinished_requests()
+            busy = self.svc.has_work()
             self.drain(0 if busy else _IDLE_POLL_MS)
             if not self.running:
                 return
-            if self.svc.has_unfinished_requests():
+            if self.svc.has_work():
                 try:
                     outputs = self.svc.step()
                 except EngineDeadError as e:

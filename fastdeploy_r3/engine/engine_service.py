@@ -23,12 +23,12 @@ from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBuf
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.request import Request, RequestStatus
-from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, Scheduler
+from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
 from fastdeploy_r3.engine.token_processor import TokenProcessor
 from fastdeploy_r3.engine.worker_group import WorkerGroup
 from fastdeploy_r3.lifecycle import EngineDeadError
-from fastdeploy_r3.outputs import CompletionDelta, RequestDelta
+from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, weight_version_spans
 from fastdeploy_r3.r3.layouts import row_range
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.worker.messages import (
@@ -172,6 +172,9 @@ class EngineService:
                 self._routing_host, cc.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
             )
         self.token_processor = TokenProcessor(self.scheduler, self.tokenizer, eos, cfg.max_model_len, routing)
+        from fastdeploy_r3.engine.control import EngineControl
+
+        self.control = EngineControl(self)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -183,6 +186,7 @@ class EngineService:
         prompt: str | None = None,
     ) -> None:
         self._check_alive()
+        self.control.check_weights_usable()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self._groups or any(rid in self._child_group for rid in child_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
@@ -199,7 +203,7 @@ class EngineService:
                 # every choice scores the same prompt: the first one alone computes its logprobs
                 child_params = replace(params, n=1, seed=params.choice_seed(i),
                                        prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            req = Request(rid, list(prompt_token_ids), child_params)
+            req = Request(rid, list(prompt_token_ids), child_params, weight_version=self.weight_version)
             group.children.append(req)
             self._child_group[rid] = request_id
             self.scheduler.add_request(req)
@@ -227,18 +231,33 @@ class EngineService:
                 "of an earlier turn are fewer than this turn's prompt tokens)"
             )
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, message: str | None = None) -> None:
         group = self._groups.get(request_id)
         if group is None:
             return
         for req in group.children:
             if not req.is_finished:
+                req.finish_message = message
                 self.token_processor.finish(req, RequestStatus.FINISHED_ABORTED)
                 self._finished_since_step.append(req.request_id)
         self._pending_outputs.append(request_id)
 
+    def unfinished_requests(self) -> list[Request]:
+        return [req for group in self._groups.values() for req in group.children if not req.is_finished]
+
+    def request_ids(self) -> list[str]:
+        return list(self._groups)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def has_work(self) -> bool:
+        """A step would do something: outputs to send, or requests to advance and no pause."""
+        return bool(self._pending_outputs) or (bool(self._groups) and self.control.paused is None)
+
+    @property
+    def weight_version(self) -> str:
+        return self.config.model_config.weight_version
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -249,7 +268,8 @@ class EngineService:
         try:
             self._check_children()
             self.kv.poll_transfers()
-            out = self.scheduler.schedule()
+            # paused: nothing advances (in_place requests keep their blocks); aborts still go out
+            out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
             if out.chunks:
                 # a failed step is bisected so that only the requests that make it fail fail
                 step = run_isolating_failures(out.chunks, self._run_batch)
@@ -367,6 +387,12 @@ class EngineService:
                                                    req.sampling_params.routed_experts_start)[0],
                     error=req.error,
                     logprobs=logprobs,
+                    finish_message=req.finish_message,
+                    weight_versions=weight_version_spans(
+                        [(e.version, e.num_output_tokens) for e in req.weight_version_events], req.weight_version,
+                        req.num_sent_tokens,
+                    ),
+                    spans_weight_versions=req.spans_weight_versions,
                 )
             )
         delta = RequestDelta(
@@ -440,6 +466,7 @@ class EngineService:
             "storage_put_blocks": c.storage_put_blocks,
             "evicted_blocks": c.evicted_blocks,
             "preemptions": self.scheduler.num_preemptions,
+            "weight_updates": self.control.num_weight_updates,
             "r3_rows_delivered": r3.rows_delivered,
             "r3_bytes": r3.bytes_delivered,
             "r3_failures": r3.failures,

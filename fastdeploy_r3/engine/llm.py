@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
@@ -115,6 +116,28 @@ class LLM:
             self._deliver_r3(out, params, rollout_ids[i] if rollout_ids is not None else None)
         return outputs
 
+    def update_weights(
+        self,
+        weights: str | os.PathLike | Mapping[str, Any] | Iterable[tuple[str, Any]],
+        weight_version: str | None = None,
+    ) -> str:
+        """New weights in place, between generate() calls; returns the new weight_version.
+
+        `weights`: a checkpoint directory (config.json + *.safetensors, e.g. what `save_pretrained`
+        wrote), or full tensors under their HF names (a state dict, or (name, tensor) pairs; a subset is
+        fine). The new version roots the prefix cache, so nothing computed by the old weights is
+        reused. Raises EngineControlError (nothing changed) when the weights do not fit the model.
+        """
+        from fastdeploy_r3.worker.messages import UpdateWeights
+
+        if isinstance(weights, (str, os.PathLike)):
+            source = UpdateWeights(model_path=os.fspath(weights))
+        else:
+            items = weights.items() if isinstance(weights, Mapping) else weights
+            # through the workers' pipes: plain CPU tensors
+            source = UpdateWeights(tensors=[(name, t.detach().to("cpu")) for name, t in items])
+        return self.engine.control.update_weights(source, weight_version, abort_all_requests=False)
+
     def _deliver_r3(self, out: RequestOutput, params: SamplingParams, rollout_id: str | None) -> None:
         """Check (and store) one finished prompt's R3; on failure the prompt's choices fail."""
         if not self.r3_delivery.wants(params.return_routed_experts):
@@ -122,10 +145,14 @@ class LLM:
         if any(c.finish_reason in ("error", "abort") for c in out.outputs):
             return  # already failed (with its own reason) or aborted: nothing of it is delivered
         try:
-            self.r3_delivery.deliver(out, resolve_rollout_id(rollout_id, None, out.request_id), inline=False)
+            r3 = self.r3_delivery.deliver(out, resolve_rollout_id(rollout_id, None, out.request_id), inline=False,
+                                          routing_layout=params.routing_layout)
         except R3DeliveryError as e:
             for c in out.outputs:
                 c.finish_reason, c.error, c.routed_experts = "error", f"R3DeliveryError: {e}", None
+            return
+        for c, arr in zip(sorted(out.outputs, key=lambda c: c.index), r3.arrays or []):
+            c.routed_experts = arr  # in the asked layout
 
     def _check_rollout_ids(self, rollout_ids: list[str], params_list: list[SamplingParams], overwrite: bool) -> None:
         """The server's rule, offline: one prompt per rollout id, and no silent overwrite of stored R3."""

@@ -1,8 +1,11 @@
 """Every message between the API server and the engine process (the ZMQ boundary), pickled.
 
-    api_server -> engine   AddRequest, AbortRequest, MetricsQuery, HealthQuery, Shutdown
+    api_server -> engine   AddRequest, AbortRequest, MetricsQuery, HealthQuery, ControlRequest, Shutdown
     engine -> api_server   EngineReady | EngineStartupFailed, then OutputBatch, RequestRejected,
-                           MetricsReply, HealthReply, EngineCrashed
+                           MetricsReply, HealthReply, ControlReply, EngineCrashed
+
+ControlRequest carries one RL control command (engine/control.py runs it between two steps): pause,
+continue, flush, a weight update, joining or leaving a trainer's weight update group, or a state query.
 
 The other boundaries keep theirs in one module each: engine <-> worker in worker/messages.py,
 engine <-> cache transfer manager in cache_manager/transfer.py. `Shutdown` is the one stop message
@@ -16,10 +19,13 @@ from dataclasses import dataclass, field
 from fastdeploy_r3.lifecycle import Shutdown
 from fastdeploy_r3.outputs import RequestDelta
 from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup, UpdateWeights
 
 __all__ = [
-    "AbortRequest", "AddRequest", "EngineCrashed", "EngineInfo", "EngineReady", "EngineStartupFailed",
-    "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "RequestRejected", "Shutdown",
+    "AbortRequest", "AddRequest", "ContinueGeneration", "ControlCommand", "ControlReply", "ControlRequest",
+    "EngineCrashed", "EngineInfo", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
+    "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "PauseGeneration",
+    "RequestRejected", "Shutdown", "WeightUpdate",
 ]
 
 
@@ -37,6 +43,7 @@ class AddRequest:
 @dataclass
 class AbortRequest:
     request_id: str
+    message: str | None = None  # why, as the request's finish message says
 
 
 @dataclass
@@ -47,6 +54,47 @@ class MetricsQuery:
 @dataclass
 class HealthQuery:
     query_id: int
+
+
+@dataclass
+class PauseGeneration:
+    mode: str  # "abort" | "in_place"
+
+
+@dataclass
+class ContinueGeneration:
+    pass
+
+
+@dataclass
+class FlushCache:
+    pass
+
+
+@dataclass
+class EngineStateQuery:
+    pass
+
+
+@dataclass
+class WeightUpdate:
+    source: UpdateWeights
+    weight_version: str | None
+    abort_all_requests: bool
+
+
+ControlCommand = (
+    PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate
+    | InitWeightUpdateGroup | DestroyWeightUpdateGroup
+)
+
+
+@dataclass
+class ControlRequest:
+    """An RL control command, run between two engine steps; answered by a ControlReply."""
+
+    query_id: int
+    command: ControlCommand
 
 
 # -- engine -> API server --------------------------------------------------------------------------
@@ -104,6 +152,22 @@ class HealthReply:
     query_id: int
     ok: bool
     message: str = ""
+
+
+@dataclass
+class EngineState:
+    weight_version: str
+    paused: str | None  # the pause mode, None while generating
+    num_requests: int  # user requests in flight (held ones included)
+
+
+@dataclass
+class ControlReply:
+    query_id: int
+    success: bool
+    message: str
+    state: EngineState
+    invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
 
 
 @dataclass

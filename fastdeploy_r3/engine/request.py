@@ -40,6 +40,16 @@ class RequestStatus(enum.Enum):
         )
 
 
+@dataclass(frozen=True)
+class WeightVersionEvent:
+    """A weight update reached a request in flight: `version` had sampled its first num_output_tokens
+    tokens and computed KV (and R3 rows) for its first num_computed_tokens."""
+
+    version: str
+    num_output_tokens: int
+    num_computed_tokens: int
+
+
 @dataclass
 class Request:
     request_id: str
@@ -60,7 +70,16 @@ class Request:
     num_returned_tokens: int | None = None  # N: output tokens returned to the user, set at finish
     stop_reason: str | int | None = None
     error: str | None = None
+    finish_message: str | None = None  # why an aborted request stopped, in words
     routed_experts: np.ndarray | None = None
+    # weight versions: the one computing this request now, and the updates it lived through
+    weight_version: str = ""
+    weight_version_events: list[WeightVersionEvent] = field(default_factory=list)
+
+    @property
+    def spans_weight_versions(self) -> bool:
+        """Some of its tokens, KV or R3 rows come from weights other than the current ones."""
+        return any(e.num_output_tokens or e.num_computed_tokens for e in self.weight_version_events)
     # logprobs (fastdeploy_r3/logprobs.py), when the params ask: one record per output token, and
     # the prompt's (entry 0 None) filled chunk by chunk; prompt_logprobs_sent once the delta carried them
     output_logprobs: list[TokenLogprob] | None = None

@@ -13,7 +13,7 @@ import itertools
 import multiprocessing.process
 import os
 import pickle
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -24,6 +24,9 @@ from fastdeploy_r3.engine.engine_process import EngineAddresses, run_engine_proc
 from fastdeploy_r3.engine.messages import (
     AbortRequest,
     AddRequest,
+    ControlCommand,
+    ControlReply,
+    ControlRequest,
     EngineCrashed,
     EngineInfo,
     EngineReady,
@@ -187,7 +190,7 @@ class AsyncEngineClient:
                     elif msg.overloaded:
                         err = EngineOverloadedError(msg.message)
                     q.put_nowait(err)
-            elif isinstance(msg, (MetricsReply, HealthReply)):
+            elif isinstance(msg, (MetricsReply, HealthReply, ControlReply)):
                 fut = self._replies.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -240,20 +243,29 @@ class AsyncEngineClient:
             sent = self._input.send(pickle.dumps(AbortRequest(request_id), protocol=pickle.HIGHEST_PROTOCOL))
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieve, never raise later
 
-    async def abort(self, request_id: str) -> None:
-        if self.is_alive:
-            await self._send(AbortRequest(request_id))
-
-    async def _query(self, msg_type: type, timeout_s: float) -> Any:
+    async def _query(self, make_msg: Callable[[int], object], timeout_s: float) -> Any:
+        """Send make_msg(query_id) and wait for the reply carrying that query_id."""
         self._check_alive()
         query_id = next(self._query_ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[query_id] = fut
         try:
-            await self._send(msg_type(query_id))
+            await self._send(make_msg(query_id))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._replies.pop(query_id, None)
+
+    async def control(self, command: ControlCommand, timeout_s: float = 3600.0) -> ControlReply:
+        """Run an RL control command in the engine (between two steps) and return its answer."""
+        return await self._query(lambda query_id: ControlRequest(query_id, command), timeout_s)
+
+    async def abort(self, request_id: str, message: str | None = None) -> None:
+        if self.is_alive:
+            await self._send(AbortRequest(request_id, message))
+
+    def in_flight_request_ids(self) -> list[str]:
+        """Requests this server is waiting on."""
+        return list(self._queues)
 
     async def metrics(self, timeout_s: float = 30.0) -> dict[str, float]:
         reply: MetricsReply = await self._query(MetricsQuery, timeout_s)

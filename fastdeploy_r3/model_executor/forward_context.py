@@ -56,10 +56,30 @@ class RoutingCaptureSink(Protocol):
 
 
 @dataclass
+class RoutingReplay:
+    """Routing forced on every MoE layer (R3 replayed in a trainer's forward): topk_ids [T, L, K].
+
+    Row t is the K experts token t uses in MoE layer number j (0..L-1, `moe_layer_ids` order); the
+    router still computes the weights of those experts, so gradients reach it as in training.
+    """
+
+    topk_ids: torch.Tensor  # [T, L, K] int64
+
+    def ids_for(self, moe_index: int, num_tokens: int) -> torch.Tensor:
+        if self.topk_ids.shape[0] != num_tokens:
+            raise ValueError(
+                f"routing replay holds {self.topk_ids.shape[0]} rows but the forward has {num_tokens} tokens; "
+                "pass one row per input token (R3 rows [T-1] replay a forward over tokens[:-1])"
+            )
+        return self.topk_ids[:, moe_index, :]  # [T, K]
+
+
+@dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache) [NB, BS, KVH, D]
     routing_capture: RoutingCaptureSink | None = None
+    routing_replay: RoutingReplay | None = None
 
 
 _forward_context: ForwardContext | None = None

@@ -66,7 +66,7 @@ def random_weights(model: nn.Module, seed: int, router_std: float = 0.5) -> dict
     return dict(iter_random_weights(model, seed, router_std))
 
 
-def _safetensors_files(model_dir: str) -> list[str]:
+def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -80,7 +80,19 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def _iter_safetensors(files: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the files and its shape, read from the headers (no tensor data)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def iter_safetensors(files: list[str], device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """One checkpoint tensor at a time, read straight onto `device` (the host holds no full copy)."""
     from safetensors import safe_open
 
@@ -117,7 +129,7 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
         draw_dtype = dtype if device.type == "cuda" else torch.float32
         model.load_weights(iter_random_weights(model, model_config.seed, device=device, dtype=draw_dtype))
     else:
-        model.load_weights(_iter_safetensors(_safetensors_files(model_config.model), device))
+        model.load_weights(iter_safetensors(safetensors_files(model_config.model), device))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -3,6 +3,10 @@
     response mode   payload per choice = base64(.npy [rows, L, K]) (or the arrays as they are, offline)
     local/p2pstore  store.put(rollout_id, [choice arrays]) before the request is answered
 
+in the request's routing_layout (else the server's): `moe` [rows, L, K] as gathered, or `all_layers`
+[rows, num_hidden_layers, K] with dense layers holding the sentinel (r3/layouts.py), in responses and
+stores alike.
+
 One policy, fail closed: a choice that asked for R3 and has none, an array of the wrong shape or
 dtype, a no-route hole, or a put that did not complete fails the request (R3DeliveryError); nothing
 is half delivered as if it were whole. `deliver` blocks (encoding, disk, network): the server runs it
@@ -11,14 +15,15 @@ in a worker thread. The rollout id comes from r3/rollout_id.py's one rule.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fastdeploy_r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.codec import encode_routed_experts
-from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range
+from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range, to_all_layers
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
 
 if TYPE_CHECKING:
@@ -35,10 +40,13 @@ class R3StoreFailedError(R3DeliveryError):
 
 @dataclass
 class R3Result:
-    """Per choice, in index order: base64 payload (response mode, inline) and start row."""
+    """Per choice, in index order: base64 payload (response mode, inline), start row, and the array in
+    the delivered layout (what offline outputs carry)."""
 
     payloads: list[str | None]
     starts: list[int | None]
+    layout: str | None = None  # None: nothing delivered
+    arrays: list[np.ndarray] | None = None
 
     @classmethod
     def nothing(cls, n: int) -> R3Result:
@@ -80,18 +88,44 @@ class R3Delivery:
             arrays.append(c.routed_experts)
         return arrays
 
-    def deliver(self, final: RequestOutput, rollout_id: str, inline: bool = True) -> R3Result:
-        """Check, then encode (response mode; inline=False leaves the arrays where they are) or store.
+    @staticmethod
+    def meta(final: RequestOutput, layout: str, layer_ids: list[int]) -> dict[str, Any]:
+        """What a store keeps beside the arrays: the weights that produced them and how they are laid out."""
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        spans = [[dataclasses.asdict(s) for s in c.weight_versions] for c in outputs]
+        return {
+            "weight_version": spans[0][-1]["version"] if spans and spans[0] else None,
+            "weight_versions": spans,  # per choice: SGLang's spans of output tokens per version
+            "spans_weight_versions": any(c.spans_weight_versions for c in outputs),
+            "routing_layout": layout,
+            "layer_ids": layer_ids,
+        }
+
+    def layout_of(self, routing_layout: str | None) -> str:
+        return routing_layout or self.config.routing_layout
+
+    def laid_out(self, moe_rows: list[np.ndarray], layout: str) -> tuple[list[np.ndarray], list[int]]:
+        """The arrays in `layout` and the model layer id of each of their layers."""
+        if layout == "all_layers":
+            num_layers = self.config.num_hidden_layers
+            return [to_all_layers(a, self.moe_layer_ids, num_layers) for a in moe_rows], list(range(num_layers))
+        return moe_rows, self.moe_layer_ids
+
+    def deliver(
+        self, final: RequestOutput, rollout_id: str, inline: bool = True, routing_layout: str | None = None
+    ) -> R3Result:
+        """Check, lay out, then encode (response mode; inline=False leaves the arrays as they are) or store.
 
         Blocking. Raises R3DeliveryError (R3StoreFailedError for a failed put).
         """
-        arrays = self.checked_arrays(final)
+        layout = self.layout_of(routing_layout)
+        arrays, layer_ids = self.laid_out(self.checked_arrays(final), layout)
         starts: list[int | None] = [c.routed_experts_start for c in sorted(final.outputs, key=lambda c: c.index)]
         if self.store is None:
             payloads: list[str | None] = [encode_routed_experts(a) if inline else None for a in arrays]
-            return R3Result(payloads, starts)
+            return R3Result(payloads, starts, layout, arrays)
         try:
-            self.store.put(rollout_id, arrays, self.moe_layer_ids)
+            self.store.put(rollout_id, arrays, layer_ids, self.meta(final, layout, layer_ids))
         except (RoutingStoreError, OSError) as e:
             raise R3StoreFailedError(f"storing routed_experts of rollout {rollout_id!r} failed: {e}") from e
-        return R3Result([None] * len(arrays), starts)
+        return R3Result([None] * len(arrays), starts, layout, arrays)

@@ -5,18 +5,22 @@ One put per finished request, with one `[T, L, K]` array per choice, on a BlobSt
 
     local      {local_store_dir}/{rid}.npy                       fused  [L, T, K]
                {local_store_dir}/{rid}.layers/layer_{layer}.npy  per layer [T, K]
+               {local_store_dir}/{rollout_id}#meta.json          weight version(s), layout (JSON)
     p2pstore   {namespace}/{rid}                                 fused  [L, T, K]  (.npy bytes)
                {namespace}/{rid}/layer_{layer}                   per layer [T, K]
+               {namespace}/{rollout_id}#meta                     weight version(s), layout (JSON)
                (Mooncake, key_style=fastdeploy: {rid} / {rid}_{layer}; see r3/stores_mooncake.py)
 
 `rid` is the rollout id, or `{rollout_id}#{i}` for choice i of a request with n > 1 (r3/rollout_id.py);
-`layer` is the model's layer index (an entry of `moe_layer_ids`), not the position among the MoE
-layers. Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them
-(Mooncake's are the exception: see r3/stores_mooncake.py).
+`layer` is the model's layer index (an entry of `moe_layer_ids`, or of every layer in the `all_layers`
+layout: then the fused entry is [num_hidden_layers, T, K] too), not the position among the MoE layers.
+Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them (Mooncake's
+are the exception: see r3/stores_mooncake.py).
 
 Keys cannot run into each other (issue 11, F6/F7): a rollout id holds neither `/` nor `#`, a namespace
 neither `/` nor `:`, so `{namespace}/` is one deployment's and never the KV tier's (`fdr3:kv:...`),
-a fused key has one `/` where a layer key has two, and a choice id is never a plain rollout id. In a
+a fused key has one `/` where a layer key has two, a choice id (`#` and digits) is never a plain rollout id
+nor a meta entry (`#meta`). In a
 local directory a fused file ends in `.npy`, a per-layer directory in `.layers`, so neither is
 another rollout's.
 
@@ -29,8 +33,10 @@ rollouts may share them. A backend is a BlobStore and a key scheme: Mooncake's i
 from __future__ import annotations
 
 import abc
+import json
 import os
 import re
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +84,9 @@ class RoutingStore(abc.ABC):
     def layer_key(self, rid: str, layer: int) -> str: ...
 
     @abc.abstractmethod
+    def meta_key(self, rid: str) -> str: ...
+
+    @abc.abstractmethod
     def entry_name(self, key: str) -> str:
         """What a reader outside this class calls the entry of a key: a file path, a full Redis key."""
 
@@ -87,8 +96,17 @@ class RoutingStore(abc.ABC):
 
     # -- operations ---------------------------------------------------------------------------------
 
-    def put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]:
+    def put(
+        self,
+        rollout_id: str,
+        routed_experts: list[np.ndarray],
+        moe_layer_ids: list[int],
+        meta: dict[str, Any] | None = None,
+    ) -> list[str]:
         """Store one `[T, L, K]` array per choice; returns the entries written (paths or full keys).
+
+        `meta` (JSON) goes to the rollout's meta entry in the same put: the weight version(s) that
+        produced it and its layout (`get_meta` reads it back).
 
         Blocking (disk or network): call it off the event loop. With `only_last_turn`, the previous
         turn's entries of a `data:gen:turn:segment` id are deleted once the new ones are in.
@@ -108,6 +126,8 @@ class RoutingStore(abc.ABC):
             else:
                 for j, layer in enumerate(moe_layer_ids):
                     items[self.layer_key(rid, layer)] = npy_bytes(arr[:, j, :])  # [T, K]
+        if meta is not None:
+            items[self.meta_key(rollout_id)] = json.dumps(meta, sort_keys=True).encode()
         try:
             self.blobs.put_many(items, self.ttl_s)
         except BlobStoreError as e:
@@ -163,9 +183,18 @@ class RoutingStore(abc.ABC):
         except ChecksumError as e:  # a store that checksums its values (Mooncake) found a corrupt one
             raise RoutedExpertsDecodeError(f"R3 in {self.where}: {e}") from e
 
+    def get_meta(self, rollout_id: str) -> dict[str, Any]:
+        """The meta entry of a rollout (weight_version, weight_versions per choice, routing_layout,
+        layer_ids); KeyError when there is none."""
+        validate_rollout_id(rollout_id)
+        data = self.blobs.get(self.meta_key(rollout_id))
+        if data is None:
+            raise KeyError(f"no R3 meta entry for rollout {rollout_id!r} in {self.where}")
+        return json.loads(data)
+
     def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         """Remove what any put(rollout_id, ...) wrote, fused or per layer, whatever its number of choices."""
-        keys = []
+        keys = [self.meta_key(rollout_id)]
         for rid in any_n_rollout_ids(rollout_id):
             keys.append(self.fused_key(rid))
             keys.extend(self.layer_key(rid, layer) for layer in moe_layer_ids)
@@ -190,6 +219,9 @@ class LocalRoutingStore(RoutingStore):
 
     def fused_key(self, rid: str) -> str:
         return f"{rid}.npy"
+
+    def meta_key(self, rid: str) -> str:
+        return f"{rid}#meta.json"  # "#" is in no rollout id: no entry of another rollout can be named so
 
     def layer_key(self, rid: str, layer: int) -> str:
         return os.path.join(f"{rid}.layers", f"layer_{layer}.npy")
@@ -229,6 +261,9 @@ class RedisRoutingStore(RoutingStore):
 
     def fused_key(self, rid: str) -> str:
         return rid
+
+    def meta_key(self, rid: str) -> str:
+        return f"{rid}#meta"  # "#" is in no rollout id: no entry of another rollout can be named so
 
     def layer_key(self, rid: str, layer: int) -> str:
         return f"{rid}/layer_{layer}"

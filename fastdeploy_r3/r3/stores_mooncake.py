@@ -50,6 +50,9 @@ class MooncakeRoutingStore(RoutingStore):
     def layer_key(self, rid: str, layer: int) -> str:
         return f"{rid}_{layer}" if self.key_style == "fastdeploy" else f"{self.namespace}/{rid}/layer_{layer}"
 
+    def meta_key(self, rid: str) -> str:
+        return f"{self.fused_key(rid)}#meta"  # "#" and a word: never a rollout's or a choice's (#digits) key
+
     def entry_name(self, key: str) -> str:
         return key
 

@@ -1,7 +1,9 @@
 """Every message between the engine process and its worker processes (pickled over a pipe).
 
-    engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown
-    worker -> engine   WorkerReady (or the exception that stopped start-up), StepOutput
+    engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown;
+                       between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup
+    worker -> engine   WorkerReady (or the exception that stopped start-up), StepOutput,
+                       WeightUpdateResult
 
 `Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
 """
@@ -16,7 +18,10 @@ from fastdeploy_r3.lifecycle import Shutdown
 from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
-__all__ = ["AttachRoutingBuffer", "ScheduledRequestData", "Shutdown", "StepInput", "StepOutput", "WorkerReady"]
+__all__ = [
+    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "ScheduledRequestData", "Shutdown",
+    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerReady",
+]
 
 
 @dataclass
@@ -67,3 +72,41 @@ class StepOutput:
     # positions as (position of the first entry, entries), entry j scoring prompt token first + j
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass
+class InitWeightUpdateGroup:
+    """Join a trainer's group as rank rank_offset + tp_rank (SGLang's /init_weights_update_group)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+@dataclass
+class DestroyWeightUpdateGroup:
+    group_name: str
+
+
+@dataclass
+class UpdateWeights:
+    """New weights, from exactly one source: a checkpoint directory, a trainer's broadcast over a
+    group (names/dtypes/shapes announced, in broadcast order), or full tensors in the message."""
+
+    model_path: str | None = None
+    group_name: str | None = None
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    tensors: list[tuple[str, object]] | None = None  # (HF name, torch.Tensor) for offline LLM.update_weights
+
+
+@dataclass
+class WeightUpdateResult:
+    rank: int
+    error: str | None = None
+    weights_changed: bool = False  # error after some parameters took new values
+    num_tensors: int = 0

@@ -20,7 +20,14 @@ from fastdeploy_r3.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher
-from fastdeploy_r3.worker.messages import StepInput, StepOutput
+from fastdeploy_r3.worker.messages import (
+    DestroyWeightUpdateGroup,
+    InitWeightUpdateGroup,
+    StepInput,
+    StepOutput,
+    UpdateWeights,
+    WeightUpdateResult,
+)
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
 from fastdeploy_r3.worker.step_sampler import StepSampler
@@ -48,14 +55,43 @@ class ModelRunner:
         self.input_batcher = InputBatcher(self.block_size, self.device)
         self.sampler = StepSampler(config.model_config.vocab_size, config.scheduler_config.max_num_seqs,
                                    self.device)
+        self.weight_updater = None  # WeightUpdater, once the model is loaded
 
     # -- start-up -----------------------------------------------------------------------------------
 
     def load_model(self) -> None:
         from fastdeploy_r3.model_executor.model_loader import load_model
+        from fastdeploy_r3.worker.weight_updater import WeightUpdater
 
         torch.manual_seed(self.config.model_config.seed)
         self.model = load_model(self.config.model_config, self.device, self.rank, self.world_size)
+        self.weight_updater = WeightUpdater(self.model, self.device, self.rank)
+
+    def weight_control(
+        self, msg: InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights
+    ) -> WeightUpdateResult:
+        """Run one weight-update command between steps; failures come back as the result's error."""
+        from fastdeploy_r3.worker.weight_updater import WeightUpdateError
+
+        updater = self.weight_updater
+        assert updater is not None
+        try:
+            if isinstance(msg, InitWeightUpdateGroup):
+                updater.init_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                                   msg.group_name, msg.backend)
+                return WeightUpdateResult(self.rank)
+            if isinstance(msg, DestroyWeightUpdateGroup):
+                updater.destroy_group(msg.group_name)
+                return WeightUpdateResult(self.rank)
+            if msg.model_path is not None:
+                n = updater.from_disk(msg.model_path)
+            elif msg.group_name is not None:
+                n = updater.from_distributed(msg.names, msg.dtypes, msg.shapes, msg.group_name)
+            else:
+                n = updater.from_tensors(list(msg.tensors or []))  # type: ignore[arg-type]
+            return WeightUpdateResult(self.rank, num_tensors=n)
+        except WeightUpdateError as e:
+            return WeightUpdateResult(self.rank, error=str(e), weights_changed=e.weights_changed)
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -208,6 +244,9 @@ class ModelRunner:
 
     def close(self) -> None:
         self.decode_graphs = None  # before the KV cache and capture buffer its graphs point into
+        if self.weight_updater is not None:
+            self.weight_updater.close()
+            self.weight_updater = None
         if self.routing_writer is not None:
             self.routing_writer.close()
             self.routing_writer = None

@@ -7,6 +7,8 @@
       ◄── True ─────────────────
       ── StepInput ────────────►     forward, write R3 rows, sample
       ◄── StepOutput ───────────
+      ── InitWeightUpdateGroup / UpdateWeights / DestroyWeightUpdateGroup ►  (between steps)
+      ◄── WeightUpdateResult ───     new weights in place, each rank its shard
       ── Shutdown / pipe closed ►    free SHM, leave the TP group, exit
 
 Every rank runs every step (its forward all-reduces with the others); only rank 0 samples and writes R3.
@@ -23,7 +25,16 @@ import torch
 
 from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.worker.messages import AttachRoutingBuffer, Shutdown, StepInput, StepOutput, WorkerReady
+from fastdeploy_r3.worker.messages import (
+    AttachRoutingBuffer,
+    DestroyWeightUpdateGroup,
+    InitWeightUpdateGroup,
+    Shutdown,
+    StepInput,
+    StepOutput,
+    UpdateWeights,
+    WorkerReady,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +79,8 @@ def worker_main(
                     logger.exception("step %d failed", msg.step_id)
                     out = StepOutput(msg.step_id, {}, error=f"{type(e).__name__}: {e}")
                 conn.send(out)
+            elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights)):
+                conn.send(runner.weight_control(msg))
     except Exception as e:
         try:
             conn.send(RuntimeError(f"worker rank {rank} failed to start: {e}\n{traceback.format_exc()}"))

@@ -199,10 +199,11 @@ def test_mooncake_fused_per_layer_only_last_turn_and_no_wipe(mooncake_store_url:
 
     per_layer = MooncakeRoutingStore(mooncake_store_url, "mc1", use_fused_put=False, only_last_turn=True)
     c, d = _rows(5), _rows(6, t=9)
-    assert per_layer.put("d:g:0:4", [c], MOE_LAYER_IDS) == ["mc1/d:g:0:4/layer_1", "mc1/d:g:0:4/layer_2", "mc1/d:g:0:4/layer_3"]
+    layer_keys = ["mc1/d:g:0:4/layer_1", "mc1/d:g:0:4/layer_2", "mc1/d:g:0:4/layer_3"]
+    assert per_layer.put("d:g:0:4", [c], MOE_LAYER_IDS) == layer_keys
     assert np.array_equal(read_mooncake_rollout(mooncake_store_url, "mc1", "d:g:0:4", moe_layer_ids=[1, 2, 3]), c)
     per_layer.put("d:g:1:4", [d], MOE_LAYER_IDS)  # next turn: the previous turn's keys go, even just read
-    assert raw.batch_is_exist(["mc1/d:g:0:4/layer_1", "mc1/d:g:0:4/layer_2", "mc1/d:g:0:4/layer_3"]) == [0, 0, 0]
+    assert raw.batch_is_exist(layer_keys) == [0, 0, 0]
     assert np.array_equal(per_layer.get("d:g:1:4", moe_layer_ids=[1, 2, 3]), d)
     assert raw.get("mc1:someone-else") == b"keep"
     # the same rollout id stored again serves the new value, never the old one

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server in front of the engine process.
+"""OpenAI-compatible HTTP server in front of the engine process, with SGLang's native API beside it
+(/generate and the RL control endpoints, entrypoints/native/).
 
     python -m fastdeploy_r3.entrypoints.openai.api_server --model DIR \\
         --routing-replay-config '{"enable_routing_replay": true}' --port 8000 [--api-key K]
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastdeploy_r3.blob_store import redact_url
 from fastdeploy_r3.config import ConfigError, EngineConfig
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
+from fastdeploy_r3.entrypoints.native.api import add_native_routes
 from fastdeploy_r3.entrypoints.openai.disconnect import ClientDisconnected, unless_disconnected
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -97,6 +99,8 @@ def _model_card(ctx: ServingContext, store: RoutingStore | None, namespace: str)
         "routing_store_type": rr.routing_store_type,
         "use_fused_put": rr.use_fused_put,
         "only_last_turn": rr.only_last_turn,
+        "routing_layout": rr.routing_layout,
+        "num_hidden_layers": rr.num_hidden_layers,
         "debug_mode": rr.debug_mode,
         "namespace": namespace if isinstance(store, RedisRoutingStore) or getattr(store, "key_style", "") == "fdr3"
         else None,
@@ -140,14 +144,15 @@ def build_app(
     app = FastAPI(title="fastdeploy_r3", lifespan=lifespan, **docs)
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
-    keyed = ("/v1",) if metrics_without_api_key else ("/v1", "/metrics")
+    # every endpoint but the liveness probe (and /metrics when asked) needs the key: the native API changes weights
+    open_paths = ("/health", "/metrics") if metrics_without_api_key else ("/health",)
     # added first, so it sits innermost (next to the routes): its 413 raised from receive() reaches
     # FastAPI as an HTTPException, not wrapped by the API-key middleware's task group
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith(keyed):
+        if api_key is not None and request.url.path not in open_paths:
             auth = request.headers.get("authorization", "")
             if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
                 err = OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
@@ -212,6 +217,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await unless_gone(raw, chat.create_chat_completion(request))
+
+    add_native_routes(app, ctx)
 
     return app
 

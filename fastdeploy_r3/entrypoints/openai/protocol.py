@@ -1,8 +1,11 @@
 """OpenAI-compatible request and response bodies, plus the R3 extras (DESIGN.md §7).
 
 R3 extras on requests: `return_routed_experts`, `routed_experts_start`, `rollout_id`,
-`overwrite_rollout`; on responses: each choice's `routed_experts` (base64 `.npy`, `[rows, L, K]`) and
-`routed_experts_start`, and the response's `moe_layer_ids`. Also on requests: `timeout` (seconds).
+`overwrite_rollout`, `routing_layout`; on responses: each choice's `routed_experts` (base64 `.npy`,
+`[rows, L, K]`, or `[rows, num_hidden_layers, K]` in the all_layers layout) and `routed_experts_start`,
+and the response's `moe_layer_ids` and `routing_layout`. Every response says which weights produced it
+(`weight_version`); a choice that lived through a weight update also carries SGLang's
+`weight_versions` spans and `spans_weight_versions: true`. Also on requests: `timeout` (seconds).
 Unknown request fields, and values of the wrong JSON type, are rejected (400) rather than silently
 ignored or coerced.
 
@@ -79,6 +82,7 @@ class _SamplingFields(StrictModel):
     overwrite_rollout: bool = False
     # seconds from arrival until the request is aborted (504); None: the server's --request-timeout-s
     timeout: float | None = Field(default=None, gt=0)
+    routing_layout: Literal["moe", "all_layers"] | None = None
 
     def to_sampling_params(
         self, default_max_tokens: int, generation_defaults: dict[str, Any] | None = None
@@ -111,6 +115,7 @@ class _SamplingFields(StrictModel):
             skip_special_tokens=self.skip_special_tokens,
             return_routed_experts=self.return_routed_experts,
             routed_experts_start=self.routed_experts_start,
+            routing_layout=self.routing_layout,
         )
         for name, value in defaults.items():
             if name in kw and name not in self.model_fields_set:
@@ -177,6 +182,9 @@ class _R3Choice(OpenAIBaseModel):
     # None when R3 is off for the request or it goes to a store instead of the response
     routed_experts: str | None = None
     routed_experts_start: int | None = None
+    # only for a choice that lived through a weight update (SGLang's spans of output tokens)
+    weight_versions: list[dict[str, Any]] | None = None
+    spans_weight_versions: bool | None = None
 
 
 class CompletionChoice(_R3Choice):
@@ -202,6 +210,8 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -232,6 +242,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     moe_layer_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class ChatCompletionStreamChoice(_R3Choice):
@@ -252,6 +264,8 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -263,6 +277,8 @@ class CompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     moe_layer_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    routing_layout: str | None = None
+    weight_version: str | None = None
 
 
 class ModelCard(OpenAIBaseModel):

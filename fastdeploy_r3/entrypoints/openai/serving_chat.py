@@ -21,6 +21,8 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     OpenAIServing,
     R3Result,
     bad_request,
+    choice_versions,
+    response_extras,
     stream_events,
 )
 from fastdeploy_r3.outputs import RequestDelta, RequestOutput
@@ -114,9 +116,11 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=c.stop_reason,
                                 routed_experts=r3.payloads[c.index],
                                 routed_experts_start=r3.starts[c.index],
+                                **choice_versions(c),
                             )
                         ],
                         moe_layer_ids=moe_layer_ids,
+                        **response_extras(out, r3),
                     )
                     for c in sorted(out.outputs, key=lambda c: c.index)
                 ]
@@ -150,11 +154,13 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=c.stop_reason,
                 routed_experts=r3.payloads[c.index],
                 routed_experts_start=r3.starts[c.index],
+                **choice_versions(c),
             )
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
         body = ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=self.usage(final), moe_layer_ids=moe_layer_ids,
             prompt_token_ids=prompt_token_ids if ids else None,
+            **response_extras(final, r3),
         )
         return JSONResponse(body.model_dump())

@@ -15,6 +15,8 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     OpenAIServing,
     R3Result,
     bad_request,
+    choice_versions,
+    response_extras,
     stream_events,
 )
 from fastdeploy_r3.outputs import CompletionOutput, RequestDelta, RequestOutput
@@ -117,10 +119,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=c.stop_reason,
                         routed_experts=r3.payloads[c.index],
                         routed_experts_start=r3.starts[c.index],
+                        **choice_versions(c),
                     )
                     chunks.append(
                         CompletionStreamResponse(
-                            id=request_id, model=model, choices=[choice], moe_layer_ids=moe_layer_ids
+                            id=request_id, model=model, choices=[choice], moe_layer_ids=moe_layer_ids,
+                            **response_extras(out, r3),
                         )
                     )
                 return [ch.model_dump(exclude_none=True) for ch in chunks]
@@ -159,11 +163,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 routed_experts_start=r3.starts[c.index],
                 token_ids=c.token_ids if ids else None,
                 prompt_token_ids=prompt_token_ids if ids else None,
+                **choice_versions(c),
             )
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
         body = CompletionResponse(
             id=request_id, model=model, choices=choices, usage=self.usage(final), moe_layer_ids=moe_layer_ids,
             prompt_token_ids=prompt_token_ids if ids else None,
+            **response_extras(final, r3),
         )
         return JSONResponse(body.model_dump())

@@ -18,18 +18,20 @@ What a request may cost, and who it may touch (issue 11):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineOverloadedError, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 from fastdeploy_r3.entrypoints.openai.request_limits import FALLBACK_LONGEST_TOKEN_CHARS, PromptCharBound
 from fastdeploy_r3.lifecycle import EngineDeadError
-from fastdeploy_r3.outputs import OutputAssembler, RequestDelta, RequestOutput
+from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3Result, R3StoreFailedError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
@@ -305,7 +307,7 @@ class OpenAIServing:
         t0 = time.perf_counter()
         try:
             # encoding and store I/O block: keep them off the event loop, but finish before answering
-            r3 = await asyncio.to_thread(self.ctx.delivery.deliver, final, rollout_id)
+            r3 = await asyncio.to_thread(self.ctx.delivery.deliver, final, rollout_id, True, params.routing_layout)
         except R3StoreFailedError as e:
             counters.r3_store_failures += 1
             raise internal_error(f"storing routed_experts of rollout {rollout_id!r} failed", final.request_id,
@@ -329,6 +331,19 @@ class OpenAIServing:
         n = sum(len(c.token_ids) for c in final.outputs)
         details = PromptTokensDetails(cached_tokens=final.num_cached_tokens)
         return UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n, prompt_tokens_details=details)
+
+
+def choice_versions(c: CompletionOutput) -> dict[str, Any]:
+    """The weight-version fields of a choice that lived through a weight update (none otherwise)."""
+    if not c.spans_weight_versions:
+        return {}
+    return {"weight_versions": [dataclasses.asdict(s) for s in c.weight_versions], "spans_weight_versions": True}
+
+
+def response_extras(final: RequestOutput, r3: R3Result) -> dict[str, Any]:
+    """Response-level fields beside moe_layer_ids: the weights that produced it, the R3 layout sent."""
+    spans = final.outputs[0].weight_versions if final.outputs else []
+    return {"weight_version": spans[-1].version if spans else None, "routing_layout": r3.layout}
 
 
 def sse(payload: dict | str) -> str:

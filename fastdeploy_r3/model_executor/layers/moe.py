@@ -145,6 +145,16 @@ def _capture_routing(moe_index: int, topk_ids: torch.Tensor) -> None:
         ctx.routing_capture.capture(moe_index, topk_ids)
 
 
+def _replayed_ids(moe_index: int, num_tokens: int) -> torch.Tensor | None:
+    try:
+        ctx = get_forward_context()
+    except RuntimeError:
+        return None
+    if ctx.routing_replay is None:
+        return None
+    return ctx.routing_replay.ids_for(moe_index, num_tokens)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ GLM's shared experts). Parameters mirror HF names under `mlp.`.
 
@@ -208,9 +218,27 @@ class SparseMoeBlock(nn.Module):
             self.routed_scaling_factor,
         )
 
+    def replay_weights(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], forced topk_ids [T, K] -> their router weights [T, K] float32, as route() would
+        weigh them had it chosen them (same normalisation and scaling)."""
+        if self.router == "softmax":
+            probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+            weights = probs.gather(1, topk_ids)  # [T, K]
+            return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
+        weights = scores.gather(1, topk_ids)  # [T, K]
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
+        forced = _replayed_ids(self.moe_index, x.shape[0])  # [T, K] or None
+        if forced is None:
+            topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
+        else:
+            topk_ids = forced.to(device=x.device, dtype=torch.int64)  # [T, K]
+            topk_weights = self.replay_weights(x, topk_ids)  # [T, K]
         _capture_routing(self.moe_index, topk_ids)
         out = self.experts(x, topk_weights, topk_ids)  # [T, H], this rank's partial sum
         if self.shared_experts is not None:

@@ -238,6 +238,30 @@ class MoeCausalLM(nn.Module):
                 shapes[self._to_checkpoint_name(name)] = tuple(tensor.shape)
         return shapes
 
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This model's weights as an HF checkpoint holds them (names and full shapes of
+        checkpoint_weight_shapes; stacked experts split back per expert), e.g. for a trainer pushing
+        them to a server. Views, not copies; a tensor-parallel shard has no full tensors to give."""
+        if any(isinstance(m, ShardedLinear) and m.tp_size > 1 for m in self.modules()):
+            raise WeightLoadingError("checkpoint_weights() needs the whole model (tensor_parallel_size 1)")
+        gate_name, up_name, down_name = self.expert_proj_names
+        split_back = (StackedExperts, QKVParallelLinear)
+        for mod_name, module in self.named_modules():
+            if isinstance(module, StackedExperts):
+                prefix = self._to_checkpoint_name(mod_name)
+                inter = module.intermediate_size
+                for e in range(module.num_experts):
+                    yield f"{prefix}.{e}.{gate_name}.weight", module.w13[e, :inter]  # [I, H]
+                    yield f"{prefix}.{e}.{up_name}.weight", module.w13[e, inter:]  # [I, H]
+                    yield f"{prefix}.{e}.{down_name}.weight", module.w2[e]  # [H, I]
+            elif isinstance(module, QKVParallelLinear):  # HF keeps q_proj, k_proj, v_proj apart
+                attn = self._to_checkpoint_name(mod_name.rsplit(".", 1)[0])
+                for shard, param in module.checkpoint_shapes():
+                    yield f"{attn}.{shard}_proj.{param}", module.shard(shard, param)
+        for name, tensor in self._loadable_tensors():
+            if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), split_back):
+                yield self._to_checkpoint_name(name), tensor
+
     def _loadable_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         # named_parameters() drops the tied lm_head.weight as a duplicate, which is what we want
         yield from self.named_parameters()
@@ -245,9 +269,35 @@ class MoeCausalLM(nn.Module):
             if name.endswith("e_score_correction_bias"):
                 yield name, buf
 
+    def check_checkpoint_weights(self, shapes: dict[str, tuple[int, ...]], require_all: bool) -> None:
+        """Raise WeightLoadingError unless every (name, full shape) is one this model loads or deliberately
+        skips, and, with require_all, every weight of the model is there. Reads no tensor data, so a
+        weight update can refuse a wrong checkpoint before it changes a single parameter."""
+        expected = self.checkpoint_weight_shapes()
+        for name, shape in shapes.items():
+            if name not in expected:
+                if self._skip_checkpoint_weight(name) or (self.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                raise WeightLoadingError(
+                    f"unexpected weight {name!r}: {type(self).__name__} has no such parameter (the weights are "
+                    "for another architecture or config)"
+                )
+            if tuple(shape) != expected[name]:
+                raise WeightLoadingError(
+                    f"weight {name!r} has shape {tuple(shape)}, the model expects {expected[name]}"
+                )
+        if require_all:
+            missing = sorted(set(expected) - set(shapes))
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF checkpoint tensors by name; raise WeightLoadingError naming any bad or missing key."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+        """Load HF checkpoint tensors by name; raise WeightLoadingError naming any bad or missing key.
+
+        strict=False loads a subset (a weight update that sends some tensors): nothing is required.
+        """
         expected = self.checkpoint_weight_shapes()
         tensors = dict(self._loadable_tensors())
         loaded: set[str] = set()
@@ -283,7 +333,7 @@ class MoeCausalLM(nn.Module):
                     tensors[name].copy_(w)
             loaded.add(ckpt_name)
         missing = sorted(set(expected) - loaded)
-        if missing:
+        if missing and strict:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
 
