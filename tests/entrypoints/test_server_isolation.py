@@ -218,7 +218,8 @@ def test_routed_experts_start_past_the_prompt_is_a_400_not_a_silent_clamp(server
 
 def test_no_docs_no_store_path_and_metrics_behind_the_key(server: ServerHandle, store_dir: str) -> None:
     for path in ("/docs", "/openapi.json", "/redoc"):
-        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 404
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 401  # every path but /health is keyed
+        assert httpx.get(f"{server.url}{path}", headers=AUTH, timeout=10).status_code == 404  # and docs are off
     card = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]
     assert "local_store_dir" not in card["r3"] and str(store_dir) not in str(card)
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 401
