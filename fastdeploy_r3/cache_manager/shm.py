@@ -66,6 +66,19 @@ class ShmSegment:
         unlink_quietly(name)
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         _untrack(shm)
+        try:
+            # tmpfs hands out pages only when they are touched, so an untouched segment does not count
+            # against /dev/shm and the check above passes for segments that together cannot fit; the
+            # first touch past the limit is then a SIGBUS. Reserving every page now turns that into a
+            # clear error at creation, and makes the next segment's check see this one.
+            os.posix_fallocate(shm._fd, 0, nbytes)  # type: ignore[attr-defined]
+        except OSError as e:
+            shm.close()
+            unlink_quietly(name)
+            raise SharedMemoryError(
+                f"/dev/shm cannot reserve {nbytes / 2**20:.1f} MiB for {name} ({e.strerror}); enlarge /dev/shm "
+                "(e.g. docker --shm-size) or lower num_gpu_blocks / swap_space"
+            ) from e
         return cls(shm, owner=True)
 
     @classmethod
