@@ -13,6 +13,8 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
+from fastdeploy_r3.process_lifetime import pid_alive
+
 SHM_PREFIX = "fdr3_"
 
 
@@ -138,16 +140,6 @@ def remove_stale_segments() -> list[str]:
         unlink_quietly(name)
         removed.append(name)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def unlink_all(suffix: str) -> None:
