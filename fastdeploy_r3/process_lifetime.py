@@ -24,6 +24,7 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 IPC_DIR_PREFIX = "fdr3_ipc_"
 _IPC_DIR_RE = re.compile(rf"^{IPC_DIR_PREFIX}(\d+)_")
 
@@ -42,6 +43,19 @@ def exit_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         return
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+def name_this_process(name: str) -> None:
+    """Set the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), e.g. `fdr3-worker0`.
+
+    Spawned children all run `python -c ...spawn_main...`; a name tells an operator, and the fault
+    tests, which one is the engine, a worker or the cache transfer manager.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def pid_alive(pid: int) -> bool:

@@ -32,9 +32,9 @@ def test_a_child_blocked_forever_exits_when_its_parent_is_sigkilled(tmp_path):
         def on_term(signum, frame):
             raise SystemExit(0)
         signal.signal(signal.SIGTERM, on_term)
-        exit_with_parent(int(sys.argv[1]))
-        print(os.getpid(), flush=True)
         try:
+            exit_with_parent(int(sys.argv[1]))
+            print(os.getpid(), flush=True)
             time.sleep(600)
         finally:
             open({str(marker)!r}, "w").write("yes")
@@ -85,3 +85,11 @@ def test_a_new_ipc_dir_is_private_and_named_after_this_process():
         assert os.stat(path).st_mode & 0o777 == 0o700
     finally:
         os.rmdir(path)
+
+
+def test_a_named_process_shows_its_name_in_proc():
+    code = "from fastdeploy_r3.process_lifetime import name_this_process as n; n('fdr3-worker12345'); " \
+           "print(open('/proc/self/comm').read().strip())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO_ROOT), timeout=60)
+    assert out.stdout.strip() == "fdr3-worker1234"  # cut to the kernel's 15 bytes
