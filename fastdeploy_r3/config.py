@@ -157,6 +157,12 @@ class CacheConfig:
     swap_space: float = 0.0  # GiB of CPU tier
     num_cpu_blocks_override: int | None = None
     kv_storage: str | None = None  # file:///dir or redis://host:port/db
+    # deadline of one storage-tier operation (lookup, load, put): past it the block is a miss (or is
+    # not stored) and the store is degraded until a probe succeeds
+    storage_timeout_s: float = 2.0
+    # a CacheTransferManager task without an ack within this means a stuck or stopped CTM: it is killed
+    # and replaced (its CPU tier is lost, its blocks become misses)
+    transfer_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -169,6 +175,9 @@ class CacheConfig:
             raise ConfigError(f"swap_space={self.swap_space}; use 0 (no CPU tier) or a positive size in GiB")
         if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
             raise ConfigError(f"num_cpu_blocks_override={self.num_cpu_blocks_override}; use 0 or more")
+        for name in ("storage_timeout_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}; use a positive number of seconds")
         if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://")):
             raise ConfigError(
                 f"kv_storage={self.kv_storage!r}; use file:///absolute/dir or redis://127.0.0.1:6379/0"
@@ -205,10 +214,15 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # a step the workers have not answered within this is stuck (or a worker is stopped): the engine
+    # fails its requests and exits, so that its supervisor restarts it
+    worker_step_timeout_s: float = 120.0
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}; use at least 1")
+        if not self.worker_step_timeout_s > 0:
+            raise ConfigError(f"worker_step_timeout_s={self.worker_step_timeout_s}; use a positive number of seconds")
 
     def validate_for_model(self, hf_config: dict[str, Any]) -> None:
         """Every size the ranks split (heads, kv heads, intermediate sizes) must divide evenly."""
@@ -260,6 +274,7 @@ class RoutingReplayConfig:
     use_fused_put: bool = True
     debug_mode: bool = False
     ttl_s: int = 3600
+    store_timeout_s: float = 10.0  # deadline of one R3 store put; past it the request fails, the store is degraded
     # derived once by postprocess(model_config)
     moe_layer_ids: list[int] | None = field(default=None, repr=False)
     num_moe_layers: int = 0
@@ -276,6 +291,7 @@ class RoutingReplayConfig:
         ("use_fused_put", bool),
         ("debug_mode", bool),
         ("ttl_s", int),
+        ("store_timeout_s", (int, float)),
     )
 
     @classmethod
@@ -327,6 +343,8 @@ class RoutingReplayConfig:
             raise ConfigError("routing_store_type 'p2pstore' needs p2pstore_url, e.g. redis://127.0.0.1:6379/0")
         if self.ttl_s <= 0:
             raise ConfigError(f"ttl_s={self.ttl_s}; use a positive number of seconds")
+        if not self.store_timeout_s > 0:
+            raise ConfigError(f"store_timeout_s={self.store_timeout_s}; use a positive number of seconds")
 
     def postprocess(self, model_config: ModelConfig) -> None:
         """Derive the R3 shape from the final model config; call once, after ModelConfig.finalize()."""
@@ -416,10 +434,16 @@ class EngineConfig:
         p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU tier for swapped KV")
         p.add_argument("--num-cpu-blocks-override", type=int, default=None)
         p.add_argument("--kv-storage", default=None, help="file:///dir or redis://127.0.0.1:6379/0")
+        p.add_argument("--storage-timeout-s", type=float, default=2.0,
+                       help="deadline of one storage-tier lookup, load or put")
+        p.add_argument("--transfer-timeout-s", type=float, default=30.0,
+                       help="a cache transfer task without an ack this long: the CTM is killed and replaced")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         p.add_argument("--tensor-parallel-size", type=int, default=1)
+        p.add_argument("--worker-step-timeout-s", type=float, default=120.0,
+                       help="a worker step not answered within this fails the engine, which exits")
         p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
         p.add_argument("--routing-replay-config", default=None, help="JSON object or path to a JSON file")
         return p
@@ -432,8 +456,9 @@ class EngineConfig:
                 "dtype", "load_format", "max_model_len", "seed", "weight_version", "block_size",
                 "num_gpu_blocks_override", "gpu_memory_utilization", "kv_cache_space_gib",
                 "enable_prefix_caching", "swap_space", "num_cpu_blocks_override", "kv_storage",
+                "storage_timeout_s", "transfer_timeout_s",
                 "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                "tensor_parallel_size", "device", "routing_replay_config",
+                "tensor_parallel_size", "worker_step_timeout_s", "device", "routing_replay_config",
             )
         }
         return cls.from_kwargs(args.model, **kw)

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -35,12 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-import numpy as np
 
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TOOLS_DIR)
@@ -48,43 +45,24 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, TOOLS_DIR)
 
 import faults  # noqa: E402
-
-from fastdeploy_r3.client import decode_routed_experts, read_redis_rollout  # noqa: E402
+from soak_load import MUST_BE_ZERO, OUTCOMES, Load, Target  # noqa: E402
+from soak_load import Stats as RequestStats  # noqa: E402
 
 ALL_FAULTS = ("ctm-kill", "redis-stop", "storage-full", "worker-kill", "ctm-stop", "storage-corrupt",
               "engine-stop", "storage-ro", "worker-stop", "engine-kill", "api-kill")
 FATAL = {"worker-kill", "worker-stop", "engine-kill", "engine-stop", "api-kill"}  # the server exits
 STORE_NAMESPACE = "soak"
-TOKEN_LO, TOKEN_HI = 16, 250
-
-
-# -- outcomes --------------------------------------------------------------------------------------
-
-OK, BAD_OK, CLEAR, REFUSED, GAVE_UP, CUT, HUNG, WRONG, UNCLEAR = (
-    "served, R3 exact", "bad request refused (400)", "failed with a clear error", "refused while restarting",
-    "client gave up (disconnect/abort)", "cut by a killed API server", "hung", "wrong R3 rows", "unclear errors")
-MUST_BE_ZERO = (HUNG, WRONG, UNCLEAR)
 
 
 @dataclass
-class Stats:
-    outcomes: Counter = field(default_factory=Counter)
-    latencies: list[float] = field(default_factory=list)
-    examples: dict[str, str] = field(default_factory=dict)  # first message per bad outcome
+class Stats(RequestStats):
     faults: Counter = field(default_factory=Counter)
     restarts: int = 0
     leaked_processes: int = 0
     leaked_segments: int = 0
     leaked_ipc_dirs: int = 0
     leak_examples: list[str] = field(default_factory=list)
-    rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB of the whole tree)
-
-    def add(self, outcome: str, detail: str = "", latency: float | None = None) -> None:
-        self.outcomes[outcome] += 1
-        if latency is not None and outcome == OK:
-            self.latencies.append(latency)
-        if outcome in (HUNG, WRONG, UNCLEAR, CLEAR) and outcome not in self.examples:
-            self.examples[outcome] = detail[:300]
+    rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB of the whole server tree)
 
 
 # -- the supervised server -------------------------------------------------------------------------
@@ -270,146 +248,22 @@ class FaultInjector:
 # -- the load --------------------------------------------------------------------------------------
 
 
-KINDS = (("plain", 35), ("n2", 10), ("stream", 20), ("abort", 8), ("disconnect", 7), ("bad", 10), ("long", 10))
-BAD_BODIES = ({"max_tokens": -1}, {"prompt": [10**7]}, {"temperature": -1.0}, {"n": 0}, {"no_such_field": 1},
-              {"prompt": []})
+class Clients:
+    """--concurrency loops of requests; each waits while the supervisor restarts the server."""
 
-
-class Load:
     def __init__(self, sup: Supervisor, stats: Stats, args: argparse.Namespace) -> None:
         self.sup, self.stats, self.args = sup, stats, args
-        self.rng = random.Random(args.seed)
-        self.prefixes = [[self.rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(16)] for _ in range(6)]
-        self.kinds = [k for k, w in KINDS for _ in range(w)]
-
-    def body(self, kind: str) -> dict:
-        rng = self.rng
-        suffix = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(rng.randint(1, 12))]
-        prompt = list(rng.choice(self.prefixes)) + suffix
-        body: dict = {"prompt": prompt, "max_tokens": rng.randint(1, 10), "ignore_eos": rng.random() < 0.5,
-                      "temperature": rng.choice([0.0, 0.8]), "seed": rng.randrange(1 << 30),
-                      "rollout_id": f"soak-{uuid.uuid4().hex[:12]}"}
-        if kind == "n2":
-            body["n"] = 2
-        if kind == "long":
-            body["prompt"] = prompt + [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(40)]
-            body["max_tokens"] = rng.randint(10, 40)
-        if kind in ("stream", "abort"):
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        if kind == "bad":
-            body.update(rng.choice(BAD_BODIES))
-        return body
+        self.load = Load(args.seed, args.hang_after)
 
     async def one(self, client: httpx.AsyncClient) -> None:
-        await self.sup.up.wait()
-        srv = self.sup.server
-        if srv is None:
-            return await self.one(client)
-        kind = self.rng.choice(self.kinds)
-        body = self.body(kind)
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self.args.hang_after):
-                outcome, detail = await self.send(client, srv, kind, body)
-        except TimeoutError:
-            outcome, detail = HUNG, f"{kind} request got no answer within {self.args.hang_after} s: {body}"
-        self.stats.add(outcome, detail, time.monotonic() - t0)
-
-    async def send(self, client: httpx.AsyncClient, srv: Server, kind: str, body: dict) -> tuple[str, str]:
-        url = f"{srv.url}/v1/completions"
-        try:
-            if kind == "disconnect":
-                with contextlib.suppress(httpx.TimeoutException):
-                    await client.post(url, json=body, timeout=self.rng.uniform(0.05, 0.5))
-                return GAVE_UP, ""
-            if body.get("stream"):
-                return await self.stream(client, url, kind, body, srv)
-            r = await client.post(url, json=body)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
-            return await self.transport_outcome(srv, e)
-        if kind == "bad":
-            return (BAD_OK, "") if r.status_code == 400 and error_message(r.json()) else (
-                UNCLEAR, f"bad request {body} answered {r.status_code}: {r.text[:200]}")
-        if r.status_code != 200:
-            msg = error_message(safe_json(r))
-            return (CLEAR, f"{r.status_code}: {msg}") if msg else (UNCLEAR, f"{r.status_code}: {r.text[:200]}")
-        return await asyncio.to_thread(self.check_r3, srv, body, r.json())
-
-    async def stream(self, client: httpx.AsyncClient, url: str, kind: str, body: dict, srv: Server) -> tuple[str, str]:
-        finals: dict[int, dict] = {}
-        usage = None
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                msg = error_message(json.loads(await r.aread() or b"{}"))
-                return (CLEAR, f"{r.status_code}: {msg}") if msg else (UNCLEAR, f"stream answered {r.status_code}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if kind == "abort":
-                    return GAVE_UP, ""  # leaving the block closes the connection: the server aborts it
-                if "error" in event:
-                    msg = error_message(event)
-                    return (CLEAR, msg) if msg else (UNCLEAR, f"error event without a message: {data[:200]}")
-                for c in event.get("choices", []):
-                    if c.get("finish_reason"):
-                        finals[c["index"]] = c
-                if event.get("usage"):
-                    usage = event["usage"]
-        if usage is None or not finals:
-            return UNCLEAR, f"stream ended without a final chunk or usage: finals {sorted(finals)}"
-        return await asyncio.to_thread(self.check_r3, srv, body, {"choices": list(finals.values()), "usage": usage})
-
-    async def transport_outcome(self, srv: Server, e: Exception) -> tuple[str, str]:
-        if isinstance(e, httpx.ConnectError):
-            return REFUSED, ""
-        # the connection broke mid-answer: only acceptable when the API server itself was killed
-        await asyncio.sleep(0.5)
-        if srv.proc.poll() is not None:
-            return CUT, ""
-        return UNCLEAR, f"{type(e).__name__} from a live API server: {e}"
-
-    def check_r3(self, srv: Server, body: dict, resp: dict) -> tuple[str, str]:
-        choices = sorted(resp["choices"], key=lambda c: c["index"])
-        n = body.get("n", 1)
-        if len(choices) != n:
-            return UNCLEAR, f"{len(choices)} choices for n={n}"
-        p = resp["usage"]["prompt_tokens"]
-        n_tokens = 0
-        for c in choices:
-            try:
-                if srv.config == "A":
-                    arr = read_redis_rollout(self.sup.redis_url, STORE_NAMESPACE, body["rollout_id"],
-                                             c["index"] if n > 1 else None)
-                else:
-                    arr = decode_routed_experts(c["routed_experts"])
-            except Exception as e:  # noqa: BLE001 - a 200 without readable R3 is the worst outcome
-                return WRONG, f"choice {c['index']} of {body['rollout_id']}: R3 unreadable: {e}"
-            start = c.get("routed_experts_start") or 0
-            want = (np.arange(start, start + arr.shape[0]) % np.iinfo(arr.dtype).max).astype(arr.dtype)
-            if arr.ndim != 3 or not np.array_equal(arr, np.broadcast_to(want[:, None, None], arr.shape)):
-                bad = np.argwhere(arr != want[:, None, None])[:1].tolist() if arr.ndim == 3 else arr.shape
-                return WRONG, f"choice {c['index']} of {body['rollout_id']}: rows differ from positions at {bad}"
-            n_tokens += arr.shape[0] + start - p + 1
-        if n_tokens != resp["usage"]["completion_tokens"]:
-            return WRONG, f"R3 covers {n_tokens} completion tokens, usage says {resp['usage']['completion_tokens']}"
-        return OK, ""
-
-
-def safe_json(r: httpx.Response) -> dict:
-    try:
-        return r.json()
-    except ValueError:
-        return {}
-
-
-def error_message(body: dict) -> str:
-    err = body.get("error") if isinstance(body, dict) else None
-    return (err or {}).get("message", "") if isinstance(err, dict) else ""
+        while True:
+            await self.sup.up.wait()
+            srv = self.sup.server
+            if srv is not None:
+                break
+        r3_store = (self.sup.redis_url, STORE_NAMESPACE) if srv.config == "A" else None
+        target = Target(srv.url, r3_store, server_alive=lambda: srv.proc.poll() is None)
+        self.stats.add(await self.load.one(client, target))
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -449,7 +303,7 @@ async def soak(args: argparse.Namespace, work: str) -> Stats:
         watcher = asyncio.create_task(sup.watch())
         names = [f for f in args.faults.split(",") if f]
         injector = asyncio.create_task(FaultInjector(sup, redis.pid, args, stats).run(names)) if names else None
-        load = Load(sup, stats, args)
+        clients = Clients(sup, stats, args)
         issued = 0
 
         async def client_loop() -> None:
@@ -457,7 +311,7 @@ async def soak(args: argparse.Namespace, work: str) -> Stats:
             async with httpx.AsyncClient(timeout=None) as client:
                 while (args.requests is None or issued < args.requests) and (t_end is None or time.monotonic() < t_end):
                     issued += 1
-                    await load.one(client)
+                    await clients.one(client)
 
         await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
         if injector is not None:
@@ -482,7 +336,7 @@ def table(stats: Stats, seconds: float) -> str:
     pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: float("nan"))
     total = sum(stats.outcomes.values())
     rows = [("requests", total)]
-    for name in (OK, BAD_OK, CLEAR, REFUSED, GAVE_UP, CUT, HUNG, WRONG, UNCLEAR):
+    for name in OUTCOMES:
         rows.append((name, stats.outcomes.get(name, 0)))
     rows += [("leaked processes", stats.leaked_processes), ("leaked /dev/shm segments", stats.leaked_segments),
              ("leaked IPC directories", stats.leaked_ipc_dirs),

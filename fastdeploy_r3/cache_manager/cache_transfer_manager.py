@@ -51,6 +51,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
+from fastdeploy_r3.process_lifetime import exit_with_parent, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -434,9 +435,12 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
         raise SystemExit(0)  # unwinds into the finally below, which unlinks the CPU tier
 
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
     ppid = os.getppid()  # reparenting means the process that started us died, even if parent_pid lives
     ctm = None
     try:
+        exit_with_parent(ppid)  # SIGTERM the moment the engine dies, even in the middle of a task
+        name_this_process("fdr3-ctm")
         try:
             ctm = CacheTransferManager(config)
         except Exception as e:

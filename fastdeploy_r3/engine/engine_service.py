@@ -264,7 +264,8 @@ class EngineService:
         self._worker_known.difference_update(finished)
         self._finished_since_step.clear()
         assert self.workers is not None
-        outs = self.workers.call(StepInput(self._step_id, reqs, finished))
+        outs = self.workers.call(StepInput(self._step_id, reqs, finished),
+                                 timeout=self.config.parallel_config.worker_step_timeout_s)
         errors = [o.error for o in outs if o.error]
         if errors:
             return f"worker step failed: {errors[0]}"

@@ -5,7 +5,9 @@
 
 Start-up order: parse and validate the config (a bad flag exits with a message before anything
 starts), reach the routing store, bind the port, start the engine process, then serve. The engine
-process is shut down when the server stops (SIGINT/SIGTERM included).
+process is shut down when the server stops (SIGINT/SIGTERM included). When the engine dies or stalls,
+the server answers what is in flight with the error, logs why, and exits with code 1, so that its
+supervisor (systemd, Kubernetes) restarts the whole tree instead of a server that answers 503 forever.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         help="key prefix of this deployment in the R3 p2pstore: keys are {namespace}:{rollout_id}[:{layer}]",
     )
     parser.add_argument("--engine-start-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--engine-stall-timeout-s", type=float, default=None,
+        help="an engine silent this long (stopped, stuck) is killed and the server exits "
+             "(default: --worker-step-timeout-s + 30)",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
@@ -188,6 +195,10 @@ def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+class EngineLostError(RuntimeError):
+    """The engine died or stalled while serving; the server exits non-zero so a supervisor restarts it."""
+
+
 async def run_server(args: argparse.Namespace) -> None:
     config = EngineConfig.from_cli_args(args)  # ConfigError: bad flags, before anything starts
     namespace = validate_rollout_id(args.r3_namespace, "--r3-namespace")
@@ -201,13 +212,27 @@ async def run_server(args: argparse.Namespace) -> None:
     # until uvicorn installs its handlers, SIGTERM must unwind through the finally below
     signal.signal(signal.SIGTERM, _raise_system_exit)
     engine: AsyncEngineClient | None = None
+    lost: list[str] = []
     try:
-        engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout)
+        engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout,
+                                               stall_timeout_s=args.engine_stall_timeout_s)
         ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store)
         app = build_app(ctx, args.api_key, namespace)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
+
+        def on_engine_dead(message: str) -> None:
+            # in-flight requests already got the error; uvicorn lets their responses finish, then exits
+            logger.error("the engine is gone (%s); the server exits with code 1 so that its supervisor restarts it",
+                         message)
+            lost.append(message)
+            server.should_exit = True
+
+        engine.on_dead = on_engine_dead
         logger.info("serving %s on http://%s:%d", ctx.served_model_name, args.host, args.port)
         await server.serve(sockets=[sock])
+        if lost:
+            raise EngineLostError(f"the engine is gone ({lost[0]}); exiting with code 1 so that a supervisor "
+                                  "restarts the server")
     finally:
         if engine is not None:
             await engine.shutdown()
@@ -225,7 +250,7 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(run_server(args))
-    except (ConfigError, EngineStartupError, RoutingStoreError, ValueError, OSError) as e:
+    except (ConfigError, EngineStartupError, EngineLostError, RoutingStoreError, ValueError, OSError) as e:
         # start-up failures: one clear line (plus the engine's traceback where it sent one), exit 1
         print(f"fastdeploy_r3: error: {e}", file=sys.stderr)
         sys.exit(1)
