@@ -159,6 +159,15 @@ class CacheTransferClient:
             raise CacheTransferError("cache transfer manager is not started; call start(config) first")
         return self._conn
 
+    def kill(self) -> None:
+        """SIGKILL a CTM that is stuck or stopped (it cannot be asked), then clean up as shutdown() does.
+
+        After this returns the process is gone, so nothing it was doing can still write a GPU block."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5.0)
+        self.shutdown(timeout=1.0)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the CTM (politely, then SIGTERM, then SIGKILL) and make sure its SHM is gone."""
         proc, conn = self._proc, self._conn

@@ -68,6 +68,11 @@ class StorageLookup:
         if job.result is None:
             self._queue.put((request_id, job))
 
+    def pending(self) -> bool:
+        """Some lookup has not answered yet."""
+        with self._lock:
+            return any(j.result is None for j in self._lookups.values())
+
     def has(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._lookups

@@ -137,6 +137,7 @@ class HealthReply:
     query_id: int
     ok: bool
     message: str = ""
+    degraded: dict[str, str] = field(default_factory=dict)  # part -> why, e.g. {"kv_storage": "..."}
 
 
 @dataclass
@@ -211,7 +212,7 @@ class _EngineLoop:
         elif isinstance(msg, MetricsQuery):
             self.send(MetricsReply(msg.query_id, {k: float(v) for k, v in self.svc.metrics().items()}))
         elif isinstance(msg, HealthQuery):
-            self.send(HealthReply(msg.query_id, ok=True))
+            self.send(HealthReply(msg.query_id, ok=True, degraded=self.svc.degraded()))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:

@@ -27,6 +27,7 @@ from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingPa
 from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.token_processor import TokenProcessor
 from fastdeploy_r3.engine.worker_group import EngineDeadError, WorkerGroup
+from fastdeploy_r3.store_health import StoreHealth
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class EngineService:
         self._dead: str | None = None
         self.workers: WorkerGroup | None = None
         self._ctm = None
+        self._ctm_config = None
+        self._ctm_replacements = 0
+        self._ctm_failed: str | None = None
+        self._lookup = None
         self._routing_host: RoutingBuffer | None = None
         self._step_id = 0
         self._groups: dict[str, _Group] = {}
@@ -80,7 +85,7 @@ class EngineService:
             self.tokenizer = None
         eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
 
-        self.workers = WorkerGroup(cfg, self.suffix, also_check=self._check_ctm)
+        self.workers = WorkerGroup(cfg, self.suffix)
         readies: list[WorkerReady] = self.workers.gather(timeout=600)
         num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
         self.num_gpu_blocks = num_gpu_blocks
@@ -115,8 +120,10 @@ class EngineService:
         namespace = f"{mc.model_identity}|{mc.weight_version}"
         if cc.enable_prefix_caching and cc.kv_storage:
             from fastdeploy_r3.cache_manager.storage import make_storage_backend
+            from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 
             storage = make_storage_backend(cc.kv_storage, namespace)
+            self._lookup = StorageLookup(storage, cc.storage_timeout_s, StoreHealth("kv storage"))
         transfer = None
         if num_cpu_blocks > 0 or storage is not None:
             from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
@@ -124,19 +131,18 @@ class EngineService:
 
             transfer = CacheTransferClient()
             self._ctm = transfer
-            transfer.start(
-                CacheTransferConfig(
-                    kv_specs=[r.kv_spec for r in readies],
-                    num_cpu_blocks=num_cpu_blocks,
-                    block_size=cc.block_size,
-                    routing_host=routing_spec,
-                    routing_swap_name=shm_name(self.suffix, "routing_swap") if routing_spec else None,
-                    kv_cpu_name=shm_name(self.suffix, "kv_cpu"),
-                    storage_url=cc.kv_storage if storage is not None else None,
-                    storage_namespace=namespace,
-                    parent_pid=os.getpid(),
-                )
+            self._ctm_config = CacheTransferConfig(
+                kv_specs=[r.kv_spec for r in readies],
+                num_cpu_blocks=num_cpu_blocks,
+                block_size=cc.block_size,
+                routing_host=routing_spec,
+                routing_swap_name=shm_name(self.suffix, "routing_swap") if routing_spec else None,
+                kv_cpu_name=shm_name(self.suffix, "kv_cpu"),
+                storage_url=cc.kv_storage if storage is not None else None,
+                storage_namespace=namespace,
+                parent_pid=os.getpid(),
             )
+            transfer.start(self._ctm_config)
         self.num_cpu_blocks = num_cpu_blocks
         self.kv = PrefixCacheManager(
             num_gpu_blocks=num_gpu_blocks,
@@ -144,8 +150,9 @@ class EngineService:
             enable_prefix_caching=cc.enable_prefix_caching,
             root_hash=root_hash(mc.model_identity, mc.weight_version),
             num_cpu_blocks=num_cpu_blocks,
-            storage=storage,
             transfer=transfer,
+            lookup=self._lookup,
+            transfer_timeout_s=cc.transfer_timeout_s,
         )
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill)
         routing = None
@@ -218,7 +225,11 @@ class EngineService:
         try:
             self._check_children()
             self.kv.poll_transfers()
+            if self.kv.transfer_lost is not None:
+                self._replace_ctm(self.kv.transfer_lost)
             out = self.scheduler.schedule()
+            if not out.chunks and self.kv.has_pending_lookups():
+                self._lookup.wait(0.01)  # type: ignore[union-attr]  # nothing to run but lookups: do not spin
             if out.chunks:
                 sampled = self._run_workers(out)
                 if isinstance(sampled, str):
@@ -319,11 +330,40 @@ class EngineService:
     def _check_children(self) -> None:
         if self.workers is not None:
             self.workers.check_alive()
-        self._check_ctm()
+        if self._ctm is not None and not self._ctm.is_alive() and self.kv.transfer_lost is None:
+            self.kv.lose_transfer(f"the cache transfer manager (pid {self._ctm.pid}) exited")
 
-    def _check_ctm(self) -> None:
-        if self._ctm is not None and not self._ctm.is_alive():
-            raise EngineDeadError(f"the cache transfer manager (pid {self._ctm.pid}) exited")
+    def _replace_ctm(self, reason: str) -> None:
+        """A dead or stuck CTM is killed and replaced: the requests keep going, and the blocks it held
+        (its CPU tier, loads and puts in flight) become misses. Without a working CTM the engine goes on
+        with the GPU cache alone."""
+        from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
+
+        old = self._ctm
+        assert old is not None and self._ctm_config is not None
+        old.kill()  # a stuck one must be gone before its blocks are reused
+        self._ctm_replacements += 1
+        new = CacheTransferClient()
+        try:
+            new.start(self._ctm_config)
+        except Exception as e:  # noqa: BLE001 - serving on without tiers beats failing every request
+            logger.error("cache transfer manager could not be replaced (%s); serving without CPU and storage tiers", e)
+            self._ctm = None
+            self._ctm_failed = f"replacement failed: {e}"
+            self.kv.reset_transfer(None)
+            return
+        logger.warning("cache transfer manager replaced (pid %s -> %s) after: %s", old.pid, new.pid, reason)
+        self._ctm = new
+        self.kv.reset_transfer(new)
+
+    def degraded(self) -> dict[str, str]:
+        """What works less well than configured, for /health: {"kv_storage": why, "cache_transfer": why}."""
+        out = {}
+        if self._lookup is not None and (why := self._lookup.health.degraded) is not None:
+            out["kv_storage"] = why
+        if self._ctm_failed is not None:
+            out["cache_transfer"] = self._ctm_failed
+        return out
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -365,6 +405,8 @@ class EngineService:
             "storage_load_blocks": c.storage_load_blocks,
             "storage_load_failed_blocks": c.storage_load_failed_blocks,
             "storage_put_blocks": c.storage_put_blocks,
+            "cache_transfer_replacements": self._ctm_replacements,
+            "kv_storage_failures": 0 if self._lookup is None else self._lookup.health.counters.failures,
             "evicted_blocks": c.evicted_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "r3_rows_delivered": r3.rows_delivered,

@@ -205,8 +205,14 @@ class AsyncEngineClient:
         assert proc is not None
         loop = asyncio.get_running_loop()
         next_ping = 0.0
+        prev = loop.time()
         while proc.is_alive():
             now = loop.time()
+            if now - prev > 4 * _WATCHDOG_PERIOD_S + 1.0:
+                # this process itself was not running (SIGSTOP, swapped out): the engine's answers are
+                # still unread, so its silence starts counting again now
+                self._last_heard = now
+            prev = now
             silent = now - self._last_heard
             if silent > self.stall_timeout_s:
                 proc.kill()  # SIGKILL works on a stopped process too; its children follow it (exit_with_parent)
@@ -313,11 +319,12 @@ class AsyncEngineClient:
         reply: MetricsReply = await self._query(MetricsQuery, timeout_s)
         return reply.metrics
 
-    async def check_health(self, timeout_s: float = 30.0) -> None:
-        """Raise EngineDeadError unless the engine process answers."""
+    async def check_health(self, timeout_s: float = 30.0) -> dict[str, str]:
+        """What of the engine is degraded ({} when all is well); EngineDeadError unless the engine answers."""
         try:
             reply: HealthReply = await self._query(HealthQuery, timeout_s)
         except TimeoutError as e:
             raise EngineDeadError(f"engine did not answer a health check within {timeout_s:.0f} s") from e
         if not reply.ok:
             raise EngineDeadError(reply.message)
+        return dict(reply.degraded)

@@ -150,13 +150,32 @@ def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastA
         err = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    async def health_body() -> tuple[dict[str, str], bool]:
+        """({"status", "engine", and per degraded part why}, can R3 be delivered); EngineDeadError."""
+        body = {"status": "ok", "engine": "ok"}
+        body.update(await ctx.engine.check_health(_HEALTH_TIMEOUT_S))
+        r3_ok = True
+        if len(body) > 2:
+            body["status"] = "degraded"
+        return body, r3_ok
+
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: 200 while the engine answers, with what is degraded (a store down) in the body."""
         try:
-            await ctx.engine.check_health(_HEALTH_TIMEOUT_S)
+            body, _ = await health_body()
         except EngineDeadError as e:
             return JSONResponse(engine_unavailable(str(e)).body(), status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(body)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: 200 only while the server can serve requests and deliver their R3 (503 otherwise)."""
+        try:
+            body, r3_ok = await health_body()
+        except EngineDeadError as e:
+            return JSONResponse(engine_unavailable(str(e)).body(), status_code=503)
+        return JSONResponse(body, status_code=200 if r3_ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
