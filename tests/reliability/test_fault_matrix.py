@@ -29,9 +29,13 @@ from api_server_process import ServerHandle, api_server
 from redis_server import redis_server
 from soak_load import CLEAR, CUT, OK, REFUSED, Load, Outcome, Target
 
-HANG_S = 40.0  # well past every deadline below plus a request's own time on a loaded 2-core machine
-DEADLINES = ("--worker-step-timeout-s", "3", "--engine-stall-timeout-s", "6", "--storage-timeout-s", "1",
-             "--transfer-timeout-s", "3")
+HANG_S = 60.0  # well past every deadline below plus a request's own time on a loaded 2-core machine
+# Deadlines short enough to fire within a test, long enough that a starved 2-core machine never trips
+# the worker deadline by itself; where no worker is faulted it is left long.
+FATAL_DEADLINES = ("--worker-step-timeout-s", "8", "--engine-stall-timeout-s", "12", "--storage-timeout-s", "1",
+                   "--transfer-timeout-s", "5")
+DEADLINES = ("--worker-step-timeout-s", "60", "--engine-stall-timeout-s", "90", "--storage-timeout-s", "1",
+             "--transfer-timeout-s", "4")
 SMALL_CACHE = ("--block-size", "4", "--num-gpu-blocks-override", "40", "--num-cpu-blocks-override", "16",
                "--max-model-len", "128")
 KINDS = ("plain", "stream", "n2", "long")
@@ -101,7 +105,7 @@ def test_a_lost_engine_fails_requests_clearly_and_the_server_exits_1_leaving_not
 ) -> None:
     role, action, says = FATAL[case]
     with api_server(model_dir, str(tmp_path), "--routing-replay-config", r3_config(), *SMALL_CACHE,
-                    "--kv-storage", f"file://{tmp_path}/kv", *DEADLINES) as srv:
+                    "--kv-storage", f"file://{tmp_path}/kv", *FATAL_DEADLINES) as srv:
         roles, pids = server_tree(srv)
 
         def fault() -> None:
