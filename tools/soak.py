@@ -45,7 +45,7 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, TOOLS_DIR)
 
 import faults  # noqa: E402
-from soak_load import MUST_BE_ZERO, OUTCOMES, Load, Target  # noqa: E402
+from soak_load import MUST_BE_ZERO, OUTCOMES, REFUSED, Load, Target  # noqa: E402
 from soak_load import Stats as RequestStats  # noqa: E402
 
 ALL_FAULTS = ("ctm-kill", "redis-stop", "storage-full", "worker-kill", "ctm-stop", "storage-corrupt",
@@ -153,10 +153,19 @@ class Supervisor:
                 if not self.stopping:
                     await self.start()
                 continue
+            if srv is not None and not self.up.is_set() and await self._answers(srv):
+                self.up.set()  # a refusal cleared it but this server still serves
             if srv is not None and time.monotonic() - last_rss >= self.args.rss_every:
                 last_rss = time.monotonic()
                 self.stats.rss.append((last_rss - t0, tree_rss_mib(srv.proc.pid)))
             await asyncio.sleep(0.2)
+
+    async def _answers(self, srv: Server) -> bool:
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            try:
+                return (await c.get(f"{srv.url}/health")).status_code == 200
+            except httpx.HTTPError:
+                return False
 
     def account_leftovers(self, srv: Server) -> None:
         srv.pids = sorted(set(srv.pids) | set(faults.descendants(srv.proc.pid)))
@@ -263,7 +272,13 @@ class Clients:
                 break
         r3_store = (self.sup.redis_url, STORE_NAMESPACE) if srv.config == "A" else None
         target = Target(srv.url, r3_store, server_alive=lambda: srv.proc.poll() is None)
-        self.stats.add(await self.load.one(client, target))
+        outcome = await self.load.one(client, target)
+        self.stats.add(outcome)
+        if outcome.outcome == REFUSED:
+            # the server is on its way out: wait for the supervisor's restart instead of burning requests
+            if self.sup.server is srv:
+                self.sup.up.clear()
+            await asyncio.sleep(0.5)
 
 
 # -- main ------------------------------------------------------------------------------------------

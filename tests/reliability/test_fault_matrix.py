@@ -204,9 +204,10 @@ def redis_pid(url: str) -> int:
     for name in os.listdir("/proc"):
         if name.isdigit():
             with contextlib.suppress(OSError), open(f"/proc/{name}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-                if args and args[0].endswith(b"redis-server") and port.encode() in args:
-                    return int(name)
+                words = f.read().replace(b"\0", b" ").split()
+            # redis-server retitles itself "redis-server 127.0.0.1:PORT"
+            if words and b"redis-server" in words[0] and any(w.endswith(f":{port}".encode()) for w in words):
+                return int(name)
     raise AssertionError(f"no redis-server on port {port}")
 
 
