@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from fastdeploy_r3.engine.llm import LLM

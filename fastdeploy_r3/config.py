@@ -15,17 +15,21 @@ import dataclasses
 import json
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from fastdeploy_r3.dtypes import MODEL_DTYPES
 
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message says which and what to change."""
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = MODEL_DTYPES
 
 # architecture name in config.json -> model family module under model_executor/models
 SUPPORTED_ARCHITECTURES = {
@@ -60,24 +64,36 @@ def num_routed_experts_from_hf_config(hf: dict[str, Any]) -> int:
     return 0
 
 
+def flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:  # noqa: A002
+    """A config field that is also a CLI flag (cli_args.py derives `--name-with-dashes` from it)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def derived(**kwargs: Any) -> Any:
+    """A field computed from other fields or from config.json: not a constructor argument, not a flag."""
+    return field(init=False, **kwargs)
+
+
 @dataclass
 class ModelConfig:
-    model: str
-    dtype: str = "float32"
-    load_format: str = "auto"  # "auto" reads *.safetensors, "dummy" random weights from config.json
-    max_model_len: int | None = None
-    seed: int = 0
-    weight_version: str = "0"
-    tokenizer: str | None = None
+    model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors)"})
+    dtype: str = flag("float32", "weights and KV cache dtype", MODEL_DTYPES)
+    load_format: str = flag("auto", "'auto' reads *.safetensors; 'dummy' draws random weights from config.json",
+                            ("auto", "dummy"))
+    max_model_len: int | None = flag(None, "longest prompt + output in tokens (default: the model's "
+                                           "max_position_embeddings, lowered to what the KV cache holds)")
+    seed: int = flag(0, "seed of dummy weights")
+    weight_version: str = flag("0", "version of the weights; part of the prefix-cache and storage-tier keys")
+    tokenizer: str | None = field(default=None, metadata={"cli": False})  # the model directory unless set
     # read from config.json by finalize()
-    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
-    architecture: str = ""
-    num_hidden_layers: int = 0
-    num_experts: int = 0
-    moe_top_k: int = 0
-    moe_layer_ids: list[int] = field(default_factory=list)
-    vocab_size: int = 0
-    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict[str, Any] = derived(default_factory=dict, repr=False)
+    architecture: str = derived(default="")
+    num_hidden_layers: int = derived(default=0)
+    num_experts: int = derived(default=0)
+    moe_top_k: int = derived(default=0)
+    moe_layer_ids: list[int] = derived(default_factory=list)
+    vocab_size: int = derived(default=0)
+    eos_token_ids: list[int] = derived(default_factory=list)
 
     def finalize(self) -> ModelConfig:
         """Read config.json and validate; idempotent."""
@@ -149,20 +165,19 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_space_gib: float = 0.25  # KV budget on a CPU-only machine
-    enable_prefix_caching: bool = True
-    swap_space: float = 0.0  # GiB of CPU tier
-    num_cpu_blocks_override: int | None = None
-    kv_storage: str | None = None  # file:///dir or redis://host:port/db
-    # deadline of one storage-tier operation (lookup, load, put): past it the block is a miss (or is
-    # not stored) and the store is degraded until a probe succeeds
-    storage_timeout_s: float = 2.0
-    # a CacheTransferManager task without an ack within this means a stuck or stopped CTM: it is killed
-    # and replaced (its CPU tier is lost, its blocks become misses)
-    transfer_timeout_s: float = 30.0
+    block_size: int = flag(16, "tokens per KV block")
+    num_gpu_blocks_override: int | None = flag(None, "number of device KV blocks, instead of sizing from memory")
+    gpu_memory_utilization: float = flag(0.9, "fraction of GPU memory the worker may use (weights + KV)")
+    kv_cache_space_gib: float = flag(0.25, "GiB of KV cache on a CPU-only machine")
+    enable_prefix_caching: bool = flag(True, "reuse the KV (and R3 rows) of shared prompt prefixes")
+    swap_space: float = flag(0.0, "GiB of CPU tier for swapped-out KV blocks, per worker rank")
+    num_cpu_blocks_override: int | None = flag(None, "number of CPU-tier blocks, instead of --swap-space")
+    kv_storage: str | None = flag(None, "storage tier below the CPU tier: file:///dir or redis://127.0.0.1:6379/0")
+    storage_timeout_s: float = flag(2.0, "deadline of one storage-tier lookup, load or put: past it the block is "
+                                         "a miss (or is not stored) and the store counts as degraded until a probe "
+                                         "answers")
+    transfer_timeout_s: float = flag(30.0, "a cache transfer task without an ack this long means a stuck CTM: it "
+                                           "is killed and replaced (its CPU tier is lost: misses, not errors)")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -195,9 +210,9 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = flag(64, "most requests running in one step")
+    max_num_batched_tokens: int = flag(2048, "most tokens forwarded in one step")
+    enable_chunked_prefill: bool = flag(True, "split long prompts over several steps")
 
     def validate(self, max_model_len: int) -> None:
         if self.max_num_seqs < 1:
@@ -213,10 +228,9 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    # a step the workers have not answered within this is stuck (or a worker is stopped): the engine
-    # fails its requests and exits, so that its supervisor restarts it
-    worker_step_timeout_s: float = 120.0
+    tensor_parallel_size: int = flag(1, "worker processes the model is sharded over (gloo on CPU, NCCL on CUDA)")
+    worker_step_timeout_s: float = flag(120.0, "a step the workers have not answered this long (a stuck or stopped "
+                                               "worker) fails the engine, which exits so its supervisor restarts it")
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -274,25 +288,24 @@ class RoutingReplayConfig:
     use_fused_put: bool = True
     debug_mode: bool = False
     ttl_s: int = 3600
-    store_timeout_s: float = 10.0  # deadline of one R3 store put; past it the request fails, the store is degraded
+    store_timeout_s: float | int = 10.0  # deadline of one R3 store put: past it the request fails, the store degrades
     # derived once by postprocess(model_config)
-    moe_layer_ids: list[int] | None = field(default=None, repr=False)
-    num_moe_layers: int = 0
-    moe_top_k: int = 0
-    num_experts: int = 0
-    routing_dtype: np.dtype | None = None
+    moe_layer_ids: list[int] | None = derived(default=None, repr=False)
+    num_moe_layers: int = derived(default=0)
+    moe_top_k: int = derived(default=0)
+    num_experts: int = derived(default=0)
+    routing_dtype: np.dtype | None = derived(default=None)
 
-    _FIELDS = (
-        ("enable_routing_replay", bool),
-        ("routing_store_type", str),
-        ("local_store_dir", (str, type(None))),
-        ("p2pstore_url", (str, type(None))),
-        ("only_last_turn", bool),
-        ("use_fused_put", bool),
-        ("debug_mode", bool),
-        ("ttl_s", int),
-        ("store_timeout_s", (int, float)),
-    )
+    @classmethod
+    def json_keys(cls) -> dict[str, tuple[type, ...]]:
+        """The JSON keys (the constructor fields) and the types each accepts, from the annotations."""
+        hints = typing.get_type_hints(cls)
+        keys = {}
+        for f in dataclasses.fields(cls):
+            if f.init:
+                hint = hints[f.name]
+                keys[f.name] = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        return keys
 
     @classmethod
     def from_json(cls, value: str | dict[str, Any] | RoutingReplayConfig | None) -> RoutingReplayConfig:
@@ -315,18 +328,18 @@ class RoutingReplayConfig:
                 ) from e
         if not isinstance(value, dict):
             raise ConfigError("--routing-replay-config must be a JSON object")
-        known = {name for name, _ in cls._FIELDS}
+        types_of = cls.json_keys()
+        known = set(types_of)
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(
                 f"unknown routing replay key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
             )
-        types = dict(cls._FIELDS)
         for key, v in value.items():
-            want = types[key]
-            ok = isinstance(v, want) and not (want is int and isinstance(v, bool))
+            want = types_of[key]
+            ok = isinstance(v, want) and not (bool not in want and isinstance(v, bool))  # bool is an int
             if not ok:
-                names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+                names = " or ".join(t.__name__ for t in want)
                 raise ConfigError(f"routing replay key {key!r} must be {names}, got {type(v).__name__} {v!r}")
         cfg = cls(**value)
         cfg.validate()
@@ -364,7 +377,7 @@ class RoutingReplayConfig:
         return int(np.iinfo(self.routing_dtype).max)
 
     def to_json(self) -> str:
-        return json.dumps({name: getattr(self, name) for name, _ in self._FIELDS})
+        return json.dumps({name: getattr(self, name) for name in self.json_keys()})
 
 
 @dataclass
@@ -373,8 +386,11 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    routing_replay_config: RoutingReplayConfig = field(default_factory=RoutingReplayConfig)
-    device: str = "auto"  # "cpu", "cuda" or "auto"
+    routing_replay_config: RoutingReplayConfig = field(
+        default_factory=RoutingReplayConfig,
+        metadata={"help": "R3 settings: a JSON object or the path of a JSON file (keys: see README)", "type": str},
+    )
+    device: str = flag("auto", "where the workers run; auto picks cuda when available", ("auto", "cpu", "cuda"))
 
     def __post_init__(self) -> None:
         self.model_config.finalize()
@@ -405,7 +421,7 @@ class EngineConfig:
                 engine_kw[key] = RoutingReplayConfig.from_json(value)
             elif key == "device":
                 engine_kw[key] = value
-            elif key in owners and key not in ("hf_config",):
+            elif key in owners:
                 parts[owners[key]][key] = value
             else:
                 raise ConfigError(f"unknown engine argument {key!r}; see `fastdeploy-r3 serve --help` for the flags")
@@ -419,49 +435,16 @@ class EngineConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p = parser
-        p.add_argument("--model", required=True, help="Hugging Face-format model directory")
-        p.add_argument("--dtype", default="float32", choices=_DTYPES)
-        p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--weight-version", default="0")
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        p.add_argument("--kv-cache-space-gib", type=float, default=0.25)
-        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU tier for swapped KV")
-        p.add_argument("--num-cpu-blocks-override", type=int, default=None)
-        p.add_argument("--kv-storage", default=None, help="file:///dir or redis://127.0.0.1:6379/0")
-        p.add_argument("--storage-timeout-s", type=float, default=2.0,
-                       help="deadline of one storage-tier lookup, load or put")
-        p.add_argument("--transfer-timeout-s", type=float, default=30.0,
-                       help="a cache transfer task without an ack this long: the CTM is killed and replaced")
-        p.add_argument("--max-num-seqs", type=int, default=64)
-        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-        p.add_argument("--tensor-parallel-size", type=int, default=1)
-        p.add_argument("--worker-step-timeout-s", type=float, default=120.0,
-                       help="a worker step not answered within this fails the engine, which exits")
-        p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-        p.add_argument("--routing-replay-config", default=None, help="JSON object or path to a JSON file")
-        return p
+        """One flag per config field declared with flag() (see cli_args.py)."""
+        from fastdeploy_r3.cli_args import add_engine_args
+
+        return add_engine_args(parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        kw = {
-            name: getattr(args, name)
-            for name in (
-                "dtype", "load_format", "max_model_len", "seed", "weight_version", "block_size",
-                "num_gpu_blocks_override", "gpu_memory_utilization", "kv_cache_space_gib",
-                "enable_prefix_caching", "swap_space", "num_cpu_blocks_override", "kv_storage",
-                "storage_timeout_s", "transfer_timeout_s",
-                "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                "tensor_parallel_size", "worker_step_timeout_s", "device", "routing_replay_config",
-            )
-        }
-        return cls.from_kwargs(args.model, **kw)
+        from fastdeploy_r3.cli_args import engine_config_from_args
+
+        return engine_config_from_args(args)
 
     @property
     def max_model_len(self) -> int:

@@ -3,9 +3,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+from fake_model import make_fake_model
 from redis_server import RedisServerMissing, redis_server
-
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
 @pytest.fixture(scope="session")

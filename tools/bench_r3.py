@@ -25,11 +25,12 @@ import numpy as np
 # tools/ is run as a script from a checkout where the package is not necessarily installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fake_model import make_fake_model
+
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_all
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
 def bench_throughput(

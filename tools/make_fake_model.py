@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fastdeploy_r3.model_executor.fake_model import ARCHS, PRESETS, make_fake_model
+from fake_model import ARCHS, PRESETS, make_fake_model
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,9 @@
     ref_cnt > 0  → owned by requests (or pinned by an in-flight transfer), never in the free list
     ref_cnt == 0 → in the free list; if it carries a hash it can still be hit and revived by touch()
 
-Cached blocks are immutable: a block with a hash is never written again until evicted.
+Cached blocks are immutable: a block with a hash is never written again until evicted. A cached block
+keeps the token ids it holds, and lookup() compares them on a hash hit (as nano-vllm's block manager
+does): a hash collision is a miss, never another prompt's KV and routing.
 Used for both the GPU tier and the CPU tier (the CPU tier only stores cached blocks).
 """
 
@@ -24,6 +26,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # set with block_hash: what lookup() compares on a hit
     routing_tag: int = 0  # provenance of the R3 rows in this block (see routing_buffer.py)
 
     def __repr__(self) -> str:
@@ -37,6 +40,7 @@ class EvictedBlock:
 
     block_id: int
     block_hash: bytes
+    token_ids: tuple[int, ...]
     routing_tag: int
 
 
@@ -58,7 +62,15 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def lookup(self, block_hash: bytes) -> KVBlock | None:
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...] | list[int]) -> KVBlock | None:
+        """The cached block holding exactly these token ids under this hash; None on a miss or a collision."""
+        block = self.cached_block(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cached_block(self, block_hash: bytes) -> KVBlock | None:
+        """The block registered under a hash, tokens unchecked (introspection; admissions use lookup)."""
         bid = self._cached.get(block_hash)
         return None if bid is None else self.blocks[bid]
 
@@ -77,9 +89,10 @@ class BlockPool:
             bid, _ = self._free.popitem(last=False)
             block = self.blocks[bid]
             if block.block_hash is not None:
-                self._evicted.append(EvictedBlock(bid, block.block_hash, block.routing_tag))
+                assert block.token_ids is not None
+                self._evicted.append(EvictedBlock(bid, block.block_hash, block.token_ids, block.routing_tag))
                 del self._cached[block.block_hash]
-                block.block_hash = None
+                block.block_hash, block.token_ids = None, None
                 self.num_evictions += 1
             block.routing_tag = 0
             block.ref_cnt = 1
@@ -104,13 +117,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
-        """Register a full, computed block under its hash. False if the hash is already cached elsewhere."""
+    def cache(self, block: KVBlock, block_hash: bytes, token_ids: tuple[int, ...] | list[int]) -> bool:
+        """Register a full, computed block holding token_ids under its hash. False if the hash is already
+        cached elsewhere (the block stays uncached)."""
         if block.block_hash is not None:
-            return block.block_hash == block_hash
+            return block.block_hash == block_hash and block.token_ids == tuple(token_ids)
         if block_hash in self._cached:
             return False
-        block.block_hash = block_hash
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self._cached[block_hash] = block.block_id
         return True
 
@@ -118,7 +132,7 @@ class BlockPool:
         """Forget a block's hash (e.g. a transfer into it failed) without evicting it as data."""
         if block.block_hash is not None:
             self._cached.pop(block.block_hash, None)
-            block.block_hash = None
+            block.block_hash, block.token_ids = None, None
 
     def pop_evicted(self) -> list[EvictedBlock]:
         out, self._evicted = self._evicted, []

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
@@ -32,10 +32,39 @@ from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferErro
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind, TransferTask
 
-if TYPE_CHECKING:
-    from fastdeploy_r3.engine.request import Request
-
 logger = logging.getLogger(__name__)
+
+
+class Request(Protocol):
+    """What the prefix cache reads of a request (engine.request.Request): its id and token cursors."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+class BlockStorage(Protocol):
+    """What the prefix cache asks the storage tier (KVStorageBackend): which block keys it holds."""
+
+    def exists(self, keys: list[str]) -> list[bool]: ...
+
+
+class TransferClient(Protocol):
+    """What the prefix cache asks the CacheTransferManager (CacheTransferClient): run tasks, report acks."""
+
+    def submit(self, task: TransferTask) -> None: ...
+
+    def poll(self) -> list[TransferAck]: ...
+
+    def wait(self, task_id: int, timeout: float | None = 60) -> TransferAck: ...
 
 
 @dataclass
@@ -72,8 +101,8 @@ class PrefixCacheManager:
         enable_prefix_caching: bool,
         root_hash: bytes,
         num_cpu_blocks: int = 0,
-        storage: object | None = None,  # KVStorageBackend: exists(keys) for lookups
-        transfer: object | None = None,  # CacheTransferClient: submit / wait / poll
+        storage: BlockStorage | None = None,
+        transfer: TransferClient | None = None,
         lookup: StorageLookup | None = None,  # storage lookups off the loop (else storage.exists inline)
         transfer_timeout_s: float = 60.0,
     ) -> None:
@@ -117,6 +146,10 @@ class PrefixCacheManager:
             hashes.append(parent)
         return hashes[:num_blocks]
 
+    def _block_tokens(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        """Token ids of full block i of a request's tokens: what a cached block must hold to be a hit."""
+        return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:
         """The longest run of leading full blocks found in some tier; None while the request's storage
         lookup is still running (the first call starts it; try again next step).
@@ -128,15 +161,18 @@ class PrefixCacheManager:
             return hit
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._request_hashes(req, max_blocks)
+        tokens = req.all_token_ids
         i = 0
-        while i < len(hashes) and (b := self.gpu.lookup(hashes[i])) is not None:
+        while i < len(hashes) and (b := self.gpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None:
             hit.gpu_blocks.append(b)
             i += 1
         if self.transfer_lost is not None:
             return hit  # the CPU tier and storage loads need the CTM
-        while self.cpu is not None and i < len(hashes) and (b := self.cpu.lookup(hashes[i])) is not None:
+        while (self.cpu is not None and i < len(hashes)
+               and (b := self.cpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None):
             hit.cpu_blocks.append(b)
             i += 1
+        # Stored blobs carry no token ids: the storage tier trusts its 128-bit hash (DESIGN.md §4).
         if i < len(hashes) and (self.lookup is not None or self.storage is not None):
             found = self._found_in_storage(req.request_id, hashes)
             if found is None:
@@ -153,14 +189,16 @@ class PrefixCacheManager:
         if found is not None and len(found) >= len(hashes):
             return found
         keys = [h.hex() for h in hashes]
-        if self.lookup is None:
-            found = self.storage.exists(keys)  # type: ignore[union-attr]
-        else:
+        if self.lookup is not None:
             if not self.lookup.has(request_id):
                 self.lookup.start(request_id, keys)
             found = self.lookup.answer(request_id)
             if found is None:
                 return None
+        elif self.storage is not None:
+            found = self.storage.exists(keys)
+        else:
+            found = [False] * len(keys)
         self._storage_found[request_id] = found
         return found
 
@@ -212,8 +250,9 @@ class PrefixCacheManager:
                 if j in ack.failed or not loaded_ok:
                     loaded_ok = False
                     continue
+                assert src.block_hash is not None and src.token_ids is not None  # found by lookup
                 dst.routing_tag = src.routing_tag
-                self.gpu.cache(dst, src.block_hash)  # type: ignore[arg-type]
+                self.gpu.cache(dst, src.block_hash, src.token_ids)
                 usable += 1
                 self.counters.swap_in_blocks += 1
             assert self.cpu is not None
@@ -226,12 +265,13 @@ class PrefixCacheManager:
                 keys=[h.hex() for h in hit.storage_hashes],
                 tags=tags,
             )
+            first, tokens = len(hit.gpu_blocks) + len(hit.cpu_blocks), req.all_token_ids  # first: its block index
             for j, (dst, h, tag) in enumerate(zip(load_dst, hit.storage_hashes, tags)):
                 if j in ack.failed or not loaded_ok:
                     loaded_ok = False
                     continue
                 dst.routing_tag = tag
-                self.gpu.cache(dst, h)
+                self.gpu.cache(dst, h, self._block_tokens(tokens, first + j))
                 usable += 1
                 self.counters.storage_load_blocks += 1  # only blocks the request uses count
             self.counters.storage_load_failed_blocks += len(ack.failed)
@@ -268,9 +308,10 @@ class PrefixCacheManager:
         if num_full <= start:
             return
         hashes = self._request_hashes(req, num_full)
+        tokens = req.all_token_ids
         new_cached = []
         for i in range(start, num_full):
-            if self.gpu.cache(blocks[i], hashes[i]):
+            if self.gpu.cache(blocks[i], hashes[i], self._block_tokens(tokens, i)):
                 new_cached.append((blocks[i], hashes[i]))
         self._num_cached[req.request_id] = num_full
         writable = self.storage is not None or self.lookup is not None
@@ -350,14 +391,14 @@ class PrefixCacheManager:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _finish_put(self, ack: object) -> None:
-        blocks = self._pinned.pop(ack.task_id, None)  # type: ignore[attr-defined]
+    def _finish_put(self, ack: TransferAck) -> None:
+        blocks = self._pinned.pop(ack.task_id, None)
         if blocks is None:
             return
-        self.counters.storage_put_blocks += len(blocks) - len(ack.failed)  # type: ignore[attr-defined]
+        self.counters.storage_put_blocks += len(blocks) - len(ack.failed)
         self._storage_found.clear()  # storage holds more now: answers from before the put are stale
-        if not ack.ok:  # type: ignore[attr-defined]
-            logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)  # type: ignore
+        if not ack.ok:
+            logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)
         self.gpu.free(blocks)
 
     def _new_tag(self) -> int:
@@ -380,7 +421,7 @@ class PrefixCacheManager:
             return
         pairs: list[tuple[int, KVBlock]] = []
         for ev in evicted:
-            existing = self.cpu.lookup(ev.block_hash)
+            existing = self.cpu.lookup(ev.block_hash, ev.token_ids)
             if existing is not None:  # already in the CPU tier: refresh its LRU position
                 self.cpu.touch([existing])
                 self.cpu.free([existing])
@@ -391,7 +432,7 @@ class PrefixCacheManager:
             (cpu_block,) = self.cpu.allocate(1)
             self.cpu.pop_evicted()  # the CPU tier is last in line: its evictions are dropped
             cpu_block.routing_tag = ev.routing_tag
-            self.cpu.cache(cpu_block, ev.block_hash)
+            self.cpu.cache(cpu_block, ev.block_hash, ev.token_ids)
             pairs.append((ev.block_id, cpu_block))
         if not pairs:
             return
@@ -423,7 +464,7 @@ class PrefixCacheManager:
             return TransferAck(-1, kind, ok=False, failed=list(range(n)), error=self.transfer_lost)
         try:
             task_id = self._submit(kind, **kw)
-            ack = self.transfer.wait(task_id, timeout=self.transfer_timeout_s)  # type: ignore[union-attr]
+            ack = self.transfer.wait(task_id, timeout=self.transfer_timeout_s)
         except CacheTransferError as e:
             self.lose_transfer(str(e))
             return TransferAck(-1, kind, ok=False, failed=list(range(n)), error=str(e))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastdeploy_r3.cache_manager.shm import ShmSegment
+from fastdeploy_r3.r3.errors import sentinel_of
 
 NO_TAG = 0
 
@@ -53,7 +54,7 @@ class RoutingBuffer:
     @classmethod
     def create(cls, spec: RoutingBufferSpec) -> RoutingBuffer:
         buf = cls(spec, ShmSegment.create(spec.name, spec.nbytes))
-        buf.rows.fill(np.iinfo(buf.rows.dtype).max)  # sentinel: "no route"
+        buf.rows.fill(sentinel_of(buf.rows.dtype))  # "no route"
         buf.tags.fill(NO_TAG)
         return buf
 
@@ -63,29 +64,18 @@ class RoutingBuffer:
 
     @property
     def sentinel(self) -> int:
-        return int(np.iinfo(self.rows.dtype).max)
+        return sentinel_of(self.rows.dtype)
 
-    def write(self, slots: np.ndarray, rows: np.ndarray, tags: np.ndarray) -> None:
-        """rows [T, L, K] and tags [T] go to slots [T]."""
-        self.rows[slots] = rows
-        self.tags[slots] = tags
+    def write(self, rows: np.ndarray, slot_mapping: np.ndarray, tags: np.ndarray) -> None:
+        """rows [T, L, K] and tags [T] go to slots slot_mapping [T] (the argument order of every R3 write)."""
+        self.rows[slot_mapping] = rows
+        self.tags[slot_mapping] = tags
 
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Copies of rows [T, L, K] and tags [T] at slots [T]."""
         return self.rows[slots], self.tags[slots]
 
-    def block_slots(self, block_ids: list[int] | np.ndarray, block_size: int) -> np.ndarray:
-        """All slots of the given blocks, block after block: [len(block_ids) * block_size]."""
-        b = np.asarray(block_ids, dtype=np.int64)[:, None]
-        return (b * block_size + np.arange(block_size, dtype=np.int64)[None, :]).reshape(-1)
-
     def close(self) -> None:
         del self.rows, self.tags
         self._segment.close()
 
-
-def debug_rows(positions: np.ndarray, num_layers: int, top_k: int, dtype: np.dtype) -> np.ndarray:
-    """Debug mode's stand-in for routing: every id of token at position p is p mod sentinel."""
-    sentinel = int(np.iinfo(dtype).max)
-    vals = (np.asarray(positions, dtype=np.int64) % sentinel).astype(dtype)  # [T]
-    return np.broadcast_to(vals[:, None, None], (len(vals), num_layers, top_k)).copy()

@@ -1,10 +1,8 @@
-"""RoutingCacheManager: reads a request's R3 rows out of the host buffer, and refuses anything stale.
+"""RoutingCacheManager: the engine's gather of a request's R3 rows out of the host buffer, refusing
+anything stale. (Worker rank 0 writes the rows: worker/routing_writer.py.)
 
-Row i of a request is the routing of the token at position i; it lives where that token's KV lives:
-
-    block_table = [7, 2, 5]          block_size = 4
-    row:   0 1 2 3 | 4 5 6 7 | 8 9 ...
-    slot: 28 ..31  | 8 .. 11 | 20 21 ...      slot = block_table[i // bs] * bs + i % bs
+Row i of a request is the routing of the token at position i; it lives where that token's KV lives,
+at slots_of(block_table, i, block_size) (cache_manager/slots.py).
 
 Each slot carries the provenance tag of the computation that wrote it; the engine records the tag of
 each block of the table (block_tags). A row is data only if its tag equals its block's tag (DESIGN.md
@@ -16,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer
+from fastdeploy_r3.cache_manager.slots import slots_of
+from fastdeploy_r3.r3.errors import RoutingReplayError
+from fastdeploy_r3.r3.layouts import first_no_route
 
-
-class RoutingReplayError(RuntimeError):
-    """R3 rows are missing, stale or corrupt; the request must fail rather than return them."""
+__all__ = ["RoutingCacheManager", "RoutingReplayError"]
 
 
 class RoutingCacheManager:
@@ -29,11 +28,6 @@ class RoutingCacheManager:
         self.num_experts = num_experts
         self.debug_mode = debug_mode
         self.sentinel = buffer.sentinel
-
-    def slots_of(self, block_table: list[int], start: int, end: int) -> np.ndarray:
-        """Slots [end - start] holding rows [start, end) of a request with this block table."""
-        i = np.arange(start, end, dtype=np.int64)  # [R]
-        return np.asarray(block_table, dtype=np.int64)[i // self.block_size] * self.block_size + i % self.block_size
 
     def gather(
         self, request_id: str, block_table: list[int], block_tags: list[int], start: int, end: int
@@ -50,8 +44,9 @@ class RoutingCacheManager:
                 f"request {request_id}: rows [{start}, {end}) are not within its {len(block_table)} blocks "
                 f"of {bs} tokens ({len(block_table) * bs} rows)"
             )
-        slots = self.slots_of(block_table, start, end)  # [R]
-        table_index = np.arange(start, end, dtype=np.int64) // bs  # [R]
+        positions = np.arange(start, end, dtype=np.int64)  # [R]
+        slots = slots_of(block_table, positions, bs)  # [R]
+        table_index = positions // bs  # [R]
         want_tags = np.asarray(block_tags, dtype=np.int64)[table_index]  # [R]
         self._check_tags(request_id, block_table, start, slots, table_index, want_tags, self.buffer.tags[slots])
         rows = self.buffer.rows[slots]  # [R, L, K]; fancy indexing copies
@@ -59,45 +54,6 @@ class RoutingCacheManager:
         self._check_tags(request_id, block_table, start, slots, table_index, want_tags, self.buffer.tags[slots])
         self._check_rows(request_id, block_table, start, table_index, rows)
         return np.ascontiguousarray(rows)
-
-    def write_step(
-        self, slots: np.ndarray, rows: np.ndarray, tags: np.ndarray, positions: np.ndarray | None = None
-    ) -> None:
-        """Worker rank 0's CPU path: rows [T, L, K] and tags [T] into the host buffer at slots [T].
-
-        Only real tokens: padded tokens must be dropped by the caller. In debug mode positions [T] is
-        required and every row must equal its position mod sentinel, so an addressing bug in the
-        worker shows up here rather than at gather.
-        """
-        slots, tags = np.asarray(slots, dtype=np.int64), np.asarray(tags, dtype=np.int64)
-        T = len(slots)
-        L, K = self.buffer.rows.shape[1:]
-        if rows.shape != (T, L, K) or tags.shape != (T,):
-            raise RoutingReplayError(f"write_step: rows {rows.shape} / tags {tags.shape} do not match "
-                                     f"[{T}, {L}, {K}] / [{T}] for {T} slots")
-        if rows.dtype != self.buffer.rows.dtype:
-            raise RoutingReplayError(
-                f"write_step: rows are {rows.dtype}, the host buffer holds {self.buffer.rows.dtype}"
-            )
-        bad = np.nonzero((slots < 0) | (slots >= len(self.buffer.tags)))[0]
-        if len(bad):
-            t = int(bad[0])
-            raise RoutingReplayError(f"write_step: token {t} of the step has slot {int(slots[t])}, outside "
-                                     f"[0, {len(self.buffer.tags)}); drop padded tokens before writing")
-        if (tags == NO_TAG).any():
-            raise RoutingReplayError(f"write_step: tag {NO_TAG} means 'never written'; give every computed block a tag")
-        if self.debug_mode:
-            if positions is None:
-                raise RoutingReplayError("write_step: debug mode needs the positions of the step's tokens")
-            want = np.asarray(positions, dtype=np.int64) % self.sentinel  # [T]
-            bad = np.nonzero((rows.astype(np.int64) != want[:, None, None]).any(axis=(1, 2)))[0]
-            if len(bad):
-                t = int(bad[0])
-                raise RoutingReplayError(
-                    f"debug mode: token {t} of the step (position {int(positions[t])}, slot {int(slots[t])}) "
-                    f"carries ids {rows[t].reshape(-1)[:4].tolist()}... instead of {int(want[t])}"
-                )
-        self.buffer.write(slots, rows, tags)
 
     # -- checks ------------------------------------------------------------------------------------------
 
@@ -129,21 +85,20 @@ class RoutingCacheManager:
     def _check_rows(
         self, request_id: str, block_table: list[int], start: int, table_index: np.ndarray, rows: np.ndarray
     ) -> None:
+        def fail(r: int, layer: int, what: str) -> RoutingReplayError:
+            block = block_table[int(table_index[r])]
+            return RoutingReplayError(f"row {start + r} of request {request_id} (block {block}, MoE layer {layer}) "
+                                      f"{what}: ids {rows[r, layer].tolist()}")
+
+        hole = first_no_route(rows)
+        if hole is not None:
+            raise fail(*hole, f"holds the sentinel {self.sentinel} ('no route') though its tag is valid")
         ids = rows.astype(np.int64, copy=False)  # [R, L, K]
-        checks = [
-            (ids == self.sentinel, f"holds the sentinel {self.sentinel} ('no route') though its tag is valid"),
-        ]
-        if not self.debug_mode:  # debug rows hold positions, which may exceed num_experts
-            checks.append((ids >= self.num_experts, f"holds an expert id >= num_experts ({self.num_experts})"))
-        else:
+        if self.debug_mode:  # debug rows hold positions, which may exceed num_experts
             want = np.arange(start, start + len(rows), dtype=np.int64) % self.sentinel  # [R]
-            checks.append((ids != want[:, None, None], "does not equal its position mod sentinel (debug mode)"))
-        for bad_mask, what in checks:
-            bad = np.argwhere(bad_mask)  # [n, 3] (row, layer, k)
-            if len(bad):
-                r, layer, _ = (int(x) for x in bad[0])
-                block = block_table[int(table_index[r])]
-                raise RoutingReplayError(
-                    f"row {start + r} of request {request_id} (block {block}, MoE layer {layer}) {what}: "
-                    f"ids {rows[r, layer].tolist()}"
-                )
+            bad, what = ids != want[:, None, None], "does not equal its position mod sentinel (debug mode)"
+        else:
+            bad, what = ids >= self.num_experts, f"holds an expert id >= num_experts ({self.num_experts})"
+        found = np.argwhere(bad)  # [n, 3] (row, layer, k)
+        if len(found):
+            raise fail(int(found[0][0]), int(found[0][1]), what)

@@ -12,18 +12,27 @@ computed by other weights are simply not found. No backend ever wipes the store 
 
 from __future__ import annotations
 
-import abc
 import logging
 import os
 import re
-import secrets
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import numpy as np
 import xxhash
+
+from fastdeploy_r3.blob_store import (
+    CHECKSUM_NBYTES,
+    BlobStore,
+    BlobStoreError,
+    ChecksumError,
+    LocalBlobStore,
+    RedisBlobStore,
+    checksummed,
+    verify_checksum,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,27 +69,53 @@ def namespace_prefix(namespace: str) -> str:
     return xxhash.xxh64_hexdigest(namespace.encode())
 
 
-class KVStorageBackend(abc.ABC):
-    """A flat key -> bytes store. Keys are validated hex; values are whole block blobs.
+class KVStorageBackend:
+    """Block blobs in a BlobStore (fastdeploy_r3/blob_store.py) under validated hex keys.
 
     `get` never raises for a missing or unreadable value: it logs and returns None (a miss), because a
-    storage hiccup must only cost recomputation. `put` raises StorageError when the value was not stored.
+    storage hiccup must only cost recomputation; `exists` likewise answers False. `put` raises
+    StorageError when the value was not stored. A new backend (Mooncake) is a BlobStore plus a branch in
+    make_storage_backend.
     """
 
-    @abc.abstractmethod
-    def put(self, key: str, value: bytes) -> None: ...
+    def __init__(self, blobs: BlobStore, blob_key: Callable[[str], str]) -> None:
+        self.blobs = blobs
+        self._blob_key = blob_key  # block key -> key in the blob store (namespaced)
 
-    @abc.abstractmethod
-    def get(self, key: str) -> bytes | None: ...
+    def blob_key(self, key: str) -> str:
+        return self._blob_key(validate_key(key))
 
-    @abc.abstractmethod
-    def exists(self, keys: list[str]) -> list[bool]: ...
+    def put(self, key: str, value: bytes) -> None:
+        try:
+            self.blobs.put(self.blob_key(key), value)
+        except BlobStoreError as e:
+            raise StorageError(f"cannot store block {key}: {e}") from e
 
-    @abc.abstractmethod
-    def delete(self, keys: list[str]) -> None: ...
+    def get(self, key: str) -> bytes | None:
+        blob_key = self.blob_key(key)
+        try:
+            return self.blobs.get(blob_key)
+        except BlobStoreError as e:
+            logger.warning("storage: cannot read block %s: %s (treated as a miss)", key, e)
+            return None
 
-    @abc.abstractmethod
-    def close(self) -> None: ...
+    def exists(self, keys: list[str]) -> list[bool]:
+        blob_keys = [self.blob_key(k) for k in keys]
+        try:
+            return self.blobs.exists(blob_keys)
+        except BlobStoreError as e:
+            logger.warning("storage: exists() failed: %s (treated as all misses)", e)
+            return [False] * len(keys)
+
+    def delete(self, keys: list[str]) -> None:
+        blob_keys = [self.blob_key(k) for k in keys]
+        try:
+            self.blobs.delete(blob_keys)
+        except BlobStoreError as e:
+            raise StorageError(f"cannot delete blocks: {e}") from e
+
+    def close(self) -> None:
+        self.blobs.close()
 
 
 class FileStorageBackend(KVStorageBackend):
@@ -94,100 +129,19 @@ class FileStorageBackend(KVStorageBackend):
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot create file storage directory {self.dir}: {e}") from e
-
-    def path_for(self, key: str) -> str:
-        validate_key(key)
-        return os.path.join(self.dir, key[:2], key)
-
-    def put(self, key: str, value: bytes) -> None:
-        path = self.path_for(key)
-        # Write to a private temp name and rename: a reader (another engine) sees the old file, no file,
-        # or the whole new one, never a torn write.
-        tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(value)
-            os.replace(tmp, path)
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise StorageError(f"cannot write block {key} to {path}: {e}") from e
-
-    def get(self, key: str) -> bytes | None:
-        path = self.path_for(key)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            logger.warning("file storage: cannot read block %s from %s: %s (treated as a miss)", key, path, e)
-            return None
-
-    def exists(self, keys: list[str]) -> list[bool]:
-        return [os.path.exists(self.path_for(k)) for k in keys]
-
-    def delete(self, keys: list[str]) -> None:
-        for k in keys:
-            try:
-                os.unlink(self.path_for(k))
-            except FileNotFoundError:
-                pass
-
-    def close(self) -> None:
-        """Nothing to release: every operation opens and closes its own file."""
+        super().__init__(LocalBlobStore(self.dir), lambda key: os.path.join(key[:2], key))
 
 
 class RedisStorageBackend(KVStorageBackend):
     """`redis://host:port/db`: one string value per block under `fdr3:kv:<namespace prefix>:<key>`."""
 
     def __init__(self, url: str, namespace: str) -> None:
-        import redis  # only the Redis backend needs the client
-
-        self._redis_error = redis.RedisError
-        self.prefix = f"fdr3:kv:{namespace_prefix(namespace)}:"
-        self._r = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+        blobs = RedisBlobStore(url, f"fdr3:kv:{namespace_prefix(namespace)}:", connect_timeout_s=5)
         try:
-            self._r.ping()
-        except redis.RedisError as e:
-            raise StorageError(f"redis storage at {url} is unreachable: {e}; start it or fix storage_url") from e
-
-    def redis_key(self, key: str) -> str:
-        return self.prefix + validate_key(key)
-
-    def put(self, key: str, value: bytes) -> None:
-        try:
-            self._r.set(self.redis_key(key), value)
-        except self._redis_error as e:
-            raise StorageError(f"redis: cannot store block {key}: {e}") from e
-
-    def get(self, key: str) -> bytes | None:
-        try:
-            return self._r.get(self.redis_key(key))
-        except self._redis_error as e:
-            logger.warning("redis storage: cannot read block %s: %s (treated as a miss)", key, e)
-            return None
-
-    def exists(self, keys: list[str]) -> list[bool]:
-        # One round trip for the whole prefix, not one per block.
-        pipe = self._r.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(self.redis_key(k))
-        try:
-            return [bool(n) for n in pipe.execute()]
-        except self._redis_error as e:
-            logger.warning("redis storage: exists() failed: %s (treated as all misses)", e)
-            return [False] * len(keys)
-
-    def delete(self, keys: list[str]) -> None:
-        if keys:
-            self._r.delete(*[self.redis_key(k) for k in keys])
-
-    def close(self) -> None:
-        self._r.close()
+            blobs.ping()
+        except BlobStoreError as e:
+            raise StorageError(f"{e}; start it or fix storage_url") from e
+        super().__init__(blobs, lambda key: key)
 
 
 def make_storage_backend(url: str, namespace: str) -> KVStorageBackend:
@@ -210,7 +164,6 @@ _VERSION = 1
 # magic, version, num_ranks, kv dtype, kv ndim, kv shape (<= 6 dims), rows dtype ("" = no rows),
 # rows shape, kv bytes per rank, rows bytes
 _HEADER = struct.Struct("<8sHH16sB6I8s3IQQ")
-_CHECKSUM = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -236,7 +189,7 @@ class BlockLayout:
 
     @property
     def blob_nbytes(self) -> int:
-        return _HEADER.size + self.num_ranks * self.kv_nbytes + self.rows_nbytes + _CHECKSUM.size
+        return _HEADER.size + self.num_ranks * self.kv_nbytes + self.rows_nbytes + CHECKSUM_NBYTES
 
     def _header(self) -> bytes:
         kv_shape = tuple(self.kv_shape) + (0,) * (6 - len(self.kv_shape))
@@ -266,11 +219,7 @@ def encode_block(layout: BlockLayout, kv: Sequence[np.ndarray | bytes | memoryvi
             got = None if rows is None else (rows.shape, rows.dtype)
             raise ValueError(f"encode_block: rows {got} do not match {layout.rows_shape} {layout.rows_dtype}")
         parts.append(_as_bytes(rows))
-    header = layout._header()
-    h = xxhash.xxh3_64(header)
-    for p in parts:
-        h.update(p)
-    return b"".join([header, *parts, _CHECKSUM.pack(h.intdigest())])
+    return checksummed([layout._header(), *parts])
 
 
 def decode_block(blob: bytes, layout: BlockLayout) -> tuple[list[np.ndarray], np.ndarray | None]:
@@ -278,7 +227,7 @@ def decode_block(blob: bytes, layout: BlockLayout) -> tuple[list[np.ndarray], np
 
     Raises BlockDecodeError for a truncated or corrupt blob or one laid out for another engine shape.
     """
-    if len(blob) < _HEADER.size + _CHECKSUM.size:
+    if len(blob) < _HEADER.size + CHECKSUM_NBYTES:
         raise BlockDecodeError(f"blob of {len(blob)} bytes is shorter than a header: truncated")
     fields = _HEADER.unpack_from(blob, 0)
     magic, version, num_ranks, kv_dtype, kv_ndim = fields[:5]
@@ -287,13 +236,13 @@ def decode_block(blob: bytes, layout: BlockLayout) -> tuple[list[np.ndarray], np
     if version != _VERSION:
         raise BlockDecodeError(f"blob format version {version}, this engine reads {_VERSION}")
     kv_nbytes, rows_nbytes = fields[-2:]
-    expected_len = _HEADER.size + num_ranks * kv_nbytes + rows_nbytes + _CHECKSUM.size
+    expected_len = _HEADER.size + num_ranks * kv_nbytes + rows_nbytes + CHECKSUM_NBYTES
     if len(blob) != expected_len:
         raise BlockDecodeError(f"blob has {len(blob)} bytes, its header says {expected_len}: truncated or padded")
-    mv = memoryview(blob)
-    (stored_sum,) = _CHECKSUM.unpack_from(blob, len(blob) - _CHECKSUM.size)
-    if xxhash.xxh3_64_intdigest(mv[: -_CHECKSUM.size]) != stored_sum:
-        raise BlockDecodeError("checksum mismatch: the stored block is corrupt")
+    try:
+        verify_checksum(blob)
+    except ChecksumError as e:
+        raise BlockDecodeError(f"stored block: {e}") from e
     kv_shape = tuple(fields[5 : 5 + kv_ndim])
     rows_dtype = fields[11].rstrip(b"\x00").decode()
     rows_shape = tuple(fields[12:15]) if rows_dtype else None

@@ -1,42 +1,17 @@
-"""Trainer-side R3: decode payloads, read stores, lay rows out for a Megatron-style router replay.
+"""Trainer-side R3: read stores, lay rows out for a Megatron-style router replay (payloads: r3/codec.py).
 
 Shapes: T = tokens of a sequence (prompt + completion), L = MoE layers, K = experts per token.
 The engine returns `[T-1, L, K]` (the last token was sampled, never fed through the model).
-The store layouts and the `.npy` codec live with the stores (cache_manager/routing_store.py), so that
+The codec, the layouts and the stores are fastdeploy_r3.r3's, the same code the server writes with, so
 what the server writes and what the trainer reads cannot drift apart.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-
 import numpy as np
 
-from fastdeploy_r3.cache_manager.routing_store import (
-    LocalRoutingStore,
-    RedisRoutingStore,
-    RoutedExpertsDecodeError,
-    load_npy,
-    npy_bytes,
-)
-
-
-def encode_routed_experts(arr: np.ndarray) -> str:
-    """`[rows, L, K]` -> base64 of an `.npy` file (the `routed_experts` field of a choice)."""
-    return base64.b64encode(npy_bytes(arr)).decode("ascii")
-
-
-def decode_routed_experts(b64: str) -> np.ndarray:
-    """base64 `.npy` payload -> `[rows, L, K]` integer array (uint8/uint16/int32, as sent)."""
-    try:
-        data = base64.b64decode(b64, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RoutedExpertsDecodeError(f"routed_experts is not base64: {e}") from e
-    arr = load_npy(data, "routed_experts")
-    if arr.ndim != 3:
-        raise RoutedExpertsDecodeError(f"routed_experts has shape {arr.shape}; expected [rows, L, K]")
-    return arr
+from fastdeploy_r3.r3.layouts import check_moe_rows
+from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore
 
 
 def read_local_rollout(
@@ -79,18 +54,12 @@ def to_megatron_router_replay(routed_experts: np.ndarray, moe_layer_ids: list[in
     A Megatron-style router replay wants a row for every token of the sequence; the last token has
     no recorded routing (it was never forwarded), so its row is padded with the K distinct ids
     0..K-1 — any valid top-k works, since that position's output is not trained on.
-    Raises on the "no route" sentinel (dtype max): replaying a hole would silently train on garbage.
+    Raises R3PayloadError (a ValueError) on the "no route" sentinel (dtype max): replaying a hole
+    would silently train on garbage.
     """
     import torch
 
-    if routed_experts.ndim != 3 or routed_experts.shape[1] != len(moe_layer_ids):
-        raise ValueError(f"routed_experts has shape {routed_experts.shape}; expected [T-1, {len(moe_layer_ids)}, K]")
-    if routed_experts.dtype.kind == "u" and routed_experts.size:
-        sentinel = np.iinfo(routed_experts.dtype).max
-        holes = np.argwhere(routed_experts == sentinel)
-        if len(holes):
-            row, layer, _ = holes[0]
-            raise ValueError(f"routed_experts row {row} layer {moe_layer_ids[layer]} holds the no-route sentinel")
+    check_moe_rows(routed_experts, moe_layer_ids)  # R3PayloadError (a ValueError): shape, or a no-route hole
     k = routed_experts.shape[2]
     pad = np.arange(k, dtype=np.int64)[None, :]  # [1, K]
     out = []

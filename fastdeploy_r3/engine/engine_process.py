@@ -5,7 +5,7 @@
                          EngineReady | EngineStartupFailed, then OutputBatch / RequestRejected /
                          MetricsReply / HealthReply
 
-Messages are the typed dataclasses below, pickled. The loop blocks on the input socket while the
+Messages are the typed dataclasses of engine/messages.py, pickled. The loop blocks on the input socket while the
 engine is idle and steps while it has work, draining input between steps. The engine process exits
 when told to, when its parent dies, or after an unexpected error (reported first, so in-flight
 requests fail with that message rather than waiting for a timeout).
@@ -19,15 +19,29 @@ import pickle
 import shutil
 import signal
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
 
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCrashed,
+    EngineInfo,
+    EngineReady,
+    EngineStartupFailed,
+    HealthQuery,
+    HealthReply,
+    MetricsQuery,
+    MetricsReply,
+    OutputBatch,
+    RequestRejected,
+)
+from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 from fastdeploy_r3.process_lifetime import exit_with_parent, name_this_process, new_ipc_dir
+from fastdeploy_r3.sampling_params import InvalidRequestError
 
 if TYPE_CHECKING:
     from fastdeploy_r3.engine.engine_service import EngineService
@@ -52,102 +66,6 @@ def send_while_parent_lives(sock: zmq.Socket, msg: object, parent_pid: int) -> N
         except zmq.Again:
             if os.getppid() != parent_pid:
                 raise ParentGoneError(f"the API server (pid {parent_pid}) is gone") from None
-
-
-# -- API server -> engine --------------------------------------------------------------------------
-
-
-@dataclass
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-
-
-@dataclass
-class MetricsQuery:
-    query_id: int
-
-
-@dataclass
-class HealthQuery:
-    query_id: int
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-# -- engine -> API server --------------------------------------------------------------------------
-
-
-@dataclass
-class EngineInfo:
-    """What the API server needs to know about the engine it talks to."""
-
-    pid: int
-    max_model_len: int
-    moe_layer_ids: list[int]
-    num_experts: int
-    moe_top_k: int
-    routing_dtype: str | None
-    enable_routing_replay: bool
-
-
-@dataclass
-class EngineReady:
-    info: EngineInfo
-
-
-@dataclass
-class EngineStartupFailed:
-    message: str
-    traceback: str = ""
-
-
-@dataclass
-class OutputBatch:
-    outputs: list[RequestOutput]
-
-
-@dataclass
-class RequestRejected:
-    """add_request raised: the request never entered the engine."""
-
-    request_id: str
-    message: str
-    invalid: bool  # True: the request was bad (HTTP 400); False: the engine failed (HTTP 500)
-
-
-@dataclass
-class MetricsReply:
-    query_id: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class HealthReply:
-    query_id: int
-    ok: bool
-    message: str = ""
-    degraded: dict[str, str] = field(default_factory=dict)  # part -> why, e.g. {"kv_storage": "..."}
-
-
-@dataclass
-class EngineCrashed:
-    """The loop died; every in-flight request must fail with this message."""
-
-    message: str
-
-
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -192,9 +110,6 @@ class _EngineLoop:
         self.output_sock = output_sock
         self.parent_pid = parent_pid
         self.running = True
-        from fastdeploy_r3.engine.engine_service import EngineDeadError
-
-        self.engine_dead_error = EngineDeadError
 
     def send(self, msg: object) -> None:
         send_while_parent_lives(self.output_sock, msg, self.parent_pid)
@@ -240,7 +155,7 @@ class _EngineLoop:
             if self.svc.has_unfinished_requests():
                 try:
                     outputs = self.svc.step()
-                except self.engine_dead_error as e:
+                except EngineDeadError as e:
                     # a child of the engine died: the engine failed every in-flight request
                     self.send(OutputBatch(self.svc.fail_all()))
                     self.send(EngineCrashed(str(e)))

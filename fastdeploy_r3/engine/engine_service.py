@@ -22,11 +22,14 @@ from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.token_processor import TokenProcessor
-from fastdeploy_r3.engine.worker_group import EngineDeadError, WorkerGroup
+from fastdeploy_r3.engine.worker_group import WorkerGroup
+from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.outputs import CompletionDelta, RequestDelta
+from fastdeploy_r3.r3.layouts import row_range
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.store_health import StoreHealth
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
@@ -41,6 +44,7 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request] = field(default_factory=list)
+    announced: bool = False  # its first delta (with the prompt) went out
 
 
 class EngineService:
@@ -86,7 +90,7 @@ class EngineService:
         eos = list(mc.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
 
         self.workers = WorkerGroup(cfg, self.suffix)
-        readies: list[WorkerReady] = self.workers.gather(timeout=600)
+        readies: list[WorkerReady] = self.workers.collect(timeout=600)
         num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
         self.num_gpu_blocks = num_gpu_blocks
         capacity = num_gpu_blocks * cc.block_size
@@ -218,7 +222,7 @@ class EngineService:
 
     # -- the step -----------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         self._check_alive()
         touched: set[str] = set(self._pending_outputs)
         self._pending_outputs.clear()
@@ -282,48 +286,55 @@ class EngineService:
             return f"worker step failed: {errors[0]}"
         return outs[0].sampled_token_ids
 
-    def _collect(self, group_ids: set[str]) -> list[RequestOutput]:
-        outputs = []
+    def _collect(self, group_ids: set[str]) -> list[RequestDelta]:
+        deltas = []
         for gid in sorted(group_ids):
             group = self._groups.get(gid)
             if group is None:
                 continue
-            out = self._make_output(group)
-            outputs.append(out)
-            if out.finished:
+            delta = self._make_delta(group)
+            deltas.append(delta)
+            if delta.finished:
                 del self._groups[gid]
                 for req in group.children:
                     self._child_group.pop(req.request_id, None)
-        return outputs
+        return deltas
 
-    def _make_output(self, group: _Group) -> RequestOutput:
+    def _make_delta(self, group: _Group) -> RequestDelta:
+        """What is new for this request since its previous delta; the prompt goes with the first one."""
         rr = self.config.routing_replay_config
         comps = []
         for i, req in enumerate(group.children):
-            n = req.num_returned_tokens if req.num_returned_tokens is not None else len(req.output_token_ids)
+            if req.delta_finished:
+                continue  # its finishing delta went out already
+            text, token_ids = self.token_processor.take_delta(req)
+            finish_reason = None
+            if req.is_finished:
+                finish_reason, req.delta_finished = req.status.value, True
             comps.append(
-                CompletionOutput(
+                CompletionDelta(
                     index=i,
-                    text=req.output_text,
-                    token_ids=req.output_token_ids[:n],
-                    finish_reason=req.status.value if req.is_finished else None,
+                    text=text,
+                    token_ids=token_ids,
+                    finish_reason=finish_reason,
                     stop_reason=req.stop_reason,
-                    routed_experts=req.routed_experts,
-                    routed_experts_start=min(req.sampling_params.routed_experts_start,
-                                             req.num_prompt_tokens + n - 1),
+                    routed_experts=req.routed_experts if req.is_finished else None,
+                    routed_experts_start=row_range(req.num_prompt_tokens, req.num_sent_tokens,
+                                                   req.sampling_params.routed_experts_start)[0],
                     error=req.error,
                 )
             )
-        cached = group.children[0].num_cached_tokens
-        return RequestOutput(
+        delta = RequestDelta(
             request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
             outputs=comps,
             finished=all(r.is_finished for r in group.children),
-            moe_layer_ids=list(rr.moe_layer_ids or []) if rr.enable_routing_replay else None,
-            num_cached_tokens=max(cached, 0),
+            num_cached_tokens=max(group.children[0].num_cached_tokens, 0),
         )
+        if not group.announced:
+            group.announced = True
+            delta.prompt, delta.prompt_token_ids = group.prompt, group.prompt_token_ids
+            delta.moe_layer_ids = list(rr.moe_layer_ids or []) if rr.enable_routing_replay else None
+        return delta
 
     # -- supervision --------------------------------------------------------------------------------
 
@@ -384,7 +395,7 @@ class EngineService:
             self._pending_outputs.append(group.request_id)
         self._stop_children()
 
-    def fail_all(self) -> list[RequestOutput]:
+    def fail_all(self) -> list[RequestDelta]:
         """Outputs of the requests failed by a dead engine (call after EngineDeadError)."""
         outs = self._collect(set(self._pending_outputs))
         self._pending_outputs.clear()

@@ -8,19 +8,21 @@ from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.outputs import OutputAssembler, RequestOutput
+from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError
+from fastdeploy_r3.r3.rollout_id import resolve_rollout_id, validate_rollout_id
+from fastdeploy_r3.r3.stores import make_routing_store
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 PromptType = str | list[int]
 
 
 class LLM:
     def __init__(self, model: str, r3_namespace: str = "fdr3", **engine_kwargs: Any) -> None:
-        from fastdeploy_r3.cache_manager.routing_store import make_routing_store
-
         self.config = EngineConfig.from_kwargs(model, **engine_kwargs)
-        # local / p2pstore delivery (DESIGN.md §7), the same stores and keys as the API server's
+        # local / p2pstore delivery (DESIGN.md §7): the same stores, keys and policy as the API server's
         self.routing_store = make_routing_store(self.config.routing_replay_config, r3_namespace)
+        self.r3_delivery = R3Delivery(self.config.routing_replay_config, self.routing_store)
         try:
             self.engine = EngineService(self.config)
         except BaseException:
@@ -43,7 +45,9 @@ class LLM:
         """Generate for every prompt (text or token ids); outputs come back in prompt order.
 
         With a `local` or `p2pstore` routing store, each finished prompt's R3 is stored under its
-        rollout id (`rollout_ids[i]`, else the output's request_id) before generate() returns.
+        rollout id (`rollout_ids[i]`, else the output's request_id) before generate() returns. As in
+        the server, R3 delivery fails closed: a prompt whose R3 is missing, malformed or not stored
+        comes back failed (finish_reason "error", the reason in `error`, no routed_experts).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -56,8 +60,6 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         if rollout_ids is not None:
-            from fastdeploy_r3.cache_manager.routing_store import validate_rollout_id
-
             rollout_ids = [validate_rollout_id(r) for r in rollout_ids]
             if len(rollout_ids) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(rollout_ids)} rollout ids")
@@ -73,6 +75,7 @@ class LLM:
                 self.engine.abort_request(rid)
             self._drain()
             raise
+        assemblers = {rid: OutputAssembler(rid) for rid in order}
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(order) >= 8:
@@ -81,27 +84,32 @@ class LLM:
             bar = tqdm(total=len(order), desc="Generating", unit="req")
         try:
             while len(results) < len(order):
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
+                for delta in self.engine.step():
+                    assembler = assemblers[delta.request_id]
+                    assembler.add(delta)
+                    if delta.finished:
+                        results[delta.request_id] = assembler.output()
                         if bar is not None:
                             bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
         outputs = [results[rid] for rid in order]
-        if self.routing_store is not None:
-            for i, out in enumerate(outputs):
-                self._store_r3(out, rollout_ids[i] if rollout_ids is not None else out.request_id)
+        for i, (out, params) in enumerate(zip(outputs, params_list)):
+            self._deliver_r3(out, params, rollout_ids[i] if rollout_ids is not None else None)
         return outputs
 
-    def _store_r3(self, out: RequestOutput, rollout_id: str) -> None:
-        """Put every choice's R3; a choice without R3 (failed, or opted out) stores nothing of the rollout."""
-        arrays = [c.routed_experts for c in sorted(out.outputs, key=lambda c: c.index)]
-        if any(a is None for a in arrays):
+    def _deliver_r3(self, out: RequestOutput, params: SamplingParams, rollout_id: str | None) -> None:
+        """Check (and store) one finished prompt's R3; on failure the prompt's choices fail."""
+        if not self.r3_delivery.wants(params.return_routed_experts):
             return
-        assert self.routing_store is not None and out.moe_layer_ids is not None
-        self.routing_store.put(rollout_id, arrays, out.moe_layer_ids)
+        if any(c.finish_reason in ("error", "abort") for c in out.outputs):
+            return  # already failed (with its own reason) or aborted: nothing of it is delivered
+        try:
+            self.r3_delivery.deliver(out, resolve_rollout_id(rollout_id, None, out.request_id), inline=False)
+        except R3DeliveryError as e:
+            for c in out.outputs:
+                c.finish_reason, c.error, c.routed_experts = "error", f"R3DeliveryError: {e}", None
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -49,8 +50,12 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission, -1 until admitted
     num_preemptions: int = 0
-    # text/stop handling (TokenProcessor)
-    output_text: str = ""
+    # text/stop handling and deltas (TokenProcessor): text decoded but not yet sent, held back while
+    # a stop string could still begin in it; cursors of what the last delta carried
+    detokenizer: IncrementalDetokenizer | None = None
+    pending_text: str = ""
+    num_sent_tokens: int = 0
+    delta_finished: bool = False  # the delta carrying its finish went out
     num_returned_tokens: int | None = None  # N: output tokens returned to the user, set at finish
     stop_reason: str | int | None = None
     error: str | None = None
@@ -71,26 +76,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    routed_experts: np.ndarray | None = None  # [rows, L, K]
-    routed_experts_start: int = 0
-    error: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    moe_layer_ids: list[int] | None = None
-    num_cached_tokens: int = 0

@@ -130,7 +130,7 @@ class Scheduler:
             req.num_computed_tokens += chunk.num_new_tokens
             self.kv.cache_computed_blocks(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
+    def release(self, req: Request, status: RequestStatus) -> None:
         """Leave the queues and give the blocks back. R3 must have been gathered before this."""
         req.status = status
         if req in self.running:

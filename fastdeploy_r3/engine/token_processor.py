@@ -1,7 +1,10 @@
-"""Turns sampled tokens into request progress: append, detokenize, stop checks, and at finish
-gather R3 (before the blocks are freed), then free.
+"""Turns sampled tokens into request progress: append, detokenize incrementally, stop checks, and at
+finish gather R3 (before the blocks are freed), then free; `take_delta` hands out what is new.
 
-    finish → gather R3 rows [start, P + N - 1) through the block table → free blocks
+Text for the caller is sent as deltas: each step's new characters, minus the last (longest stop
+string - 1) characters while the request runs, since a stop string beginning there would cut them.
+
+    finish → gather R3 rows [start, P + N - 1) through the block table → Scheduler.release (free blocks)
 """
 
 from __future__ import annotations
@@ -9,9 +12,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager, RoutingReplayError
+from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
+from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler
+from fastdeploy_r3.r3.errors import RoutingReplayError
+from fastdeploy_r3.r3.layouts import row_range
 
 
 @dataclass
@@ -47,15 +53,22 @@ class TokenProcessor:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
         elif not params.ignore_eos and token_id in self.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
+        at_length = len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
         if self.tokenizer is not None:
-            req.output_text = self.tokenizer.decode(req.output_token_ids)  # type: ignore[attr-defined]
-            if params.stop and status is None:
-                cut = _find_stop(req.output_text, params.stop)
+            if req.detokenizer is None:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            new_text = req.detokenizer.push([token_id])
+            if status is not None or at_length:
+                new_text += req.detokenizer.flush()
+            searched = len(req.pending_text)
+            req.pending_text += new_text
+            if params.stop and status is None and new_text:
+                cut = _find_stop(req.pending_text, params.stop, searched)
                 if cut is not None:
-                    req.output_text = req.output_text[: cut[0]]
+                    req.pending_text = req.pending_text[: cut[0]]
                     req.stop_reason = cut[1]
                     status = RequestStatus.FINISHED_STOPPED
-        if status is None and (len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len):
+        if status is None and at_length:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.finish(req, status)
@@ -66,7 +79,7 @@ class TokenProcessor:
             req.num_returned_tokens = len(req.output_token_ids)
         if error is None and status is not RequestStatus.FINISHED_ABORTED and self._wants_r3(req):
             try:
-                req.routed_experts = self._gather(req)
+                req.routed_experts = self._gather_r3(req)
             except RoutingReplayError as e:
                 self.r3.failures += 1
                 # fail closed for this request, and let the next one recompute instead of failing too
@@ -76,16 +89,28 @@ class TokenProcessor:
             status = RequestStatus.FINISHED_ERROR
             req.error = error
             req.routed_experts = None
-        self.scheduler.finish(req, status)
+        self.scheduler.release(req, status)
+
+    def take_delta(self, req: Request) -> tuple[str, list[int]]:
+        """The text and token ids produced since the previous call, for the caller to append."""
+        n = req.num_returned_tokens if req.num_returned_tokens is not None else len(req.output_token_ids)
+        token_ids = req.output_token_ids[req.num_sent_tokens : n]
+        req.num_sent_tokens = max(req.num_sent_tokens, n)
+        keep = 0
+        if not req.is_finished and req.sampling_params.stop:
+            keep = min(len(req.pending_text), max(len(s) for s in req.sampling_params.stop) - 1)
+        cut = len(req.pending_text) - keep
+        text, req.pending_text = req.pending_text[:cut], req.pending_text[cut:]
+        return text, token_ids
 
     def _wants_r3(self, req: Request) -> bool:
         return self.routing is not None and req.sampling_params.return_routed_experts is not False
 
-    def _gather(self, req: Request):  # -> np.ndarray [rows, L, K]
+    def _gather_r3(self, req: Request):  # -> np.ndarray [rows, L, K]
         assert self.routing is not None
         kv = self.scheduler.kv
-        end = req.num_prompt_tokens + (req.num_returned_tokens or 0) - 1  # the last token was never fed
-        start = min(req.sampling_params.routed_experts_start, end)
+        start, end = row_range(req.num_prompt_tokens, req.num_returned_tokens or 0,
+                               req.sampling_params.routed_experts_start)
         if req.num_computed_tokens < end:
             raise RoutingReplayError(
                 f"request {req.request_id} has {req.num_computed_tokens} forwarded tokens but needs rows up to {end}"
@@ -99,10 +124,11 @@ class TokenProcessor:
         return rows
 
 
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+def _find_stop(text: str, stops: list[str], searched: int) -> tuple[int, str] | None:
+    """Earliest stop string in `text`; text[:searched] was already searched, so a match must end after it."""
     best: tuple[int, str] | None = None
     for s in stops:
-        i = text.find(s)
+        i = text.find(s, max(0, searched - len(s) + 1))
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     return best

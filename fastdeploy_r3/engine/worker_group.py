@@ -1,4 +1,4 @@
-"""The engine's worker processes, one per TP rank: start, broadcast, gather, supervise, stop.
+"""The engine's worker processes, one per TP rank: start, broadcast, collect answers, supervise, stop.
 
 Every message goes to all ranks and every rank answers; rank 0's answer carries the sampled
 tokens. A rank that dies, or does not answer a step within its deadline (stuck, or stopped with
@@ -15,11 +15,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.worker.messages import Shutdown
-
-
-class EngineDeadError(RuntimeError):
-    """A child process of the engine died; in-flight requests were failed."""
+from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 
 
 class WorkerGroup:
@@ -53,13 +49,13 @@ class WorkerGroup:
             except OSError as e:
                 raise self._gone(rank) from e
 
-    def gather(self, timeout: float | None = None) -> list[Any]:
+    def collect(self, timeout: float | None = None) -> list[Any]:
         """One answer per rank, in rank order."""
         return [self._recv(rank, timeout) for rank in range(len(self._conns))]
 
     def call(self, msg: object, timeout: float | None = None) -> list[Any]:
         self.broadcast(msg)
-        return self.gather(timeout)
+        return self.collect(timeout)
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self._procs):

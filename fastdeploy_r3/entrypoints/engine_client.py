@@ -1,4 +1,4 @@
-"""The API server's handle on the engine process (see engine/engine_process.py for the wire).
+"""The API server's handle on the engine process (engine/messages.py is the wire).
 
 One reader task routes engine messages to per-request queues; one watchdog task notices an engine
 that is gone or stalled and fails everything in flight with a message that says so. After that,
@@ -27,10 +27,10 @@ import zmq.asyncio
 
 from fastdeploy_r3.cache_manager.shm import remove_stale_segments
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.engine_process import (
+from fastdeploy_r3.engine.engine_process import EngineAddresses, run_engine_process
+from fastdeploy_r3.engine.messages import (
     AbortRequest,
     AddRequest,
-    EngineAddresses,
     EngineCrashed,
     EngineInfo,
     EngineReady,
@@ -42,11 +42,11 @@ from fastdeploy_r3.engine.engine_process import (
     OutputBatch,
     RequestRejected,
     Shutdown,
-    run_engine_process,
 )
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
+from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.outputs import RequestDelta
 from fastdeploy_r3.process_lifetime import remove_stale_ipc_dirs
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.spawn import start_process
 
 logger = logging.getLogger(__name__)
@@ -55,10 +55,6 @@ _WATCHDOG_PERIOD_S = 0.5
 _HEARTBEAT_PERIOD_S = 1.0
 # A send the engine does not take within this is refused with an error (its input queue is full).
 _SEND_TIMEOUT_S = 10.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone; restart the server."""
 
 
 class EngineStartupError(RuntimeError):
@@ -273,10 +269,11 @@ class AsyncEngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the cumulative RequestOutput of each step that advanced the request, ending with
-        the finished one. Raises InvalidRequestError (bad input), EngineRequestError or
-        EngineDeadError. Leaving the iteration early aborts the request in the engine."""
+    ) -> AsyncIterator[RequestDelta]:
+        """Yield the RequestDelta of each step that advanced the request (what is new: assemble
+        with outputs.OutputAssembler), ending with the finished one. Raises InvalidRequestError
+        (bad input), EngineRequestError or EngineDeadError. Leaving the iteration early aborts the
+        request in the engine."""
         self._check_alive()
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.config import ConfigError, ModelConfig, num_routed_experts_from_hf_config
+from fastdeploy_r3.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def random_weight(name: str, shape: tuple[int, ...], generator: torch.Generator, router_std: float) -> torch.Tensor:
@@ -78,7 +77,7 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
     model_cls = get_model_class(arch)
     if num_routed_experts_from_hf_config(hf) <= 0 or int(hf.get("num_experts_per_tok", 0) or 0) <= 0:
         raise ConfigError(f"{model_config.model!r} is not a MoE model; fastdeploy_r3 serves MoE models only")
-    dtype = _DTYPES[model_config.dtype]
+    dtype = torch_dtype(model_config.dtype)
     with torch.device(device):
         model = model_cls(hf, dtype, tp_rank, tp_size)
     if model_config.load_format == "dummy":

@@ -1,4 +1,10 @@
-"""Typed messages between the engine process and worker processes (pickled over a pipe)."""
+"""Every message between the engine process and its worker processes (pickled over a pipe).
+
+    engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown
+    worker -> engine   WorkerReady (or the exception that stopped start-up), StepOutput
+
+`Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,10 @@ from dataclasses import dataclass, field
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.lifecycle import Shutdown
+from fastdeploy_r3.sampling_params import SamplingParams
+
+__all__ = ["AttachRoutingBuffer", "ScheduledRequestData", "Shutdown", "StepInput", "StepOutput", "WorkerReady"]
 
 
 @dataclass
@@ -47,8 +56,3 @@ class StepOutput:
     step_id: int
     sampled_token_ids: dict[str, int]
     error: str | None = None
-
-
-@dataclass
-class Shutdown:
-    pass

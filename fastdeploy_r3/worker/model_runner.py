@@ -14,16 +14,19 @@ import torch
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import ShmSegment, shm_free_bytes, shm_name
+from fastdeploy_r3.cache_manager.slots import slots_of
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput, StepOutput
+from fastdeploy_r3.worker.routing_capture import RoutingCapture
+from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
 from fastdeploy_r3.worker.sampler import sample_token
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
@@ -33,15 +36,14 @@ class ModelRunner:
         self.world_size = world_size
         self.engine_suffix = engine_suffix
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
-        self.dtype = _TORCH_DTYPES[config.model_config.dtype]
+        self.dtype = torch_dtype(config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.model: torch.nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, NB, BS, KVH, D]
         self._kv_segment: ShmSegment | None = None
         self.routing_host: RoutingBuffer | None = None
-        self.routing_writer = None  # RoutingCacheManager on rank 0: checked writes into routing_host
-        self.mapped_writer = None  # MappedRoutingWriter on rank 0 on CUDA: the kernel path of §5.2
-        self.routing_capture = None
+        self.routing_writer: RoutingWriter | None = None  # rank 0 only: writes into routing_host
+        self.routing_capture: RoutingCapture | None = None
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator] = {}
 
@@ -109,19 +111,9 @@ class ModelRunner:
         rr = self.config.routing_replay_config
         if spec is None or not rr.enable_routing_replay:
             return
-        from fastdeploy_r3.model_executor.layers.routing_capture import RoutingCapture
-
         if self.rank == 0:
-            from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
-
             self.routing_host = RoutingBuffer.attach(spec)
-            self.routing_writer = RoutingCacheManager(
-                self.routing_host, self.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
-            )
-            if self.device.type == "cuda" and not rr.debug_mode:
-                from fastdeploy_r3.worker.mapped_routing_writer import MappedRoutingWriter
-
-                self.mapped_writer = MappedRoutingWriter(self.routing_host)
+            self.routing_writer = make_routing_writer(self.routing_host, self.device, rr.debug_mode)
         self.routing_capture = RoutingCapture(
             max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
             num_moe_layers=rr.num_moe_layers,
@@ -157,12 +149,10 @@ class ModelRunner:
             self._remember(r)
             n = len(r.token_ids)
             pos = np.arange(r.start_pos, r.start_pos + n, dtype=np.int64)
-            table = np.asarray(r.block_table, dtype=np.int64)
-            block_idx = pos // bs
             input_ids.extend(r.token_ids)
             positions.extend(pos.tolist())
-            slots.extend((table[block_idx] * bs + pos % bs).tolist())
-            tags.extend(np.asarray(r.block_tags, dtype=np.int64)[block_idx].tolist())
+            slots.extend(slots_of(r.block_table, pos, bs).tolist())
+            tags.extend(np.asarray(r.block_tags, dtype=np.int64)[pos // bs].tolist())
             query_lens.append(n)
             seq_lens.append(r.start_pos + n)
             query_start_loc.append(query_start_loc[-1] + n)
@@ -194,12 +184,10 @@ class ModelRunner:
 
         if capture is not None:
             capture.check_complete()
-            if self.mapped_writer is not None:
+            if self.routing_writer is not None:
                 tags_t = torch.tensor(tags, dtype=torch.int64, device=dev)  # [T]
-                self.mapped_writer.write(capture.device_rows(len(input_ids)), slot_t, tags_t)
-            elif self.routing_writer is not None:
-                rows = capture.step_rows(len(input_ids))  # [T, L, K]
-                self.routing_writer.write_step(np.asarray(slots), rows, np.asarray(tags), np.asarray(positions))
+                rows = self.routing_writer.rows_of(capture, len(input_ids))  # [T, L, K]
+                self.routing_writer.write(rows, slot_t, tags_t, pos_t)
 
         sampled: dict[str, int] = {}
         # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
@@ -219,10 +207,9 @@ class ModelRunner:
                 self._generators[r.request_id] = torch.Generator().manual_seed(r.sampling_seed)
 
     def close(self) -> None:
-        if self.mapped_writer is not None:
-            self.mapped_writer.close()
-            self.mapped_writer = None
-        self.routing_writer = None
+        if self.routing_writer is not None:
+            self.routing_writer.close()
+            self.routing_writer = None
         if self.routing_host is not None:
             self.routing_host.close()
             self.routing_host = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

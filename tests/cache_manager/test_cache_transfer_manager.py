@@ -21,6 +21,7 @@ import torch
 from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient, CacheTransferError
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import ShmSegment, list_segments, new_engine_suffix, shm_name, unlink_all
+from fastdeploy_r3.cache_manager.slots import block_slots
 from fastdeploy_r3.cache_manager.storage import make_storage_backend
 from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig, KVCacheSpec, TransferKind, TransferTask
 
@@ -49,19 +50,19 @@ class Engine:
         g = torch.Generator().manual_seed(seed)
         for kv in self.kv:
             kv[:, :, block_id] = torch.randn(kv[:, :, block_id].shape, generator=g).to(kv.dtype)
-        slots = self.host.block_slots([block_id], BS)
+        slots = block_slots([block_id], BS)
         rows = np.random.default_rng(seed).integers(0, 128, size=(BS, L, K), dtype=np.uint8)
-        self.host.write(slots, rows, np.full(BS, tag, dtype=np.int64))
+        self.host.write(rows, slots, np.full(BS, tag, dtype=np.int64))
 
     def clear(self, block_id: int) -> None:
         """The block is freed and reused: KV zeroed, rows back to the sentinel, tags to 0."""
         for kv in self.kv:
             kv[:, :, block_id] = 0
-        slots = self.host.block_slots([block_id], BS)
-        self.host.write(slots, np.full((BS, L, K), self.host.sentinel, np.uint8), np.zeros(BS, np.int64))
+        slots = block_slots([block_id], BS)
+        self.host.write(np.full((BS, L, K), self.host.sentinel, np.uint8), slots, np.zeros(BS, np.int64))
 
     def snapshot(self, block_id: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        slots = self.host.block_slots([block_id], BS)
+        slots = block_slots([block_id], BS)
         rows, tags = self.host.read(slots)
         return [kv[:, :, block_id].contiguous().view(torch.uint8).numpy().tobytes() for kv in self.kv], rows, tags
 
@@ -194,11 +195,7 @@ def _flip_stored_byte(storage_url: str, key: str) -> None:
     store = make_storage_backend(storage_url, NAMESPACE)
     blob = bytearray(store.get(key))
     blob[len(blob) // 2] ^= 0x01  # inside the KV payload
-    if storage_url.startswith("file://"):
-        with open(store.path_for(key), "r+b") as f:
-            f.write(blob)
-    else:
-        store._r.set(store.redis_key(key), bytes(blob))
+    store.blobs.put(store.blob_key(key), bytes(blob))  # under the engine's checks, as a bad disk would
 
 
 def test_untagged_rows_are_never_stored_and_bad_tasks_do_not_kill_the_ctm(tmp_path) -> None:

@@ -7,9 +7,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec, debug_rows
-from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager, RoutingReplayError
+from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
+from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix
+from fastdeploy_r3.cache_manager.slots import block_slots, slots_of
+from fastdeploy_r3.r3.errors import RoutingReplayError, debug_rows
 
 BS, L, K, NUM_BLOCKS, NUM_EXPERTS = 4, 2, 3, 8, 16
 
@@ -24,12 +26,12 @@ def buffer() -> Iterator[RoutingBuffer]:
 
 def _fill(mgr: RoutingCacheManager, block_table: list[int], block_tags: list[int], num_rows: int,
           debug: bool = False) -> np.ndarray:
-    """Write rows [0, num_rows) of one request the way worker rank 0 does; returns them."""
+    """Write rows [0, num_rows) of one request at their slots with their blocks' tags; returns them."""
     pos = np.arange(num_rows)
     rng = np.random.default_rng(0)
     rows = debug_rows(pos, L, K, np.dtype(np.uint8)) if debug else rng.integers(0, NUM_EXPERTS, (num_rows, L, K),
                                                                                 dtype=np.uint8)
-    mgr.write_step(mgr.slots_of(block_table, 0, num_rows), rows, np.asarray(block_tags)[pos // BS], positions=pos)
+    mgr.buffer.write(rows, slots_of(block_table, pos, BS), np.asarray(block_tags)[pos // BS])
     return rows
 
 
@@ -37,7 +39,8 @@ def test_gather_returns_exact_rows_through_block_table(buffer: RoutingBuffer) ->
     """3 blocks [5, 1, 6] of 4 tokens, 10 rows written; rows [2, 9) come back exactly, from the right slots."""
     mgr = RoutingCacheManager(buffer, BS, NUM_EXPERTS)
     rows = _fill(mgr, [5, 1, 6], [11, 12, 13], 10)
-    assert mgr.slots_of([5, 1, 6], 2, 9).tolist() == [22, 23, 4, 5, 6, 7, 24]
+    assert slots_of([5, 1, 6], np.arange(2, 9), BS).tolist() == [22, 23, 4, 5, 6, 7, 24]
+    assert block_slots([5, 1], BS).tolist() == [20, 21, 22, 23, 4, 5, 6, 7]
     out = mgr.gather("cmpl-1", [5, 1, 6], [11, 12, 13], 2, 9)
     assert out.shape == (7, L, K) and out.dtype == np.uint8 and out.flags.c_contiguous
     assert np.array_equal(out, rows[2:9])
@@ -100,33 +103,9 @@ def test_debug_mode_checks_positions_at_gather(buffer: RoutingBuffer) -> None:
         mgr.gather("r", [5, 1, 6], [11, 12, 13], 0, 12)
 
 
-def test_debug_mode_checks_positions_at_write(buffer: RoutingBuffer) -> None:
-    """Worker rank 0 writes rows for positions 0..3 but labels them 1..4: refused before the buffer changes."""
-    mgr = RoutingCacheManager(buffer, BS, NUM_EXPERTS, debug_mode=True)
-    rows = debug_rows(np.arange(4), L, K, np.dtype(np.uint8))
-    with pytest.raises(RoutingReplayError, match=r"token 0 of the step \(position 1, slot 20\)"):
-        mgr.write_step(np.arange(20, 24), rows, np.full(4, 7), positions=np.arange(1, 5))
-    with pytest.raises(RoutingReplayError, match="needs the positions"):
-        mgr.write_step(np.arange(20, 24), rows, np.full(4, 7))
-    assert (buffer.tags[20:24] == 0).all()
-
-
 @pytest.mark.parametrize(("start", "end"), [(5, 4), (-1, 3), (0, 13)])
 def test_bad_row_range_is_an_error(buffer: RoutingBuffer, start: int, end: int) -> None:
     """start > end, a negative start, or end past the 3 blocks of the table."""
     mgr = RoutingCacheManager(buffer, BS, NUM_EXPERTS)
     with pytest.raises(RoutingReplayError, match=rf"rows \[{start}, {end}\) are not within its 3 blocks"):
         mgr.gather("r", [5, 1, 6], [11, 12, 13], start, end)
-
-
-def test_write_step_rejects_bad_inputs(buffer: RoutingBuffer) -> None:
-    """Wrong dtype, a padded slot (-1), or tag 0 never reach the buffer."""
-    mgr = RoutingCacheManager(buffer, BS, NUM_EXPERTS)
-    rows = np.zeros((2, L, K), np.uint8)
-    with pytest.raises(RoutingReplayError, match="rows are int32"):
-        mgr.write_step(np.array([0, 1]), rows.astype(np.int32), np.array([1, 1]))
-    with pytest.raises(RoutingReplayError, match="drop padded tokens"):
-        mgr.write_step(np.array([0, -1]), rows, np.array([1, 1]))
-    with pytest.raises(RoutingReplayError, match="tag 0"):
-        mgr.write_step(np.array([0, 1]), rows, np.array([1, 0]))
-    assert (buffer.tags == 0).all()

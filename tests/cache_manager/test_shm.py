@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from fake_model import make_fake_model
 
 from fastdeploy_r3.cache_manager import shm
 from fastdeploy_r3.cache_manager.shm import SharedMemoryError, ShmSegment, list_segments, remove_stale_segments
 from fastdeploy_r3.config import ConfigError, EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 
 def test_owner_unlinks_and_attacher_sees_the_same_bytes():

@@ -113,3 +113,9 @@ def test_bad_urls_and_namespace_say_what_to_do(tmp_path) -> None:
         make_storage_backend(f"file://{tmp_path}", "")
     with pytest.raises(StorageError, match="unreachable"):
         make_storage_backend("redis://127.0.0.1:1/0", "m@v1")
+
+
+def test_redis_backend_errors_never_show_the_password() -> None:
+    with pytest.raises(StorageError, match="unreachable") as info:
+        make_storage_backend("redis://kv:hunter2@127.0.0.1:1/0", "m@v1")
+    assert "hunter2" not in str(info.value)

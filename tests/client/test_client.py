@@ -57,8 +57,7 @@ def local_server(tmp_path_factory):
     import json
 
     from api_server_process import api_server
-
-    from fastdeploy_r3.model_executor.fake_model import make_fake_model
+    from fake_model import make_fake_model
 
     model_dir = make_fake_model("qwen3_moe", str(tmp_path_factory.mktemp("qwen")))
     store_dir = str(tmp_path_factory.mktemp("r3store"))

@@ -14,7 +14,8 @@ import pytest
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.shm import list_segments
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.engine_service import EngineDeadError, EngineService
+from fastdeploy_r3.engine.engine_service import EngineService
+from fastdeploy_r3.lifecycle import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

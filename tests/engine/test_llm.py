@@ -18,8 +18,8 @@ import pytest
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.config import ConfigError
-from fastdeploy_r3.engine.request import RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError
+from fastdeploy_r3.outputs import OutputAssembler, RequestOutput
+from fastdeploy_r3.sampling_params import InvalidRequestError
 
 BLOCK = 4
 MAX_TOKENS = 6
@@ -345,8 +345,11 @@ def test_request_ids_in_flight_are_unique_across_choices(baseline: LLM) -> None:
     for dup in ("x", "x#1"):
         with pytest.raises(InvalidRequestError, match="already in flight"):
             eng.add_request(dup, [5, 6, 7], SamplingParams(max_tokens=2))
+    assembler = OutputAssembler("x")
     done = []
     while eng.has_unfinished_requests():
-        done += [o for o in eng.step() if o.finished]
-    assert [o.request_id for o in done] == ["x"] and len(done[0].outputs) == 2
+        for delta in eng.step():
+            assembler.add(delta)
+            done += [delta.request_id] if delta.finished else []
+    assert done == ["x"] and [c.index for c in assembler.output().outputs] == [0, 1]
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from fastdeploy_r3 import LLM, SamplingParams
-from fastdeploy_r3.cache_manager.routing_store import InvalidRolloutIdError
 from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
+from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
 
@@ -45,3 +45,17 @@ def test_p2pstore_keys_default_to_request_ids(model_dir: str, redis_url: str) ->
     for out in outs:
         got = read_redis_rollout(redis_url, "offline-test", out.request_id)
         assert np.array_equal(got, out.outputs[0].routed_experts)
+
+
+def test_a_failed_put_fails_the_prompt_instead_of_storing_nothing(model_dir: str) -> None:
+    """No Redis listens on port 1: generate() still returns, and every prompt comes back failed, saying why."""
+    r3 = {"enable_routing_replay": True, "routing_store_type": "p2pstore", "p2pstore_url": "redis://127.0.0.1:1/0"}
+    with LLM(model_dir, block_size=4, routing_replay_config=r3) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        opted_out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, return_routed_experts=False),
+                                 use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "error" and c.routed_experts is None
+        assert c.error.startswith("R3DeliveryError: storing routed_experts of rollout 'offline-")
+    assert opted_out[0].outputs[0].finish_reason == "length"  # nothing asked, nothing stored, no failure

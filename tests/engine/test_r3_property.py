@@ -16,7 +16,8 @@ import pytest
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.outputs import OutputAssembler
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ def test_debug_mode_rows_equal_positions_through_every_cache_path(model_dir: str
             pending.append((f"r{i}", prompt, params))
 
         finished, aborted, started = {}, set(), {}
+        assemblers: dict[str, OutputAssembler] = {}
         steps = 0
         while pending or engine.has_unfinished_requests():
             for _ in range(rng.randrange(0, 4)):
@@ -67,12 +69,14 @@ def test_debug_mode_rows_equal_positions_through_every_cache_path(model_dir: str
                     rid, prompt, params = pending.pop(0)
                     engine.add_request(rid, prompt, params)
                     started[rid] = (prompt, params)
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                elif rng.random() < 0.04 and out.request_id not in aborted:
-                    engine.abort_request(out.request_id)
-                    aborted.add(out.request_id)
+            for delta in engine.step():
+                assembler = assemblers.setdefault(delta.request_id, OutputAssembler(delta.request_id))
+                assembler.add(delta)
+                if delta.finished:
+                    finished[delta.request_id] = assembler.output()
+                elif rng.random() < 0.04 and delta.request_id not in aborted:
+                    engine.abort_request(delta.request_id)
+                    aborted.add(delta.request_id)
             steps += 1
             assert steps < 20000, "engine made no progress"
         engine.kv.check_integrity()

@@ -23,10 +23,10 @@ import torch
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain
 from fastdeploy_r3.config import ModelConfig
-from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, softmax_topk
 from fastdeploy_r3.model_executor.model_loader import load_model
+from fastdeploy_r3.outputs import RequestOutput
 
 BS = 4
 PREFIX_BLOCKS = 6
@@ -190,8 +190,8 @@ def test_gpu_hit_and_cpu_swap_in_serve_the_rows_recorded_at_compute(tiered: LLM,
     for filler in FILLERS:
         _one(tiered, filler)
     hashes = _prefix_hashes(tiered, PREFIX)
-    assert [tiered.engine.kv.gpu.lookup(h) for h in hashes] == [None] * PREFIX_BLOCKS, "PREFIX is still on GPU"
-    assert all(tiered.engine.kv.cpu.lookup(h) is not None for h in hashes), "PREFIX did not reach the CPU tier"
+    assert [tiered.engine.kv.gpu.cached_block(h) for h in hashes] == [None] * PREFIX_BLOCKS, "PREFIX is still on GPU"
+    assert all(tiered.engine.kv.cpu.cached_block(h) is not None for h in hashes), "PREFIX did not reach the CPU tier"
 
     m1 = tiered.engine.metrics()
     c = _one(tiered, c_prompt)
@@ -209,7 +209,7 @@ def test_stale_tag_on_a_cached_prefix_block_fails_closed(tiered: LLM, alone: Alo
     with RoutingReplayError naming the tag; the next request on PREFIX2 recomputes and is served correctly."""
     d_prompt, e_prompt = _with(PREFIX2, 100), _with(PREFIX2, 110)
     _one(tiered, d_prompt)
-    block = tiered.engine.kv.gpu.lookup(_prefix_hashes(tiered, PREFIX2)[2])
+    block = tiered.engine.kv.gpu.cached_block(_prefix_hashes(tiered, PREFIX2)[2])
     assert block is not None
     slot = block.block_id * BS + 1  # row 9 of any request with PREFIX2
     tags = tiered.engine._routing_host.tags
@@ -223,7 +223,7 @@ def test_stale_tag_on_a_cached_prefix_block_fails_closed(tiered: LLM, alone: Alo
     assert tiered.engine.metrics()["r3_failures"] == failures + 1
 
     # the failed request's blocks left the prefix cache: the next request on PREFIX2 recomputes them
-    assert tiered.engine.kv.gpu.lookup(_prefix_hashes(tiered, PREFIX2)[2]) is None
+    assert tiered.engine.kv.gpu.cached_block(_prefix_hashes(tiered, PREFIX2)[2]) is None
     g_prompt = _with(PREFIX2, 120)
     alone.check(g_prompt, _one(tiered, g_prompt))
     assert tiered.engine.metrics()["r3_failures"] == failures + 1

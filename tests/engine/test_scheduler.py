@@ -3,8 +3,8 @@ from __future__ import annotations
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.engine.request import Request, RequestStatus
-from fastdeploy_r3.engine.sampling_params import SamplingParams
 from fastdeploy_r3.engine.scheduler import Scheduler
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 def make(num_blocks: int, budget: int = 64, max_seqs: int = 8, caching: bool = True) -> Scheduler:
@@ -76,7 +76,7 @@ def test_youngest_request_is_preempted_when_blocks_run_out_and_recomputes():
     s.update_after_step(out)
     s.kv.check_integrity()
     # once a finishes, b is readmitted and recomputes prompt + its 2 sampled tokens in one chunk
-    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    s.release(a, RequestStatus.FINISHED_LENGTH)
     assert step(s) == [("b", 9, True)]
     assert s.num_preemptions == 1
 
@@ -87,13 +87,32 @@ def test_finished_blocks_stay_cached_and_abort_leaks_nothing():
     a = req("a", [5, 6, 7, 8, 9])
     s.add_request(a)
     step(s)
-    s.finish(a, RequestStatus.FINISHED_STOPPED)
+    s.release(a, RequestStatus.FINISHED_STOPPED)
     assert s.kv.gpu.num_free_blocks == 6
     c = req("c", [1, 2, 3])
     s.add_request(c)
-    s.finish(c, RequestStatus.FINISHED_ABORTED)
+    s.release(c, RequestStatus.FINISHED_ABORTED)
     b = req("b", [5, 6, 7, 8, 1])
     s.add_request(b)
     assert step(s) == [("b", 1, True)]
     assert b.num_cached_tokens == 4
     s.kv.check_integrity()
+
+
+def test_forced_hash_collision_is_recomputed_not_served(monkeypatch):
+    """Every block hashes alike: 'b' (tokens 100..) finds a's block 0 under its hash but not its tokens,
+    so it gets no prefix hit and its own blocks; an exact repeat of 'a' still hits."""
+    from fastdeploy_r3.cache_manager import prefix_cache_manager
+
+    monkeypatch.setattr(prefix_cache_manager, "chain_hash", lambda parent, tokens: b"\x00" * 16)
+    s = make(8)
+    s.add_request(req("a", list(range(8))))
+    step(s)
+    b = req("b", list(range(100, 108)))
+    s.add_request(b)
+    assert step(s) == [("a", 1, True), ("b", 8, True)]
+    assert b.num_cached_tokens == 0 and s.kv.block_table("b") == [3, 4]
+    c = req("c", list(range(8)))
+    s.add_request(c)
+    step(s)
+    assert c.num_cached_tokens == 4 and s.kv.block_table("c")[0] == 0

@@ -14,8 +14,9 @@ import pytest
 
 from fastdeploy_r3.cache_manager.shm import list_segments
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.engine_service import EngineDeadError, EngineService
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.engine.engine_service import EngineService
+from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import numpy as np
 import openai
 import pytest
 from api_server_process import ServerHandle, api_server, free_port, server_command, server_env
+from fake_model import make_fake_model
 
 from fastdeploy_r3.client import decode_routed_experts
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 
 API_KEY = "test-key-123"
 MOE_LAYER_IDS = [1, 2, 3]  # glm4_moe tiny: 4 layers, first_k_dense_replace=1
@@ -76,6 +76,47 @@ def test_chat_streaming_r3_equals_non_streaming(client: openai.OpenAI) -> None:
     assert finals[0].moe_layer_ids == MOE_LAYER_IDS
     assert chunks[-1].usage.completion_tokens == 6
     assert np.array_equal(_r3(finals[0].choices[0]), _r3(full.choices[0]))
+
+
+def _streamed_texts(chunks) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.text or "")
+    return texts
+
+
+def test_multi_byte_characters_split_across_tokens_stream_whole(client: openai.OpenAI, model_dir: str) -> None:
+    """The fake tokenizer spells every non-ASCII character with 2-4 byte tokens. 16 sampled choices
+    of 64 tokens contain such characters; streamed, each choice's text equals the non-streamed text
+    (no "\ufffd" sent for a half character and then contradicted)."""
+    from fastdeploy_r3.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    kw = dict(model="tiny-glm", prompt="Hello", max_tokens=64, n=16, temperature=1.0, seed=0,
+              extra_body={"ignore_eos": True, "return_routed_experts": False})
+    full = {c.index: c.text for c in client.completions.create(**kw).choices}
+    streamed = _streamed_texts(client.completions.create(**kw, stream=True))
+    assert sorted(streamed) == list(range(16)) and streamed == full
+    split = {ch for text in full.values() for ch in text if ord(ch) > 127 and ch != "\ufffd"}
+    assert split, "no choice holds a multi-byte character; pick another seed"
+    assert all(len(tok.encode(ch)) >= 2 for ch in split)  # each of them was split across tokens
+
+
+def test_stop_string_cuts_streamed_text_as_non_streamed(client: openai.OpenAI) -> None:
+    """A stop string taken from the middle of the greedy text: streamed and non-streamed texts both end
+    right before it, although the engine saw the stop string arrive over several deltas."""
+    kw = dict(model="tiny-glm", prompt="the quick brown fox", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True, "return_routed_experts": False})
+    text = client.completions.create(**kw).choices[0].text
+    assert len(text) >= 12, text
+    stop = text[8:11]
+    want = text[: text.index(stop)]
+    cut = client.completions.create(**kw, stop=[stop]).choices[0]
+    assert cut.text == want and cut.finish_reason == "stop"
+    chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
+    assert _streamed_texts(chunks) == {0: want}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
 def test_n2_each_choice_has_its_own_r3(client: openai.OpenAI) -> None:

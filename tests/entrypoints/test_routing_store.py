@@ -9,16 +9,10 @@ import numpy as np
 import pytest
 import redis
 
-from fastdeploy_r3.cache_manager.routing_store import (
-    InvalidRolloutIdError,
-    LocalRoutingStore,
-    RedisRoutingStore,
-    make_routing_store,
-    previous_turn_rollout_id,
-    validate_rollout_id,
-)
 from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
 from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, previous_turn_rollout_id, validate_rollout_id
+from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore, RoutingStoreError, make_routing_store
 
 MOE_LAYER_IDS = [1, 2, 3]  # layer 0 dense, as in GLM's first_k_dense_replace
 
@@ -106,11 +100,19 @@ def test_redis_per_layer_only_last_turn_and_no_wipe(redis_url: str) -> None:
 
 
 def test_redis_put_to_dead_server_raises() -> None:
-    from fastdeploy_r3.cache_manager.routing_store import RoutingStoreError
-
     store = RedisRoutingStore("redis://127.0.0.1:1/0", "ns", ttl_s=60)
     with pytest.raises(RoutingStoreError, match="127.0.0.1:1"):
         store.put("user", [_rows(0)], MOE_LAYER_IDS)
+
+
+def test_redis_errors_never_show_the_password() -> None:
+    store = RedisRoutingStore("redis://trainer:s3cret@127.0.0.1:1/0", "ns", ttl_s=60)
+    with pytest.raises(RoutingStoreError) as info:
+        store.put("r", [_rows(0)], MOE_LAYER_IDS)
+    assert "s3cret" not in str(info.value) and "trainer:***@127.0.0.1:1" in str(info.value)
+    with pytest.raises(RoutingStoreError) as info:
+        store.ping()
+    assert "s3cret" not in str(info.value)
 
 
 # -- the real server in p2pstore mode ---------------------------------------------------------------
@@ -119,8 +121,7 @@ def test_redis_put_to_dead_server_raises() -> None:
 @pytest.fixture(scope="module")
 def p2p_server(redis_url: str, tmp_path_factory):
     from api_server_process import api_server
-
-    from fastdeploy_r3.model_executor.fake_model import make_fake_model
+    from fake_model import make_fake_model
 
     model_dir = make_fake_model("glm4_moe", str(tmp_path_factory.mktemp("glm")))
     cfg = {"enable_routing_replay": True, "routing_store_type": "p2pstore", "p2pstore_url": redis_url,
@@ -150,9 +151,16 @@ def test_server_puts_r3_per_layer_in_redis_before_answering(p2p_server, redis_ur
         assert got.shape == (second.usage.prompt_tokens + 3 - 1, 3, 4)
     assert r.exists(*[f"e2e:d7:g1:0:0:{layer}" for layer in MOE_LAYER_IDS]) == 0
 
-    # without rollout_id the key is "user"
-    client.completions.create(model=first.model, prompt="anon", max_tokens=2, temperature=0)
-    assert r.exists("e2e:user:1") == 1
+    # without rollout_id the `user` field is the key; without either, the request id (never a constant)
+    client.completions.create(model=first.model, prompt="anon", max_tokens=2, temperature=0, user="alice")
+    assert r.exists("e2e:alice:1") == 1
+    anon = [client.completions.create(model=first.model, prompt="anon", max_tokens=2, temperature=0) for _ in "ab"]
+    assert anon[0].id != anon[1].id
+    assert r.exists(*[f"e2e:{a.id}:{layer}" for a in anon for layer in MOE_LAYER_IDS]) == 2 * len(MOE_LAYER_IDS)
+    assert r.exists("e2e:user:1") == 0
+    bad = client.with_options(max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="user"):
+        bad.completions.create(model=first.model, prompt="anon", max_tokens=2, user="not a key/")
 
 
 def test_get_of_a_missing_rollout_is_a_key_error(tmp_path, redis_url: str) -> None:

@@ -16,6 +16,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from fake_model import make_fake_model
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
@@ -23,7 +24,6 @@ from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBuf
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig, KVCacheSpec, TransferKind, TransferTask
 from fastdeploy_r3.config import ModelConfig
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.model_loader import load_model

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 import torch
+from fake_model import make_fake_model
 from safetensors.torch import load_file, save_file
 
 from fastdeploy_r3.config import ConfigError, ModelConfig
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.model_loader import load_model
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError

@@ -90,7 +90,7 @@ def test_scatter_matches_routing_buffer_write_into_shm() -> None:
                 # torch.from_numpy shares the SHM pages: the kernel writes the segment itself
                 rck.scatter_rows_to_host(step, slots, tags, torch.from_numpy(got.rows), torch.from_numpy(got.tags))
                 real = slots.numpy() >= 0
-                want.write(slots.numpy()[real], step.numpy()[real].astype(np_dtype), tags.numpy()[real])
+                want.write(step.numpy()[real].astype(np_dtype), slots.numpy()[real], tags.numpy()[real])
                 assert np.array_equal(got.rows, want.rows) and np.array_equal(got.tags, want.tags)
                 assert got.tags[0] == 0 and (got.rows[0] == got.sentinel).all()  # never-touched slot
             finally:

@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 from api_server_process import REPO_ROOT, api_server, server_env
-
-from fastdeploy_r3.model_executor.fake_model import make_fake_model
+from fake_model import make_fake_model
 
 
 def test_r3_swap_tool_passes_on_a_swapping_server(tmp_path, redis_url: str) -> None:

@@ -29,21 +29,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastdeploy_r3.cache_manager.routing_store import (
-    RedisRoutingStore,
-    RoutingStore,
-    RoutingStoreError,
-    make_routing_store,
-    redact_url,
-    validate_rollout_id,
-)
+from fastdeploy_r3.blob_store import redact_url
 from fastdeploy_r3.config import ConfigError, EngineConfig
-from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineStartupError
+from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from fastdeploy_r3.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy_r3.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, ServingContext, engine_unavailable
+from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.r3.rollout_id import validate_rollout_id
+from fastdeploy_r3.r3.stores import RedisRoutingStore, RoutingStore, RoutingStoreError, make_routing_store
 
 logger = logging.getLogger("fastdeploy_r3.api_server")
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fastdeploy_r3.cache_manager.routing_store import MAX_CHOICES
-from fastdeploy_r3.engine.sampling_params import SamplingParams
+from fastdeploy_r3.r3.rollout_id import MAX_CHOICES
+from fastdeploy_r3.sampling_params import SamplingParams
 
 
 class StrictModel(BaseModel):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fastdeploy_r3.config import ConfigError
-from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -18,10 +17,10 @@ from fastdeploy_r3.entrypoints.openai.protocol import (
 from fastdeploy_r3.entrypoints.openai.serving_engine import (
     OpenAIServing,
     R3Result,
-    StreamDeltas,
     bad_request,
     stream_events,
 )
+from fastdeploy_r3.outputs import RequestDelta, RequestOutput
 
 
 def _message_dicts(request: ChatCompletionRequest) -> list[dict]:
@@ -53,13 +52,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         self.check_model(request.model)
-        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id)
+        request_id = self.new_request_id("chatcmpl")
+        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
         prompt_token_ids, prompt = self.prompt(request)
         # chat default: whatever room the context leaves (the engine's limit, which follows its KV cache);
         # at least 1, so that a prompt with no room gets the engine's "prompt too long" error
         default_max_tokens = max(1, self.ctx.engine.info.max_model_len - len(prompt_token_ids))
         params = self.sampling_params(request, default_max_tokens)
-        request_id = self.new_request_id("chatcmpl")
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
@@ -71,18 +70,18 @@ class OpenAIServingChat(OpenAIServing):
                 resp = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, **kw)
                 return resp.model_dump(exclude_none=True)
 
-            def delta_chunks(out: RequestOutput, deltas: StreamDeltas) -> list[dict]:
+            def delta_chunks(delta: RequestDelta, streamed: set[int]) -> list[dict]:
                 chunks = []
-                for c in out.outputs:
-                    if c.index not in deltas.sent_text:  # first chunk of a choice announces the role
+                for c in delta.outputs:
+                    if c.index not in streamed:  # first chunk of a choice announces the role
+                        streamed.add(c.index)
                         role = ChatCompletionStreamChoice(
                             index=c.index, delta=DeltaMessage(role="assistant", content="")
                         )
                         chunks.append(chunk([role]))
-                    text = deltas.delta(c.index, c.text)
-                    if text:
+                    if c.text:
                         chunks.append(
-                            chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=text))])
+                            chunk([ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text))])
                         )
                 return chunks
 

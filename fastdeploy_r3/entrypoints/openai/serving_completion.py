@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastdeploy_r3.engine.request import RequestOutput
 from fastdeploy_r3.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -14,10 +13,10 @@ from fastdeploy_r3.entrypoints.openai.protocol import (
 from fastdeploy_r3.entrypoints.openai.serving_engine import (
     OpenAIServing,
     R3Result,
-    StreamDeltas,
     bad_request,
     stream_events,
 )
+from fastdeploy_r3.outputs import RequestDelta, RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -35,10 +34,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest):
         self.check_model(request.model)
-        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id)
+        request_id = self.new_request_id("cmpl")
+        rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
         prompt_token_ids, prompt = self.prompt_token_ids(request)
         params = self.sampling_params(request, DEFAULT_COMPLETION_MAX_TOKENS)
-        request_id = self.new_request_id("cmpl")
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
@@ -46,12 +45,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
-            def delta_chunks(out: RequestOutput, deltas: StreamDeltas) -> list[dict]:
+            def delta_chunks(delta: RequestDelta, streamed: set[int]) -> list[dict]:
                 chunks = []
-                for c in out.outputs:
-                    text = deltas.delta(c.index, c.text)
-                    if text:
-                        choice = CompletionChoice(index=c.index, text=text)
+                for c in delta.outputs:
+                    streamed.add(c.index)
+                    if c.text:
+                        choice = CompletionChoice(index=c.index, text=c.text)
                         chunks.append(CompletionStreamResponse(id=request_id, model=model, choices=[choice]))
                 return [ch.model_dump(exclude_none=True) for ch in chunks]
 

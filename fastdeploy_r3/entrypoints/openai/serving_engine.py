@@ -1,11 +1,9 @@
 """What /v1/completions and /v1/chat/completions share: checks that map to HTTP errors, running a
 request through the engine, and R3 delivery (DESIGN.md §7).
 
-R3 delivery of one finished request:
-
-    response mode   choice.routed_experts = base64(.npy [rows, L, K]), choice.routed_experts_start
-    local/p2pstore  store.put(rollout_id, [choice arrays]) in a worker thread, awaited before the
-                    response (or the stream's final chunks) goes out; a failed put fails the request
+R3 delivery is r3/delivery.py's (shared with offline `LLM`); here it runs in a worker thread, awaited
+before the response (or the stream's final chunks) goes out, so the event loop never encodes or waits
+on a store. A failed delivery answers 500.
 """
 
 from __future__ import annotations
@@ -17,21 +15,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from fastdeploy_r3.cache_manager.routing_store import (
-    InvalidRolloutIdError,
-    RoutingStore,
-    RoutingStoreError,
-    validate_rollout_id,
-)
-from fastdeploy_r3.client.routed_experts import encode_routed_experts
-from fastdeploy_r3.engine.request import CompletionOutput, RequestOutput
-from fastdeploy_r3.engine.sampling_params import InvalidRequestError, SamplingParams
-from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
-
-DEFAULT_ROLLOUT_ID = "user"
+from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.outputs import OutputAssembler, RequestDelta, RequestOutput
+from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3Result, R3StoreFailedError
+from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id, validate_rollout_id
+from fastdeploy_r3.r3.stores import RoutingStore
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -78,6 +69,10 @@ class ServingContext:
     served_model_name: str
     store: RoutingStore | None  # None: R3 goes in the response
     counters: ServerCounters = field(default_factory=ServerCounters)
+    delivery: R3Delivery = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.delivery = R3Delivery(self.engine.config.routing_replay_config, self.store)
 
     @property
     def r3_enabled(self) -> bool:
@@ -85,15 +80,7 @@ class ServingContext:
 
     @property
     def moe_layer_ids(self) -> list[int]:
-        return list(self.engine.config.routing_replay_config.moe_layer_ids or [])
-
-
-@dataclass
-class R3Result:
-    """Per choice: base64 payload (response mode) and start row; None when not delivered inline."""
-
-    payloads: list[str | None]
-    starts: list[int | None]
+        return self.delivery.moe_layer_ids
 
 
 class OpenAIServing:
@@ -111,22 +98,28 @@ class OpenAIServing:
                 "model",
             )
 
-    def check_r3_request(self, return_routed_experts: bool | None, rollout_id: str | None) -> str:
-        """Validate the R3 extras; return the rollout id used for store delivery."""
+    def check_r3_request(
+        self, return_routed_experts: bool | None, rollout_id: str | None, user: str | None, request_id: str
+    ) -> str:
+        """Validate the R3 extras; return the rollout id for store delivery (r3/rollout_id.py's rule).
+
+        An explicit rollout_id is always checked; the `user` field only where a store will use it.
+        """
         if return_routed_experts and not self.ctx.r3_enabled:
             raise bad_request(
                 "return_routed_experts is true but routing replay is off on this server; start it with "
                 "--routing-replay-config '{\"enable_routing_replay\": true}'",
                 "return_routed_experts",
             )
-        rid = DEFAULT_ROLLOUT_ID if rollout_id is None else rollout_id
         try:
-            return validate_rollout_id(rid)
+            if self.ctx.store is None:
+                return request_id if rollout_id is None else validate_rollout_id(rollout_id)
+            return resolve_rollout_id(rollout_id, user, request_id)
         except InvalidRolloutIdError as e:
-            raise bad_request(str(e), "rollout_id") from e
+            raise bad_request(str(e), "rollout_id" if rollout_id is not None else "user") from e
 
     def wants_r3(self, params: SamplingParams) -> bool:
-        return self.ctx.r3_enabled and params.return_routed_experts is not False
+        return self.ctx.delivery.wants(params.return_routed_experts)
 
     def sampling_params(self, request, default_max_tokens: int) -> SamplingParams:
         try:
@@ -142,8 +135,8 @@ class OpenAIServing:
 
     async def start_generation(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
-    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
-        """Submit and wait for the first output, so that a rejected request still gets its 4xx
+    ) -> tuple[RequestDelta, AsyncIterator[RequestDelta]]:
+        """Submit and wait for the first delta, so that a rejected request still gets its 4xx
         status (a stream cannot change its status once started)."""
         gen = self.ctx.engine.generate(request_id, prompt_token_ids, params, prompt)
         try:
@@ -156,7 +149,7 @@ class OpenAIServing:
             raise engine_unavailable(str(e)) from e
         return first, gen
 
-    async def iterate(self, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def iterate(self, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
         try:
             async for out in gen:
                 yield out
@@ -165,14 +158,16 @@ class OpenAIServing:
         except EngineRequestError as e:
             raise engine_error(str(e)) from e
 
-    async def run_to_completion(self, first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-        final = first
+    async def run_to_completion(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> RequestOutput:
+        assembler = OutputAssembler(first.request_id)
+        assembler.add(first)
         try:
             if not first.finished:
-                async for out in self.iterate(gen):
-                    final = out
+                async for delta in self.iterate(gen):
+                    assembler.add(delta)
         finally:
             await gen.aclose()
+        final = assembler.output()
         self.check_finished_ok(final)
         return final
 
@@ -185,54 +180,25 @@ class OpenAIServing:
     # -- R3 ---------------------------------------------------------------------------------------
 
     async def deliver_r3(self, final: RequestOutput, params: SamplingParams, rollout_id: str) -> R3Result:
-        n = len(final.outputs)
-        none = R3Result([None] * n, [None] * n)
         if not self.wants_r3(params):
-            return none
-        arrays: list[np.ndarray] = []
-        for c in sorted(final.outputs, key=lambda c: c.index):
-            if c.routed_experts is None:
-                # fail closed: the caller asked for R3 and a trainer would replay nothing
-                raise engine_error(f"the engine returned no routed_experts for choice {c.index} of {final.request_id}")
-            self._check_r3_rows(final, c)
-            arrays.append(c.routed_experts)
-        starts: list[int | None] = [c.routed_experts_start for c in sorted(final.outputs, key=lambda c: c.index)]
-        store = self.ctx.store
-        if store is None:
-            payloads: list[str | None] = [encode_routed_experts(a) for a in arrays]
-            self.ctx.counters.r3_response_payload_bytes += sum(len(p or "") for p in payloads)
-            return R3Result(payloads, starts)
+            return R3Result.nothing(len(final.outputs))
+        counters, storing = self.ctx.counters, self.ctx.store is not None
         t0 = time.perf_counter()
         try:
-            # blocking disk / network I/O: keep it off the event loop, but finish before answering
-            await asyncio.to_thread(store.put, rollout_id, arrays, self.ctx.moe_layer_ids)
-        except (RoutingStoreError, OSError) as e:
-            self.ctx.counters.r3_store_failures += 1
-            raise engine_error(f"storing routed_experts of rollout {rollout_id!r} failed: {e}") from e
+            # encoding and store I/O block: keep them off the event loop, but finish before answering
+            r3 = await asyncio.to_thread(self.ctx.delivery.deliver, final, rollout_id)
+        except R3StoreFailedError as e:
+            counters.r3_store_failures += 1
+            raise engine_error(str(e)) from e
+        except R3DeliveryError as e:
+            raise engine_error(f"{e}; refusing to deliver it") from e
         finally:
-            self.ctx.counters.r3_store_put_seconds += time.perf_counter() - t0
-        self.ctx.counters.r3_store_puts += 1
-        return R3Result([None] * n, starts)
-
-    def _check_r3_rows(self, final: RequestOutput, c: CompletionOutput) -> None:
-        """Last line of fail-closed: never hand a trainer rows that cannot be the ones it asked for."""
-        rr = self.ctx.engine.config.routing_replay_config
-        arr = c.routed_experts
-        assert arr is not None
-        rows = len(final.prompt_token_ids) + len(c.token_ids) - 1 - c.routed_experts_start
-        want = (rows, rr.num_moe_layers, rr.moe_top_k)
-        if arr.shape != want or arr.dtype != rr.routing_dtype:
-            raise engine_error(
-                f"routed_experts of choice {c.index} of {final.request_id} is {arr.dtype}{list(arr.shape)}, "
-                f"expected {rr.routing_dtype}{list(want)}; refusing to deliver it"
-            )
-        holes = np.argwhere((arr == rr.sentinel).any(axis=-1))  # [holes, 2]: (row, layer)
-        if len(holes):
-            row, layer = holes[0]
-            raise engine_error(
-                f"routed_experts of choice {c.index} of {final.request_id}: row {row + c.routed_experts_start} "
-                f"layer {self.ctx.moe_layer_ids[layer]} holds the no-route sentinel; refusing to deliver it"
-            )
+            if storing:
+                counters.r3_store_put_seconds += time.perf_counter() - t0
+        if storing:
+            counters.r3_store_puts += 1
+        counters.r3_response_payload_bytes += r3.payload_bytes
+        return r3
 
     def response_moe_layer_ids(self, params: SamplingParams) -> list[int] | None:
         return self.ctx.moe_layer_ids if self.wants_r3(params) else None
@@ -249,41 +215,32 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-class StreamDeltas:
-    """Turns cumulative outputs into per-choice text deltas."""
-
-    def __init__(self) -> None:
-        self.sent_text: dict[int, int] = {}
-
-    def delta(self, index: int, text: str) -> str:
-        start = self.sent_text.get(index, 0)
-        self.sent_text[index] = len(text)
-        return text[start:]
-
-
 async def stream_events(
     serving: OpenAIServing,
-    first: RequestOutput,
-    gen: AsyncIterator[RequestOutput],
+    first: RequestDelta,
+    gen: AsyncIterator[RequestDelta],
     params: SamplingParams,
     rollout_id: str,
-    make_delta_chunks: Callable[[RequestOutput, StreamDeltas], list[dict]],
+    make_delta_chunks: Callable[[RequestDelta, set[int]], list[dict]],
     make_final_chunks: Callable[[RequestOutput, R3Result], list[dict]],
     make_usage_chunk: Callable[[RequestOutput], dict] | None,
 ) -> AsyncIterator[str]:
-    """SSE for one request: text deltas as they come; then, once the request finished and its R3
-    is delivered, each choice's final chunk (finish_reason + routed_experts); then [DONE].
+    """SSE for one request: the engine's text deltas as they come (make_delta_chunks gets the set of
+    choice indices already streamed, to add to); then, once the request finished and its R3 is
+    delivered, each choice's final chunk (finish_reason + routed_experts); then [DONE].
     An error after the stream started is sent as an OpenAI error event."""
-    deltas = StreamDeltas()
+    assembler = OutputAssembler(first.request_id)
+    streamed: set[int] = set()
     try:
-        final = first
-        for chunk in make_delta_chunks(first, deltas):
+        assembler.add(first)
+        for chunk in make_delta_chunks(first, streamed):
             yield sse(chunk)
         if not first.finished:
-            async for out in serving.iterate(gen):
-                final = out
-                for chunk in make_delta_chunks(out, deltas):
+            async for delta in serving.iterate(gen):
+                assembler.add(delta)
+                for chunk in make_delta_chunks(delta, streamed):
                     yield sse(chunk)
+        final = assembler.output()
         serving.check_finished_ok(final)
         r3 = await serving.deliver_r3(final, params, rollout_id)
         for chunk in make_final_chunks(final, r3):

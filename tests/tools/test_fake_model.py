@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from fake_model import EOS_TOKEN, fake_hf_config
 
 from fastdeploy_r3.config import ModelConfig
-from fastdeploy_r3.model_executor.fake_model import EOS_TOKEN, fake_hf_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastdeploy_r3.cache_manager.routing_buffer import debug_rows
-from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingReplayError
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, get_forward_context, set_forward_context
-from fastdeploy_r3.model_executor.layers.routing_capture import RoutingCapture
+from fastdeploy_r3.r3.errors import RoutingReplayError, debug_rows
+from fastdeploy_r3.worker.routing_capture import RoutingCapture
 
 L, K, E = 3, 2, 16
 

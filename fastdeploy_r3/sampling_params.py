@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction (at the package top, as vLLM keeps them,
+so that engine, worker and server all import them without importing each other)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ One step, as the model runner drives it:
     capture.begin_step(T, positions)          # positions [T] needed in debug mode
     with set_forward_context(ForwardContext(..., routing_capture=capture)):
         model(...)                            # every MoE layer: capture.capture(moe_index, topk_ids [T', K])
-    rows = capture.step_rows(T)               # [T, L, K] numpy, routing dtype; raises if a layer is missing
-    routing_cache_manager.write_step(slots, rows, tags, positions)   # rank 0, CPU path
+    writer.write(writer.rows_of(capture, T), slot_mapping, tags, positions)   # rank 0 (worker/routing_writer.py)
 
+The model layers reach it only through the forward context (model_executor/ never imports it).
 The step buffer is int32 [max_num_batched_tokens, L, K] on the model's device whatever the routing
 dtype: torch handles uint16 only in part, and the narrowing happens once, at copy-out (numpy astype
 here, or scatter_rows_to_host on GPU, which reads device_rows()).
@@ -21,9 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastdeploy_r3.cache_manager.routing_buffer import debug_rows
-from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingReplayError
 from fastdeploy_r3.model_executor.ops.routing_capture_kernel import capture_topk_ids_dispatch
+from fastdeploy_r3.r3.errors import RoutingReplayError, debug_rows
 
 
 class RoutingCapture:

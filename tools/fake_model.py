@@ -1,4 +1,5 @@
-"""Deterministic random MoE checkpoints in Hugging Face format, for tests and benchmarks.
+"""Deterministic random MoE checkpoints in Hugging Face format, for tests and benchmarks (a fixture
+writer, kept beside the tools that use it; tests import it as `fake_model` via pytest.ini's pythonpath).
 
 A directory holds config.json, generation_config.json, model.safetensors and a byte-level BPE
 tokenizer (tokenizer.json + tokenizer_config.json) whose vocabulary is exactly config vocab_size;

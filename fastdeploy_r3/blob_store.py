@@ -1,0 +1,220 @@
+"""Blob stores: flat key -> bytes, the one base under the KV storage tier (cache_manager/storage.py)
+and the R3 stores (r3/stores.py).
+
+It sits at the top of the package, beside config.py, because both rooms use it and neither should
+import the other for it: the trainer-side client reads R3 stores without loading the KV cache
+manager, and the KV tier has no business with the R3 payload.
+
+    BlobStore           put / get / exists / delete (+ put_many / get_many); a missing key is None
+      LocalBlobStore    files under a root directory; a key is a relative path; atomic writes
+      RedisBlobStore    one string per key under a prefix; errors never show the URL's password
+    checksummed / verify_checksum   an xxh3_64 trailer for values that must not be trusted as read
+
+A backend plugs in by implementing the five abstract methods. Its contract, which callers rely on:
+`get` returns None (never b"") for a key that is not there, so a client whose get answers b"" for a
+miss (Mooncake) maps that to None; objects may vanish at any time (expiry, eviction), so callers
+treat a None from `get` after a True from `exists` as a miss, not as an error; `put` returns only
+once the value is stored, and raises BlobStoreError otherwise; `ttl_s` is honoured where the backend
+has expiry (a local directory has none: its files stay until deleted).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import re
+import secrets
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+
+class BlobStoreError(RuntimeError):
+    """A blob store operation did not complete (unreachable, refused, I/O error)."""
+
+
+def redact_url(url: str) -> str:
+    """A URL without its password, for messages and metadata."""
+    return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
+
+
+def write_atomic(path: str, data: bytes | memoryview) -> None:
+    """Write to a private temp name and rename: a reader sees the old file, no file, or the whole new one."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+_CHECKSUM = struct.Struct("<Q")
+CHECKSUM_NBYTES = _CHECKSUM.size
+
+
+class ChecksumError(ValueError):
+    """A value is shorter than its checksum or its bytes do not match it: corrupt or truncated."""
+
+
+def checksummed(parts: Sequence[bytes | memoryview]) -> bytes:
+    """parts joined, followed by the xxh3_64 of all of them (8 bytes, little endian)."""
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return b"".join([*parts, _CHECKSUM.pack(h.intdigest())])
+
+
+def verify_checksum(blob: bytes) -> memoryview:
+    """The payload of a checksummed blob (a view, trailer stripped); ChecksumError if it does not match."""
+    if len(blob) < _CHECKSUM.size:
+        raise ChecksumError(f"blob of {len(blob)} bytes has no checksum: truncated")
+    mv = memoryview(blob)
+    (stored,) = _CHECKSUM.unpack_from(blob, len(blob) - _CHECKSUM.size)
+    if xxhash.xxh3_64_intdigest(mv[: -_CHECKSUM.size]) != stored:
+        raise ChecksumError("checksum mismatch: the stored value is corrupt")
+    return mv[: -_CHECKSUM.size]
+
+
+class BlobStore(abc.ABC):
+    """Flat key -> bytes. Keys are validated by the caller (hex block hashes, rollout ids)."""
+
+    @abc.abstractmethod
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value, or None when the key is not there; BlobStoreError when the store cannot answer."""
+
+    @abc.abstractmethod
+    def exists(self, keys: list[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def delete(self, keys: list[str]) -> None:
+        """Remove the keys; a key that is not there is not an error."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def put_many(self, items: dict[str, bytes], ttl_s: int | None = None) -> None:
+        """Store every item, or raise. Backends with transactions make it all-or-nothing for readers."""
+        for key, value in items.items():
+            self.put(key, value, ttl_s)
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+
+class LocalBlobStore(BlobStore):
+    """Files under `root`; key `a/b.npy` is the file `root/a/b.npy`. Values have no expiry."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def put(self, key: str, value: bytes | memoryview, ttl_s: int | None = None) -> None:
+        try:
+            write_atomic(self.path(key), value)
+        except OSError as e:
+            raise BlobStoreError(f"cannot write {self.path(key)}: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            with open(self.path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise BlobStoreError(f"cannot read {self.path(key)}: {e}") from e
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return [os.path.isfile(self.path(k)) for k in keys]
+
+    def delete(self, keys: list[str]) -> None:
+        for k in keys:
+            try:
+                os.unlink(self.path(k))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise BlobStoreError(f"cannot delete {self.path(k)}: {e}") from e
+
+    def close(self) -> None:
+        """Nothing to release: every operation opens and closes its own file."""
+
+
+class RedisBlobStore(BlobStore):
+    """One Redis string per key, stored as `key_prefix + key`. Every error names the URL redacted."""
+
+    def __init__(self, url: str, key_prefix: str = "", connect_timeout_s: float = 10, timeout_s: float = 30) -> None:
+        import redis  # only Redis stores need the client
+
+        self.url = url
+        self.where = redact_url(url)
+        self.key_prefix = key_prefix
+        self._errors = (redis.RedisError, OSError)
+        self._r = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+
+    def _fail(self, what: str, e: Exception) -> BlobStoreError:
+        return BlobStoreError(f"redis at {self.where}: {what} failed: {redact_url(str(e))}")
+
+    def ping(self) -> None:
+        """Fail at start-up, not at first use, when the server cannot be reached."""
+        try:
+            self._r.ping()
+        except self._errors as e:
+            raise BlobStoreError(f"redis at {self.where} is unreachable: {redact_url(str(e))}") from e
+
+    def put(self, key: str, value: bytes, ttl_s: int | None = None) -> None:
+        self.put_many({key: value}, ttl_s)
+
+    def put_many(self, items: dict[str, bytes], ttl_s: int | None = None) -> None:
+        # one round trip in a MULTI: a reader never sees some of the items but not the others
+        pipe = self._r.pipeline(transaction=True)
+        for key, value in items.items():
+            pipe.set(self.key_prefix + key, value, ex=ttl_s)
+        try:
+            results = pipe.execute()
+        except self._errors as e:
+            raise self._fail(f"storing {len(items)} key(s)", e) from e
+        if not all(results):
+            raise BlobStoreError(f"redis at {self.where} refused to store {sorted(items)}")
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        try:
+            return list(self._r.mget([self.key_prefix + k for k in keys]))
+        except self._errors as e:
+            raise self._fail(f"reading {len(keys)} key(s)", e) from e
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        pipe = self._r.pipeline(transaction=False)  # one round trip for all keys
+        for k in keys:
+            pipe.exists(self.key_prefix + k)
+        try:
+            return [bool(n) for n in pipe.execute()]
+        except self._errors as e:
+            raise self._fail("exists", e) from e
+
+    def delete(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        try:
+            self._r.delete(*[self.key_prefix + k for k in keys])
+        except self._errors as e:
+            raise self._fail(f"deleting {len(keys)} key(s)", e) from e
+
+    def close(self) -> None:
+        self._r.close()

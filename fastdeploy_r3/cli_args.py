@@ -1,0 +1,66 @@
+"""Command-line flags derived from the config dataclasses: every field declared with `flag(...)`
+(or with "help" in its metadata) is `--name-with-dashes`, typed from its annotation, with its
+default, choices and help. Adding a config field adds its flag; there is no second list.
+
+    int | None -> type=int, default None      bool -> --x / --no-x
+    metadata "type" overrides the parser type (the R3 config is given as JSON text)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+from fastdeploy_r3.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+# the dataclasses whose fields are engine flags, in --help order
+SECTIONS: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig)
+
+
+def cli_fields() -> Iterator[tuple[dataclasses.Field, Any]]:
+    """(field, resolved annotation) of every flag field."""
+    for cls in SECTIONS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.init and "help" in f.metadata and f.metadata.get("cli", True):
+                yield f, hints[f.name]
+
+
+def _scalar_type(hint: Any) -> Any:
+    """int | None -> int; a plain type stays itself."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"a flag field must have one type (optionally | None), not {hint}")
+        return args[0]
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for f, hint in cli_fields():
+        name = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"help": f.metadata["help"], "dest": f.name}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = None if f.default is dataclasses.MISSING else f.default
+        typ = f.metadata.get("type") or _scalar_type(hint)
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = typ
+            if f.metadata.get("choices"):
+                kw["choices"] = f.metadata["choices"]
+        if "default" in kw and kw["default"] is not None:
+            kw["help"] += " (default: %(default)s)"
+        parser.add_argument(name, **kw)
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kwargs = {f.name: getattr(args, f.name) for f, _ in cli_fields() if f.name != "model"}
+    return EngineConfig.from_kwargs(args.model, **kwargs)

@@ -1,0 +1,97 @@
+"""R3 delivery of one finished request, for the API server, offline `LLM` and nothing else (DESIGN.md §7).
+
+    response mode   payload per choice = base64(.npy [rows, L, K]) (or the arrays as they are, offline)
+    local/p2pstore  store.put(rollout_id, [choice arrays]) before the request is answered
+
+One policy, fail closed: a choice that asked for R3 and has none, an array of the wrong shape or
+dtype, a no-route hole, or a put that did not complete fails the request (R3DeliveryError); nothing
+is half delivered as if it were whole. `deliver` blocks (encoding, disk, network): the server runs it
+in a worker thread. The rollout id comes from r3/rollout_id.py's one rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.r3.codec import encode_routed_experts
+from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range
+from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
+
+if TYPE_CHECKING:
+    from fastdeploy_r3.outputs import RequestOutput
+
+
+class R3DeliveryError(RuntimeError):
+    """The request's R3 cannot be delivered whole; the request must fail."""
+
+
+class R3StoreFailedError(R3DeliveryError):
+    """The store did not take the request's R3 (see the chained RoutingStoreError)."""
+
+
+@dataclass
+class R3Result:
+    """Per choice, in index order: base64 payload (response mode, inline) and start row."""
+
+    payloads: list[str | None]
+    starts: list[int | None]
+
+    @classmethod
+    def nothing(cls, n: int) -> R3Result:
+        return cls([None] * n, [None] * n)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(p) for p in self.payloads if p is not None)
+
+
+class R3Delivery:
+    def __init__(self, config: RoutingReplayConfig, store: RoutingStore | None) -> None:
+        self.config = config
+        self.store = store  # None: R3 goes in the response
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return list(self.config.moe_layer_ids or [])
+
+    def wants(self, return_routed_experts: bool | None) -> bool:
+        """R3 is delivered unless the server has it off or the request opted out."""
+        return self.config.enable_routing_replay and return_routed_experts is not False
+
+    def checked_arrays(self, final: RequestOutput) -> list[np.ndarray]:
+        """Every choice's [rows, L, K], in index order, each checked; else R3DeliveryError."""
+        rr = self.config
+        arrays = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            what = f"routed_experts of choice {c.index} of {final.request_id}"
+            if c.routed_experts is None:
+                # a trainer asked for R3 and would replay nothing
+                raise R3DeliveryError(f"the engine returned no {what}")
+            start, end = row_range(len(final.prompt_token_ids), len(c.token_ids), c.routed_experts_start)
+            try:
+                check_moe_rows(c.routed_experts, self.moe_layer_ids, end - start, rr.moe_top_k, rr.routing_dtype,
+                               row_offset=start, what=what)
+            except R3PayloadError as e:
+                raise R3DeliveryError(str(e)) from e
+            arrays.append(c.routed_experts)
+        return arrays
+
+    def deliver(self, final: RequestOutput, rollout_id: str, inline: bool = True) -> R3Result:
+        """Check, then encode (response mode; inline=False leaves the arrays where they are) or store.
+
+        Blocking. Raises R3DeliveryError (R3StoreFailedError for a failed put).
+        """
+        arrays = self.checked_arrays(final)
+        starts: list[int | None] = [c.routed_experts_start for c in sorted(final.outputs, key=lambda c: c.index)]
+        if self.store is None:
+            payloads: list[str | None] = [encode_routed_experts(a) if inline else None for a in arrays]
+            return R3Result(payloads, starts)
+        try:
+            self.store.put(rollout_id, arrays, self.moe_layer_ids)
+        except (RoutingStoreError, OSError) as e:
+            raise R3StoreFailedError(f"storing routed_experts of rollout {rollout_id!r} failed: {e}") from e
+        return R3Result([None] * len(arrays), starts)

@@ -1,0 +1,224 @@
+"""Routing stores: where R3 goes when it is not returned in the response (DESIGN.md §7).
+
+One put per finished request, with one `[T, L, K]` array per choice, on a BlobStore
+(fastdeploy_r3/blob_store.py):
+
+    local      {local_store_dir}/{rid}.npy               fused  [L, T, K]
+               {local_store_dir}/{rid}/layer_{layer}.npy  per layer [T, K]
+    p2pstore   {namespace}:{rid}                          fused  [L, T, K]  (.npy bytes)
+               {namespace}:{rid}:{layer}                  per layer [T, K]
+
+`rid` is the rollout id (r3/rollout_id.py), with `_{i}` appended for choice i when the request has
+n > 1; `layer` is the model's layer index (an entry of `moe_layer_ids`), not the position among the
+MoE layers. Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them.
+
+Contract: `put` returns only when every array is durable in the store (the caller answers the
+request afterwards, so a trainer never looks for a key that is not there); it raises
+`RoutingStoreError` otherwise. Stores are never wiped at start: other deployments and earlier
+rollouts may share them. A new backend (Mooncake) is a BlobStore and a key scheme.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import re
+
+import numpy as np
+
+from fastdeploy_r3.blob_store import BlobStore, BlobStoreError, LocalBlobStore, RedisBlobStore
+from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.r3.codec import load_npy, npy_bytes
+from fastdeploy_r3.r3.rollout_id import (
+    any_n_rollout_ids,
+    choice_rollout_id,
+    previous_turn_rollout_id,
+    validate_rollout_id,
+)
+
+
+class RoutingStoreError(RuntimeError):
+    """A put or delete did not complete; the request must fail rather than leave a missing key."""
+
+
+class RoutingStore(abc.ABC):
+    """Stores the R3 arrays of finished requests under their rollout ids, in a BlobStore."""
+
+    def __init__(
+        self, blobs: BlobStore, ttl_s: int | None, use_fused_put: bool, only_last_turn: bool, where: str
+    ) -> None:
+        self.blobs = blobs
+        self.ttl_s = ttl_s
+        self.use_fused_put = use_fused_put
+        self.only_last_turn = only_last_turn
+        self.where = where  # for messages; never holds a password
+
+    # -- key scheme (per store) ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def fused_key(self, rid: str) -> str: ...
+
+    @abc.abstractmethod
+    def layer_key(self, rid: str, layer: int) -> str: ...
+
+    @abc.abstractmethod
+    def entry_name(self, key: str) -> str:
+        """What a reader outside this class calls the entry of a key: a file path, a full Redis key."""
+
+    def stored_layers(self, rid: str) -> list[int]:
+        """Layers stored per layer for rid, when the reader did not say which; [] where it cannot be listed."""
+        return []
+
+    # -- operations ---------------------------------------------------------------------------------
+
+    def put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]:
+        """Store one `[T, L, K]` array per choice; returns the entries written (paths or full keys).
+
+        Blocking (disk or network): call it off the event loop. With `only_last_turn`, the previous
+        turn's entries of a `data:gen:turn:segment` id are deleted once the new ones are in.
+        """
+        validate_rollout_id(rollout_id)
+        if not routed_experts:
+            raise RoutingStoreError("put() needs at least one choice")
+        items: dict[str, bytes] = {}
+        for i, arr in enumerate(routed_experts):
+            if arr.ndim != 3 or arr.shape[1] != len(moe_layer_ids):
+                raise RoutingStoreError(
+                    f"choice {i}: routed_experts has shape {arr.shape}; expected [T, {len(moe_layer_ids)}, K]"
+                )
+            rid = choice_rollout_id(rollout_id, i, len(routed_experts))
+            if self.use_fused_put:
+                items[self.fused_key(rid)] = npy_bytes(arr.transpose(1, 0, 2))  # [L, T, K]
+            else:
+                for j, layer in enumerate(moe_layer_ids):
+                    items[self.layer_key(rid, layer)] = npy_bytes(arr[:, j, :])  # [T, K]
+        try:
+            self.blobs.put_many(items, self.ttl_s)
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"storing R3 of rollout {rollout_id!r} in {self.where} failed: {e}") from e
+        if self.only_last_turn:
+            prev = previous_turn_rollout_id(rollout_id)
+            if prev is not None:
+                self.delete(prev, moe_layer_ids)
+        return [self.entry_name(k) for k in items]
+
+    def get(self, rollout_id: str, choice: int | None = None, moe_layer_ids: list[int] | None = None) -> np.ndarray:
+        """Read one choice back as `[T, L, K]` (the trainer side).
+
+        `choice`: the index of a choice of a request made with n > 1. `moe_layer_ids`: read the per-layer
+        entries of these layers, in this order; None reads the fused entry (local: falls back to all
+        per-layer files found). Raises KeyError when the rollout is not there.
+        """
+        validate_rollout_id(rollout_id)
+        rid = rollout_id if choice is None else f"{rollout_id}_{choice}"
+        if moe_layer_ids is None:
+            data = self.blobs.get(self.fused_key(rid))
+            if data is not None:
+                return np.ascontiguousarray(load_npy(data, self.fused_key(rid)).transpose(1, 0, 2))  # [T, L, K]
+            moe_layer_ids = self.stored_layers(rid)
+            if not moe_layer_ids:
+                raise KeyError(f"no R3 for rollout {rid!r} in {self.where}: no {self.fused_key(rid)!r} and no "
+                               "per-layer entries found (expired, or stored per layer: pass moe_layer_ids)")
+        keys = [self.layer_key(rid, layer) for layer in moe_layer_ids]
+        values = self.blobs.get_many(keys)
+        missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+        if missing:
+            raise KeyError(f"no R3 for rollout {rid!r} in {self.where} under {missing}")
+        return np.stack([load_npy(v, k) for k, v in zip(keys, values, strict=True)], axis=1)  # [T, L, K]
+
+    def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
+        """Remove what any put(rollout_id, ...) wrote, fused or per layer, whatever its number of choices."""
+        keys = []
+        for rid in any_n_rollout_ids(rollout_id):
+            keys.append(self.fused_key(rid))
+            keys.extend(self.layer_key(rid, layer) for layer in moe_layer_ids)
+        try:
+            self.blobs.delete(keys)
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"deleting R3 of previous turn {rollout_id!r} failed: {e}") from e
+
+    def close(self) -> None:
+        """Release connections; the stored data stays."""
+        self.blobs.close()
+
+
+class LocalRoutingStore(RoutingStore):
+    """`.npy` files under one directory; every file appears whole (temp file + rename)."""
+
+    def __init__(self, root: str, use_fused_put: bool = True, only_last_turn: bool = False) -> None:
+        blobs = LocalBlobStore(root)
+        super().__init__(blobs, None, use_fused_put, only_last_turn, blobs.root)
+        self.root = blobs.root
+        self._local = blobs
+
+    def fused_key(self, rid: str) -> str:
+        return f"{rid}.npy"
+
+    def layer_key(self, rid: str, layer: int) -> str:
+        return os.path.join(rid, f"layer_{layer}.npy")
+
+    def entry_name(self, key: str) -> str:
+        return self._local.path(key)
+
+    def stored_layers(self, rid: str) -> list[int]:
+        layer_dir = self._local.path(rid)
+        names = os.listdir(layer_dir) if os.path.isdir(layer_dir) else []
+        return sorted(int(m.group(1)) for m in (re.fullmatch(r"layer_(\d+)\.npy", n) for n in names) if m)
+
+    def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
+        super().delete(rollout_id, moe_layer_ids)
+        for rid in any_n_rollout_ids(rollout_id):  # per-layer directories left empty
+            try:
+                os.rmdir(self._local.path(rid))
+            except OSError:
+                pass  # absent, or holds files another writer put there: leave it
+
+
+class RedisRoutingStore(RoutingStore):
+    """Redis keys `{namespace}:{rid}[:{layer}]` holding `.npy` bytes, each expiring after `ttl_s`."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        ttl_s: int = 3600,
+        use_fused_put: bool = True,
+        only_last_turn: bool = False,
+    ) -> None:
+        self.namespace = validate_rollout_id(namespace, "namespace")
+        blobs = RedisBlobStore(url, f"{self.namespace}:")
+        super().__init__(blobs, int(ttl_s), use_fused_put, only_last_turn, blobs.where)
+        self._redis_blobs = blobs
+
+    def fused_key(self, rid: str) -> str:
+        return rid
+
+    def layer_key(self, rid: str, layer: int) -> str:
+        return f"{rid}:{layer}"
+
+    def entry_name(self, key: str) -> str:
+        return self._redis_blobs.key_prefix + key
+
+    def ping(self) -> None:
+        """Fail at start-up, not at the first rollout, when the store cannot be reached."""
+        try:
+            self._redis_blobs.ping()
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"cannot reach the R3 p2pstore: {e}") from e
+
+
+def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore | None:
+    """The store of a deployment, or None when R3 is off or returned in responses."""
+    if not cfg.enable_routing_replay or cfg.routing_store_type == "response":
+        return None
+    if cfg.routing_store_type == "local":
+        assert cfg.local_store_dir is not None  # RoutingReplayConfig.validate() checked
+        try:
+            os.makedirs(cfg.local_store_dir, exist_ok=True)  # fail at start-up, not at the first rollout
+        except OSError as e:
+            raise RoutingStoreError(f"local_store_dir {cfg.local_store_dir!r} cannot be created: {e}") from e
+        return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)
+    if cfg.routing_store_type == "p2pstore":
+        assert cfg.p2pstore_url is not None
+        return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn)
+    raise RoutingStoreError(f"unknown routing_store_type {cfg.routing_store_type!r}")

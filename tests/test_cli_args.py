@@ -1,0 +1,63 @@
+"""Engine flags come from the config dataclass fields: one flag per flag() field, typed from its
+annotation; derived fields are neither flags nor constructor arguments."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import pytest
+
+from fastdeploy_r3.cli_args import add_engine_args, engine_config_from_args
+from fastdeploy_r3.config import ConfigError, EngineConfig, ModelConfig, RoutingReplayConfig
+
+
+def parser() -> argparse.ArgumentParser:
+    return add_engine_args(argparse.ArgumentParser())
+
+
+def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
+    flags = [a.option_strings[0] for a in parser()._actions if a.dest != "help"]
+    assert flags == [
+        "--model", "--dtype", "--load-format", "--max-model-len", "--seed", "--weight-version",
+        "--block-size", "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-space-gib",
+        "--enable-prefix-caching", "--swap-space", "--num-cpu-blocks-override", "--kv-storage",
+        "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--tensor-parallel-size",
+        "--routing-replay-config", "--device",
+    ]
+
+
+def test_defaults_types_and_choices_follow_the_fields() -> None:
+    args = parser().parse_args(["--model", "m", "--block-size", "8", "--swap-space", "0.5",
+                                "--no-enable-prefix-caching"])
+    assert (args.block_size, args.swap_space, args.enable_prefix_caching) == (8, 0.5, False)
+    assert (args.max_model_len, args.dtype, args.max_num_seqs) == (None, "float32", 64)
+    assert args.routing_replay_config is None
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--model", "m", "--dtype", "float64"])  # choices=MODEL_DTYPES
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--block-size", "8"])  # --model is required
+
+
+def test_flags_build_the_engine_config(fake_model_dir: Callable[..., str]) -> None:
+    args = parser().parse_args([
+        "--model", fake_model_dir("qwen3_moe"), "--block-size", "8", "--max-model-len", "64", "--device", "cpu",
+        "--routing-replay-config", '{"enable_routing_replay": true}', "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", "64",
+    ])
+    cfg = engine_config_from_args(args)
+    assert cfg.cache_config.block_size == 8 and cfg.max_model_len == 64
+    assert cfg.scheduler_config.enable_chunked_prefill is False and cfg.device == "cpu"
+    assert cfg.routing_replay_config.enable_routing_replay and cfg.routing_replay_config.moe_top_k > 0
+    assert EngineConfig.from_cli_args(args).cache_config.block_size == 8
+
+
+def test_derived_fields_are_not_constructor_arguments(fake_model_dir: Callable[..., str]) -> None:
+    with pytest.raises(TypeError, match="num_experts"):
+        ModelConfig(model="m", num_experts=8)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="moe_top_k"):
+        RoutingReplayConfig(moe_top_k=2)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="unknown routing replay key.*moe_layer_ids"):
+        RoutingReplayConfig.from_json({"moe_layer_ids": [1]})
+    with pytest.raises(ConfigError, match="unknown engine argument 'hf_config'"):
+        EngineConfig.from_kwargs(fake_model_dir("qwen3_moe"), hf_config={})
