@@ -49,7 +49,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
-from fastdeploy_r3.process_lifetime import exit_with_parent, name_this_process
+from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process
 
 logger = logging.getLogger(__name__)
 

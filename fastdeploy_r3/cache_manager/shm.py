@@ -13,7 +13,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
-from fastdeploy_r3.process_lifetime import pid_alive
+from fastdeploy_r3.lifecycle import pid_alive
 
 SHM_PREFIX = "fdr3_"
 

@@ -39,8 +39,7 @@ from fastdeploy_r3.engine.messages import (
     OutputBatch,
     RequestRejected,
 )
-from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
-from fastdeploy_r3.process_lifetime import exit_with_parent, name_this_process, new_ipc_dir
+from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown, exit_with_parent, name_this_process, new_ipc_dir
 from fastdeploy_r3.sampling_params import InvalidRequestError
 
 if TYPE_CHECKING:

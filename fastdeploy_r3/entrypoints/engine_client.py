@@ -43,9 +43,8 @@ from fastdeploy_r3.engine.messages import (
     RequestRejected,
     Shutdown,
 )
-from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.lifecycle import EngineDeadError, remove_stale_ipc_dirs
 from fastdeploy_r3.outputs import RequestDelta
-from fastdeploy_r3.process_lifetime import remove_stale_ipc_dirs
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.spawn import start_process
 

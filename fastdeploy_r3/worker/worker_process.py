@@ -25,7 +25,7 @@ import torch
 
 from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.process_lifetime import exit_with_parent, name_this_process, pid_alive
+from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, pid_alive
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, Shutdown, StepInput, StepOutput, WorkerReady
 
 logger = logging.getLogger(__name__)

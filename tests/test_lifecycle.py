@@ -9,7 +9,7 @@ import sys
 import textwrap
 import time
 
-from fastdeploy_r3.process_lifetime import new_ipc_dir, pid_alive, remove_stale_ipc_dirs
+from fastdeploy_r3.lifecycle import new_ipc_dir, pid_alive, remove_stale_ipc_dirs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,7 @@ def test_a_child_blocked_forever_exits_when_its_parent_is_sigkilled(tmp_path):
     marker = tmp_path / "cleaned"
     child = textwrap.dedent(f"""
         import os, signal, sys, time
-        from fastdeploy_r3.process_lifetime import exit_with_parent
+        from fastdeploy_r3.lifecycle import exit_with_parent
         def on_term(signum, frame):
             raise SystemExit(0)
         signal.signal(signal.SIGTERM, on_term)
@@ -58,7 +58,7 @@ def test_a_child_blocked_forever_exits_when_its_parent_is_sigkilled(tmp_path):
 
 
 def test_a_child_whose_parent_died_before_it_asked_exits_at_once():
-    code = "import os; from fastdeploy_r3.process_lifetime import exit_with_parent; exit_with_parent(os.getppid() + 1)"
+    code = "import os; from fastdeploy_r3.lifecycle import exit_with_parent; exit_with_parent(os.getppid() + 1)"
     out = subprocess.run([sys.executable, "-c", code + "; print('still here')"], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT), timeout=60)
     assert out.returncode == -signal.SIGTERM
@@ -88,7 +88,7 @@ def test_a_new_ipc_dir_is_private_and_named_after_this_process():
 
 
 def test_a_named_process_shows_its_name_in_proc():
-    code = "from fastdeploy_r3.process_lifetime import name_this_process as n; n('fdr3-worker12345'); " \
+    code = "from fastdeploy_r3.lifecycle import name_this_process as n; n('fdr3-worker12345'); " \
            "print(open('/proc/self/comm').read().strip())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT), timeout=60)
