@@ -110,6 +110,18 @@ class BlobStore(abc.ABC):
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
 
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        """Store the value unless the key exists; True when stored. Backends make it atomic where they can."""
+        if self.exists([key])[0]:
+            return False
+        self.put(key, value, ttl_s)
+        return True
+
+    def tail(self, key: str, nbytes: int) -> bytes | None:
+        """The last `nbytes` of the value (its checksum trailer), or None when the key is not there."""
+        value = self.get(key)
+        return None if value is None else value[-nbytes:]
+
 
 class LocalBlobStore(BlobStore):
     """Files under `root`; key `a/b.npy` is the file `root/a/b.npy`. Values have no expiry."""
@@ -137,6 +149,34 @@ class LocalBlobStore(BlobStore):
 
     def exists(self, keys: list[str]) -> list[bool]:
         return [os.path.isfile(self.path(k)) for k in keys]
+
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        # a hard link creates the name only if it does not exist: two writers never replace each other
+        path = self.path(key)
+        tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(value)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        except OSError as e:
+            raise BlobStoreError(f"cannot write {path}: {e}") from e
+        return True
+
+    def tail(self, key: str, nbytes: int) -> bytes | None:
+        try:
+            with open(self.path(key), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise BlobStoreError(f"cannot read {self.path(key)}: {e}") from e
 
     def delete(self, keys: list[str]) -> None:
         for k in keys:
@@ -215,6 +255,22 @@ class RedisBlobStore(BlobStore):
             self._r.delete(*[self.key_prefix + k for k in keys])
         except self._errors as e:
             raise self._fail(f"deleting {len(keys)} key(s)", e) from e
+
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        try:
+            return bool(self._r.set(self.key_prefix + key, value, ex=ttl_s, nx=True))
+        except self._errors as e:
+            raise self._fail("storing 1 key", e) from e
+
+    def tail(self, key: str, nbytes: int) -> bytes | None:
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            pipe.exists(self.key_prefix + key)
+            pipe.getrange(self.key_prefix + key, -nbytes, -1)
+            present, data = pipe.execute()
+        except self._errors as e:
+            raise self._fail("reading 1 key", e) from e
+        return bytes(data) if present else None
 
     def close(self) -> None:
         self._r.close()

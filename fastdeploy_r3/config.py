@@ -173,6 +173,10 @@ class CacheConfig:
     swap_space: float = flag(0.0, "GiB of CPU tier for swapped-out KV blocks, per worker rank")
     num_cpu_blocks_override: int | None = flag(None, "number of CPU-tier blocks, instead of --swap-space")
     kv_storage: str | None = flag(None, "storage tier below the CPU tier: file:///dir or redis://127.0.0.1:6379/0")
+    kv_storage_ttl_s: int = flag(86400, "a block in the storage tier expires this long after it was stored "
+                                        "(Redis; a file tier drops it at its next read or capacity sweep)")
+    kv_storage_capacity_gib: float | None = flag(None, "bytes a file storage tier may hold; past it the least "
+                                                       "recently used blocks are removed (Redis: its maxmemory)")
     storage_timeout_s: float = flag(2.0, "deadline of one storage-tier lookup, load or put: past it the block is "
                                          "a miss (or is not stored) and the store counts as degraded until a probe "
                                          "answers")

@@ -97,8 +97,6 @@ def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
     return removed
 
 
-
-
 @dataclass
 class Shutdown:
     """Sent to a child process: release what you hold (shared memory, process groups) and exit."""

@@ -18,6 +18,7 @@ as its KV (DESIGN.md §5.3).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -36,6 +37,7 @@ from fastdeploy_r3.cache_manager.slots import block_slots
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
+    CorruptBlockError,
     KVStorageBackend,
     StorageError,
     decode_block,
@@ -133,7 +135,8 @@ class CacheTransferManager:
             rows_dtype=rows_dtype,
         )
         if cfg.storage_url:
-            self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace)
+            self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace, cfg.storage_timeout_s,
+                                                cfg.storage_must_answer, cfg.storage_ttl_s)
 
     # ---- tasks -------------------------------------------------------------------------------------
 
@@ -245,6 +248,9 @@ class CacheTransferManager:
                 kv_parts, rows = decode_block(blob, self.layout)
             except BlockDecodeError as e:
                 logger.warning("CTM: stored block %s is unusable (%s); treated as a miss", key, e)
+                if isinstance(e, CorruptBlockError):
+                    with contextlib.suppress(StorageError):
+                        self.storage.delete([key])
                 failed.append(i)
                 reasons.append(f"{i}: {e}")
                 continue

@@ -96,3 +96,6 @@ class CacheTransferConfig:
     storage_url: str | None
     storage_namespace: str
     parent_pid: int
+    storage_timeout_s: float = 30.0  # one storage call (Redis socket timeout)
+    storage_must_answer: bool = True  # False: a store that is down at start is degraded, not an error
+    storage_ttl_s: int | None = None  # stored blocks expire after it (where the store has expiry)

@@ -12,6 +12,7 @@ and supervises its children (workers, CacheTransferManager).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import weakref
@@ -30,7 +31,6 @@ from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionDelta, RequestDelta
 from fastdeploy_r3.r3.layouts import row_range
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
-from fastdeploy_r3.store_health import StoreHealth
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
 logger = logging.getLogger(__name__)
@@ -126,8 +126,8 @@ class EngineService:
             from fastdeploy_r3.cache_manager.storage import make_storage_backend
             from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 
-            storage = make_storage_backend(cc.kv_storage, namespace)
-            self._lookup = StorageLookup(storage, cc.storage_timeout_s, StoreHealth("kv storage"))
+            storage = make_storage_backend(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s)
+            self._lookup = StorageLookup(storage, cc.storage_timeout_s, storage.health)
         transfer = None
         if num_cpu_blocks > 0 or storage is not None:
             from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
@@ -145,6 +145,8 @@ class EngineService:
                 storage_url=cc.kv_storage if storage is not None else None,
                 storage_namespace=namespace,
                 parent_pid=os.getpid(),
+                storage_timeout_s=cc.storage_timeout_s,
+                storage_ttl_s=cc.kv_storage_ttl_s,
             )
             transfer.start(self._ctm_config)
         self.num_cpu_blocks = num_cpu_blocks
@@ -354,6 +356,8 @@ class EngineService:
         assert old is not None and self._ctm_config is not None
         old.kill()  # a stuck one must be gone before its blocks are reused
         self._ctm_replacements += 1
+        # a store that is down must not keep the replacement from starting: it starts degraded
+        self._ctm_config = dataclasses.replace(self._ctm_config, storage_must_answer=False)
         new = CacheTransferClient()
         try:
             new.start(self._ctm_config)
@@ -446,6 +450,8 @@ class EngineService:
         if self._closed:
             return
         self._closed = True
+        if self._lookup is not None:
+            self._lookup.close()
         if self._dead is None and hasattr(self, "kv"):
             try:
                 self.kv.poll_transfers(block=True)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
+from redis_server import redis_pid, redis_server
 
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
@@ -78,8 +83,11 @@ def _exercise_backend(store, other_namespace_store) -> None:
     assert store.exists([key, "ab"]) == [False, False]
     store.put(key, b"v1")
     store.put("ab", b"v2")
-    store.put(key, b"v3")  # overwrite
-    assert store.get(key) == b"v3"
+    store.put(key, b"v1")  # the same bytes again: a no-op
+    with pytest.raises(StorageError, match=f"block {key} is stored with other bytes; stored blocks are immutable"):
+        store.put(key, b"v3")
+    assert store.get(key) == b"v1"  # nobody replaces what other engines load
+    assert (store.counters.puts, store.counters.put_duplicates, store.counters.put_conflicts) == (2, 1, 1)
     assert store.exists([key, "ab", "cd"]) == [True, True, False]
     assert other_namespace_store.get(key) is None  # weights of another version never see it
     store.delete([key, "cd"])
@@ -119,3 +127,27 @@ def test_redis_backend_errors_never_show_the_password() -> None:
     with pytest.raises(StorageError, match="unreachable") as info:
         make_storage_backend("redis://kv:hunter2@127.0.0.1:1/0", "m@v1")
     assert "hunter2" not in str(info.value)
+
+
+def test_a_stopped_redis_costs_one_timeout_then_is_skipped_until_it_answers() -> None:
+    """F8 at the backend: Redis SIGSTOPped; the first call waits its 0.3 s timeout, the next ones none."""
+    with redis_server() as url:
+        store = make_storage_backend(url, "qwen3-moe@v1", timeout_s=0.3)
+        store.put("ab", b"block")
+        store.health.retry_after_s = 0.5  # probe again after 0.5 s rather than 5 s
+        pid = redis_pid(url)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert store.exists(["ab"]) == [False]
+            assert 0.25 < time.monotonic() - t0 < 2.0
+            t1 = time.monotonic()
+            assert store.get("ab") is None and store.exists(["ab"]) == [False]
+            with pytest.raises(StorageError, match="not stored: kv storage degraded for"):
+                store.put("cd", b"other")
+            assert time.monotonic() - t1 < 0.1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.6)
+        assert store.exists(["ab"]) == [True] and store.health.degraded is None
+        store.close()

@@ -15,7 +15,6 @@ so that a supervisor restarts it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -26,7 +25,7 @@ import faults
 import httpx
 import pytest
 from api_server_process import ServerHandle, api_server
-from redis_server import redis_server
+from redis_server import redis_pid, redis_server
 from soak_load import CLEAR, CUT, OK, REFUSED, Load, Outcome, Target
 
 HANG_S = 60.0  # well past every deadline below plus a request's own time on a loaded 2-core machine
@@ -197,18 +196,6 @@ def test_a_survivable_fault_costs_no_request_and_r3_stays_exact(
         faults.kill(roles["ctm"])  # the stopped one was killed by the engine already; make sure
     health = httpx.get(f"{srv.url}/health", timeout=10).json()
     assert health["engine"] == "ok", health
-
-
-def redis_pid(url: str) -> int:
-    port = url.rsplit(":", 1)[1].split("/")[0]
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{name}/cmdline", "rb") as f:
-                words = f.read().replace(b"\0", b" ").split()
-            # redis-server retitles itself "redis-server 127.0.0.1:PORT"
-            if words and b"redis-server" in words[0] and any(w.endswith(f":{port}".encode()) for w in words):
-                return int(name)
-    raise AssertionError(f"no redis-server on port {port}")
 
 
 def test_f8_f9_stopped_redis_as_r3_store_fails_only_deliveries_and_turns_ready_to_503(
