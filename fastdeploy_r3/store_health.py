@@ -18,6 +18,7 @@ while the store is degraded, so stuck calls do not pile up).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class StoreUnavailableError(RuntimeError):
@@ -96,9 +98,12 @@ class DeadlineCaller:
         self.timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fdr3-{health.name}")
 
-    def call(self, fn: Callable[..., T], *args: object) -> T:
+    def call(self, fn: Callable[..., T], *args: object, undo: Callable[[], object] | None = None) -> T:
         """fn(*args) on the store's thread. Raises StoreUnavailableError when the store is degraded or the
-        call misses the deadline, and re-raises what fn raised (both mark the store degraded)."""
+        call misses the deadline, and re-raises what fn raised (both mark the store degraded).
+
+        undo: run on the store's thread if fn completes after all, once its caller gave up on it (a put
+        that was reported as failed must not stay stored)."""
         if not self.health.should_try():
             raise self.health.unavailable()
         fut = self._pool.submit(fn, *args)
@@ -106,6 +111,8 @@ class DeadlineCaller:
             result = fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             self.health.failed(f"no answer within {self.timeout_s:g} s")
+            if undo is not None:
+                fut.add_done_callback(lambda f: _undo_late(f, undo))
             raise self.health.unavailable() from None
         except Exception as e:
             self.health.failed(f"{type(e).__name__}: {e}")
@@ -115,3 +122,12 @@ class DeadlineCaller:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _undo_late(fut: concurrent.futures.Future, undo: Callable[[], object]) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    try:
+        undo()
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone again
+        logger.warning("could not take back a store call that completed after its deadline", exc_info=True)

@@ -137,6 +137,9 @@ class RoutingStore(abc.ABC):
         except BlobStoreError as e:
             raise RoutingStoreError(f"deleting R3 of previous turn {rollout_id!r} failed: {e}") from e
 
+    def ping(self) -> None:  # noqa: B027 - optional: a store with nothing to check answers by not raising
+        """Raise RoutingStoreError when the store cannot take a put now (unreachable, read-only, full)."""
+
     def close(self) -> None:
         """Release connections; the stored data stays."""
         self.blobs.close()
@@ -159,6 +162,16 @@ class LocalRoutingStore(RoutingStore):
 
     def entry_name(self, key: str) -> str:
         return self._local.path(key)
+
+    def ping(self) -> None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError as e:
+            raise RoutingStoreError(f"local_store_dir {self.root} is not there: {e}") from e
+        if not os.access(self.root, os.W_OK) or st.f_flag & os.ST_RDONLY:
+            raise RoutingStoreError(f"local_store_dir {self.root} is not writable")
+        if st.f_bavail * st.f_frsize < 1 << 20:
+            raise RoutingStoreError(f"local_store_dir {self.root} has less than 1 MiB free")
 
     def stored_layers(self, rid: str) -> list[int]:
         layer_dir = self._local.path(rid)
@@ -184,9 +197,10 @@ class RedisRoutingStore(RoutingStore):
         ttl_s: int = 3600,
         use_fused_put: bool = True,
         only_last_turn: bool = False,
+        timeout_s: float = 30.0,
     ) -> None:
         self.namespace = validate_rollout_id(namespace, "namespace")
-        blobs = RedisBlobStore(url, f"{self.namespace}:")
+        blobs = RedisBlobStore(url, f"{self.namespace}:", connect_timeout_s=min(10.0, timeout_s), timeout_s=timeout_s)
         super().__init__(blobs, int(ttl_s), use_fused_put, only_last_turn, blobs.where)
         self._redis_blobs = blobs
 
@@ -220,5 +234,6 @@ def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore
         return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)
     if cfg.routing_store_type == "p2pstore":
         assert cfg.p2pstore_url is not None
-        return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn)
+        return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn,
+                                 timeout_s=float(cfg.store_timeout_s))
     raise RoutingStoreError(f"unknown routing_store_type {cfg.routing_store_type!r}")

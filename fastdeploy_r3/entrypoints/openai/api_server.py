@@ -150,10 +150,12 @@ def build_app(ctx: ServingContext, api_key: str | None, namespace: str) -> FastA
         """({"status", "engine", and per degraded part why}, can R3 be delivered); EngineDeadError."""
         body = {"status": "ok", "engine": "ok"}
         body.update(await ctx.engine.check_health(_HEALTH_TIMEOUT_S))
-        r3_ok = True
+        r3_problem = await asyncio.to_thread(ctx.delivery.store_problem)
+        if r3_problem is not None:
+            body["r3_store"] = r3_problem
         if len(body) > 2:
             body["status"] = "degraded"
-        return body, r3_ok
+        return body, r3_problem is None
 
     @app.get("/health")
     async def health() -> Response:
