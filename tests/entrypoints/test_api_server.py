@@ -1,6 +1,6 @@
 """The real API server (subprocess, real engine, fake GLM-4.5 checkpoint with a dense layer 0) driven by
 the official `openai` client: R3 arrives in every response shape, bad input gets the right error and
-the server keeps serving, a dead engine turns /health to 503."""
+the server keeps serving, a dead engine makes the server exit 1 so that its supervisor restarts it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
+import faults
 import httpx
 import numpy as np
 import openai
@@ -208,41 +208,18 @@ def test_unknown_routing_replay_key_fails_start_up(model_dir: str) -> None:
     assert "unknown routing replay key(s) oops" in proc.stderr
 
 
-def _engine_pid(server_pid: int) -> int:
-    """The spawned engine process: the server's child that runs multiprocessing's spawn_main."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if ppid == server_pid and b"spawn_main" in cmdline:
-            return int(entry)
-    raise AssertionError(f"no engine process under server pid {server_pid}")
-
-
-def test_dead_engine_fails_requests_and_health(model_dir: str, tmp_path) -> None:
-    from fastdeploy_r3.cache_manager.shm import list_segments, unlink_quietly
-
+def test_a_dead_engine_makes_the_server_exit_1_for_its_supervisor_leaving_nothing(model_dir: str, tmp_path) -> None:
+    """The engine is SIGKILLed while idle: rather than answer 503 forever, the server says why and exits
+    with code 1 (a supervisor restarts it); the engine's workers unlink its segments."""
     with api_server(model_dir, str(tmp_path), "--routing-replay-config", R3_ON) as srv:
-        engine_pid = _engine_pid(srv.proc.pid)
-        os.kill(engine_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{srv.url}/health").status_code != 503:
-            assert time.monotonic() < deadline, "health stayed 200 after the engine died"
-            time.sleep(0.2)
-        body = httpx.get(f"{srv.url}/health").json()
-        assert "exited" in body["error"]["message"]
-        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
-    # a SIGKILLed engine cannot unlink its segments; their names carry its pid
-    for name in list_segments():
-        if name.startswith(f"fdr3_{engine_pid}_"):
-            unlink_quietly(name)
+        roles = faults.wait_for_roles(srv.proc.pid, ("engine", "worker"))
+        pids = [srv.proc.pid, *faults.descendants(srv.proc.pid)]
+        os.kill(roles["engine"], signal.SIGKILL)
+        assert srv.proc.wait(timeout=30) == 1
+        assert (f"fastdeploy_r3: error: the engine is gone (engine process (pid {roles['engine']}) exited with code "
+                "-9); exiting with code 1 so that a supervisor restarts the server") in srv.log_tail()
+    left = faults.wait_no_leftovers(roles, pids, 20)
+    assert left.count == 0, f"left behind: {left}"
 
 
 def test_cli_serve_help_lists_engine_and_server_flags() -> None:
