@@ -194,9 +194,12 @@ class CacheConfig:
             raise ConfigError(f"swap_space={self.swap_space}; use 0 (no CPU tier) or a positive size in GiB")
         if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
             raise ConfigError(f"num_cpu_blocks_override={self.num_cpu_blocks_override}; use 0 or more")
-        for name in ("storage_timeout_s", "transfer_timeout_s"):
+        for name in ("storage_timeout_s", "transfer_timeout_s", "kv_storage_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}; use a positive number of seconds")
+        if self.kv_storage_capacity_gib is not None and not self.kv_storage_capacity_gib > 0:
+            raise ConfigError(f"kv_storage_capacity_gib={self.kv_storage_capacity_gib}; use a positive size or "
+                              "leave it unset (no byte limit beyond kv_storage_ttl_s)")
         if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://")):
             raise ConfigError(
                 f"kv_storage={self.kv_storage!r}; use file:///absolute/dir or redis://127.0.0.1:6379/0"
@@ -293,6 +296,7 @@ class RoutingReplayConfig:
     debug_mode: bool = False
     ttl_s: int = 3600
     store_timeout_s: float | int = 10.0  # deadline of one R3 store put: past it the request fails, the store degrades
+    local_store_capacity_gib: float | int | None = None  # local store: least recently used rollouts go past it
     # derived once by postprocess(model_config)
     moe_layer_ids: list[int] | None = derived(default=None, repr=False)
     num_moe_layers: int = derived(default=0)
@@ -362,6 +366,9 @@ class RoutingReplayConfig:
             raise ConfigError(f"ttl_s={self.ttl_s}; use a positive number of seconds")
         if not self.store_timeout_s > 0:
             raise ConfigError(f"store_timeout_s={self.store_timeout_s}; use a positive number of seconds")
+        if self.local_store_capacity_gib is not None and not self.local_store_capacity_gib > 0:
+            raise ConfigError(f"local_store_capacity_gib={self.local_store_capacity_gib}; use a positive size or "
+                              "leave it out (rollouts then go only after ttl_s)")
 
     def postprocess(self, model_config: ModelConfig) -> None:
         """Derive the R3 shape from the final model config; call once, after ModelConfig.finalize()."""

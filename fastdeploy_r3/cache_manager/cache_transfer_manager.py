@@ -136,7 +136,7 @@ class CacheTransferManager:
         )
         if cfg.storage_url:
             self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace, cfg.storage_timeout_s,
-                                                cfg.storage_must_answer, cfg.storage_ttl_s)
+                                                cfg.storage_must_answer, cfg.storage_ttl_s, cfg.storage_capacity_bytes)
 
     # ---- tasks -------------------------------------------------------------------------------------
 

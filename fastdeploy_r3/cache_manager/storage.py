@@ -33,6 +33,7 @@ from fastdeploy_r3.blob_store import (
     checksummed,
     verify_checksum,
 )
+from fastdeploy_r3.disk_budget import DiskBudget
 from fastdeploy_r3.store_health import StoreHealth
 
 logger = logging.getLogger(__name__)
@@ -168,9 +169,10 @@ class KVStorageBackend:
 
 
 class FileStorageBackend(KVStorageBackend):
-    """`file:///abs/dir`: one file per block under `<dir>/<namespace prefix>/<key[:2]>/<key>`."""
+    """`file:///abs/dir`: one file per block under `<dir>/<namespace prefix>/<key[:2]>/<key>`, bounded by
+    a DiskBudget (capacity with least-recently-used eviction, and age) when one is given."""
 
-    def __init__(self, root: str, namespace: str) -> None:
+    def __init__(self, root: str, namespace: str, ttl_s: int | None = None, capacity_bytes: int | None = None) -> None:
         if not os.path.isabs(root):
             raise StorageError(f"file storage directory {root!r} is not absolute; use file:///absolute/dir")
         self.dir = os.path.join(root, namespace_prefix(namespace))
@@ -178,7 +180,27 @@ class FileStorageBackend(KVStorageBackend):
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot create file storage directory {self.dir}: {e}") from e
-        super().__init__(LocalBlobStore(self.dir), lambda key: os.path.join(key[:2], key))
+        self._files = LocalBlobStore(self.dir)
+        super().__init__(self._files, lambda key: os.path.join(key[:2], key))
+        self.budget = DiskBudget(self.dir, capacity_bytes, ttl_s)
+
+    def put(self, key: str, value: bytes) -> None:
+        try:
+            self.budget.admit(len(value))
+        except OSError as e:
+            raise StorageError(f"cannot make room for block {key}: {e}") from e
+        super().put(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        path = self._files.path(self.blob_key(key))
+        if self.budget.expired(path):
+            self.delete([key])
+            self.budget.counters.expired += 1
+            return None
+        value = super().get(key)
+        if value is not None:
+            self.budget.touch(path)
+        return value
 
 
 class RedisStorageBackend(KVStorageBackend):
@@ -199,16 +221,18 @@ class RedisStorageBackend(KVStorageBackend):
 
 
 def make_storage_backend(url: str, namespace: str, timeout_s: float = 30.0, must_answer: bool = True,
-                         ttl_s: int | None = None) -> KVStorageBackend:  # fmt: skip
+                         ttl_s: int | None = None, capacity_bytes: int | None = None) -> KVStorageBackend:  # fmt: skip
     """`file:///abs/dir` or `redis://host:port/db`; keys are namespaced by a hash of `namespace`.
 
     timeout_s: of one Redis call. must_answer: a Redis that does not answer the first ping is an error
-    (False: the backend starts degraded and probes later). ttl_s: stored blocks expire after it."""
+    (False: the backend starts degraded and probes later). ttl_s: stored blocks expire after it.
+    capacity_bytes: what a file tier may hold (least recently used blocks go first); Redis is bounded
+    by its own maxmemory policy."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise StorageError(f"file storage URL {url!r} names a host; use file:///absolute/dir")
-        return FileStorageBackend(parsed.path, namespace)
+        return FileStorageBackend(parsed.path, namespace, ttl_s, capacity_bytes)
     if parsed.scheme in ("redis", "rediss", "unix"):
         return RedisStorageBackend(url, namespace, timeout_s, must_answer, ttl_s)
     raise StorageError(f"unknown storage URL {url!r}; use file:///absolute/dir or redis://host:port/db")

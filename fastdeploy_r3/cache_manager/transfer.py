@@ -99,3 +99,4 @@ class CacheTransferConfig:
     storage_timeout_s: float = 30.0  # one storage call (Redis socket timeout)
     storage_must_answer: bool = True  # False: a store that is down at start is degraded, not an error
     storage_ttl_s: int | None = None  # stored blocks expire after it (where the store has expiry)
+    storage_capacity_bytes: int | None = None  # a file tier's byte budget (least recently used go first)

@@ -147,6 +147,8 @@ class EngineService:
                 parent_pid=os.getpid(),
                 storage_timeout_s=cc.storage_timeout_s,
                 storage_ttl_s=cc.kv_storage_ttl_s,
+                storage_capacity_bytes=(None if cc.kv_storage_capacity_gib is None
+                                        else int(cc.kv_storage_capacity_gib * 2**30)),
             )
             transfer.start(self._ctm_config)
         self.num_cpu_blocks = num_cpu_blocks

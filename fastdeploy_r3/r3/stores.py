@@ -28,6 +28,7 @@ import numpy as np
 
 from fastdeploy_r3.blob_store import BlobStore, BlobStoreError, LocalBlobStore, RedisBlobStore
 from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.disk_budget import DiskBudget
 from fastdeploy_r3.r3.codec import load_npy, npy_bytes
 from fastdeploy_r3.r3.rollout_id import (
     any_n_rollout_ids,
@@ -146,13 +147,35 @@ class RoutingStore(abc.ABC):
 
 
 class LocalRoutingStore(RoutingStore):
-    """`.npy` files under one directory; every file appears whole (temp file + rename)."""
+    """`.npy` files under one directory; every file appears whole (temp file + rename), and the files of
+    a per-layer rollout appear together (LocalBlobStore.put_many). Bounded, when asked, by a DiskBudget:
+    a rollout older than `ttl_s` is gone, and past `capacity_bytes` the least recently used rollouts go
+    first, each removed whole."""
 
-    def __init__(self, root: str, use_fused_put: bool = True, only_last_turn: bool = False) -> None:
+    def __init__(self, root: str, use_fused_put: bool = True, only_last_turn: bool = False,
+                 ttl_s: int | None = None, capacity_bytes: int | None = None) -> None:  # fmt: skip
         blobs = LocalBlobStore(root)
         super().__init__(blobs, None, use_fused_put, only_last_turn, blobs.root)
         self.root = blobs.root
         self._local = blobs
+        self.budget = DiskBudget(self.root, capacity_bytes, ttl_s, whole_dirs=True)
+
+    def put(self, rollout_id: str, routed_experts: list[np.ndarray], moe_layer_ids: list[int]) -> list[str]:
+        try:
+            self.budget.admit(sum(a.nbytes + 128 for a in routed_experts))  # + .npy headers
+        except OSError as e:
+            raise RoutingStoreError(f"cannot make room for rollout {rollout_id!r} under {self.root}: {e}") from e
+        return super().put(rollout_id, routed_experts, moe_layer_ids)
+
+    def get(self, rollout_id: str, choice: int | None = None, moe_layer_ids: list[int] | None = None) -> np.ndarray:
+        rid = rollout_id if choice is None else f"{rollout_id}_{choice}"
+        for entry in (self._local.path(self.fused_key(rid)), self._local.path(rid)):
+            if self.budget.expired(entry):
+                raise KeyError(f"R3 of rollout {rid!r} under {self.root} expired (older than ttl_s)")
+        arr = super().get(rollout_id, choice, moe_layer_ids)
+        for entry in (self._local.path(self.fused_key(rid)), self._local.path(rid)):
+            self.budget.touch(entry)
+        return arr
 
     def fused_key(self, rid: str) -> str:
         return f"{rid}.npy"
@@ -231,7 +254,8 @@ def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore
             os.makedirs(cfg.local_store_dir, exist_ok=True)  # fail at start-up, not at the first rollout
         except OSError as e:
             raise RoutingStoreError(f"local_store_dir {cfg.local_store_dir!r} cannot be created: {e}") from e
-        return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)
+        capacity = None if cfg.local_store_capacity_gib is None else int(cfg.local_store_capacity_gib * 2**30)
+        return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn, cfg.ttl_s, capacity)
     if cfg.routing_store_type == "p2pstore":
         assert cfg.p2pstore_url is not None
         return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn,
