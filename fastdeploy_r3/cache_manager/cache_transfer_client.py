@@ -31,6 +31,7 @@ class TransferStats:
     storage_miss_blocks: int = 0  # missing, corrupt or mismatched in storage
     bytes_moved: int = 0
     by_kind_bytes: dict[str, int] = field(default_factory=dict)
+    store_counters: dict[str, int] = field(default_factory=dict)  # the storage tier's, as of the last storage ack
 
 
 class CacheTransferClient:
@@ -137,6 +138,8 @@ class CacheTransferClient:
         else:
             s.storage_get_blocks += n_ok
             s.storage_miss_blocks += len(ack.failed)
+        if ack.store_counters:
+            s.store_counters = dict(ack.store_counters)
         s.bytes_moved += ack.nbytes
         s.by_kind_bytes[ack.kind.value] = s.by_kind_bytes.get(ack.kind.value, 0) + ack.nbytes
         self._arrived[ack.task_id] = ack

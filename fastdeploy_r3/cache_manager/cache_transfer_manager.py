@@ -19,6 +19,7 @@ as its KV (DESIGN.md §5.3).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -157,7 +158,18 @@ class CacheTransferManager:
             return TransferAck(task.task_id, task.kind, ok=False, failed=list(range(n)), error=f"{e}",
                                seconds=time.perf_counter() - t0)  # fmt: skip
         return TransferAck(task.task_id, task.kind, ok=not failed, failed=failed, error=error, nbytes=nbytes,
-                           seconds=time.perf_counter() - t0)  # fmt: skip
+                           seconds=time.perf_counter() - t0, store_counters=self._store_counters())  # fmt: skip
+
+    def _store_counters(self) -> dict[str, int]:
+        """Running totals of the storage tier as this CTM sees it (puts, refusals, evictions, failures)."""
+        if self.storage is None:
+            return {}
+        out = {f"kv_storage_{k}": v for k, v in dataclasses.asdict(self.storage.counters).items()}
+        out["kv_storage_failures"] = self.storage.health.counters.failures
+        budget = getattr(self.storage, "budget", None)
+        if budget is not None:
+            out.update({f"kv_storage_{k}": v for k, v in dataclasses.asdict(budget.counters).items()})
+        return out
 
     def _validate(self, task: TransferTask) -> None:
         n = len(task.gpu_block_ids)

@@ -42,6 +42,7 @@ class TransferAck:
     error: str | None = None
     nbytes: int = 0
     seconds: float = 0.0
+    store_counters: dict[str, int] = field(default_factory=dict)  # storage tasks: the CTM's store totals
 
 
 @dataclass(frozen=True)
