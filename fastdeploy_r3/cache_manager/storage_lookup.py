@@ -127,7 +127,10 @@ class StorageLookup:
                 self.health.failed(f"{type(e).__name__}: {e}")
                 found = [False] * len(job.keys)
             else:
-                self.health.ok()
+                if getattr(self.storage, "health", None) is not self.health:
+                    # a store that keeps this health itself (KVStorageBackend) has recorded the outcome
+                    # already, failures it answered as misses included
+                    self.health.ok()
             with self._answered:
                 if job.result is None:
                     job.result = found
