@@ -33,6 +33,7 @@ def test_a_dead_reader_fails_in_flight_requests_and_reports_the_engine_lost(conf
 
         class Poisoned:
             dumps = staticmethod(pickle.dumps)
+            HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
             @staticmethod
             def loads(data: bytes) -> object:
