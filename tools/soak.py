@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.requests is None and args.minutes is None:
         args.requests = 1000
+    # SIGTERM unwinds like Ctrl-C, through the finally that stops the server tree and redis-server
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     work = tempfile.mkdtemp(prefix="fdr3_soak_")
     t0 = time.monotonic()
     stats = asyncio.run(soak(args, work))

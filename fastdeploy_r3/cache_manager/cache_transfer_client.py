@@ -46,6 +46,7 @@ class CacheTransferClient:
         self._config: CacheTransferConfig | None = None
         self._pending: dict[int, TransferTask] = {}
         self._arrived: dict[int, TransferAck] = {}
+        self._ready = False
         self.stats = TransferStats()
 
     @property
@@ -54,6 +55,13 @@ class CacheTransferClient:
 
     def start(self, config: CacheTransferConfig, timeout: float = 120.0) -> None:
         """Spawn the CTM and wait until its CPU tier exists and storage is reachable."""
+        self.launch(config)
+        if not self.ready(timeout):
+            self.shutdown()
+            raise CacheTransferError(f"cache transfer manager did not come up within {timeout} s")
+
+    def launch(self, config: CacheTransferConfig) -> None:
+        """Spawn the CTM without waiting for it; `ready()` says when it is up."""
         if self._proc is not None:
             raise CacheTransferError("CacheTransferClient.start() called twice; call shutdown() first")
         parent_conn, child_conn = spawn_context().Pipe(duplex=True)
@@ -61,9 +69,16 @@ class CacheTransferClient:
         self._proc = start_process(run_cache_transfer_manager, (config, child_conn), name="CacheTransferManager")
         child_conn.close()  # so that the CTM's death reads as EOF here
         self._conn = parent_conn
+        self._ready = False
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """True once the launched CTM said it is ready (waits up to `timeout`); raises CacheTransferError
+        (after cleaning up) when its setup failed or it died."""
+        if self._ready:
+            return True
+        parent_conn = self._require_conn()
         if not parent_conn.poll(timeout):
-            self.shutdown()
-            raise CacheTransferError(f"cache transfer manager did not come up within {timeout} s")
+            return False
         try:
             ready = parent_conn.recv()
         except EOFError:
@@ -75,6 +90,8 @@ class CacheTransferClient:
         if ready.error is not None:
             self.shutdown()
             raise CacheTransferError(f"cache transfer manager setup failed: {ready.error}")
+        self._ready = True
+        return True
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()

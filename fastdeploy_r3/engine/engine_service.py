@@ -15,10 +15,12 @@ import atexit
 import dataclasses
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
+from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferError
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
@@ -34,6 +36,8 @@ from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
 logger = logging.getLogger(__name__)
+
+_CTM_START_TIMEOUT_S = 300.0  # a replacement CTM that is not up by then: serve without tiers
 
 
 @dataclass
@@ -58,6 +62,8 @@ class EngineService:
         self._ctm_config = None
         self._ctm_replacements = 0
         self._ctm_failed: str | None = None
+        self._ctm_starting = None  # a replacement CTM that is still coming up
+        self._ctm_starting_since = 0.0
         self._lookup = None
         self._routing_host: RoutingBuffer | None = None
         self._step_id = 0
@@ -233,8 +239,9 @@ class EngineService:
         try:
             self._check_children()
             self.kv.poll_transfers()
-            if self.kv.transfer_lost is not None:
+            if self.kv.transfer_lost is not None and self._ctm is not None:
                 self._replace_ctm(self.kv.transfer_lost)
+            self._adopt_new_ctm()
             out = self.scheduler.schedule()
             if not out.chunks and self.kv.has_pending_lookups():
                 self._lookup.wait(0.01)  # type: ignore[union-attr]  # nothing to run but lookups: do not spin
@@ -349,28 +356,38 @@ class EngineService:
             self.kv.lose_transfer(f"the cache transfer manager (pid {self._ctm.pid}) exited")
 
     def _replace_ctm(self, reason: str) -> None:
-        """A dead or stuck CTM is killed and replaced: the requests keep going, and the blocks it held
-        (its CPU tier, loads and puts in flight) become misses. Without a working CTM the engine goes on
-        with the GPU cache alone."""
+        """Kill a dead or stuck CTM and launch its replacement; the requests keep going meanwhile, the
+        blocks the old one held (its CPU tier, loads and puts in flight) become misses, and the tiers
+        are skipped until the new one is up (_adopt_new_ctm)."""
         from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
 
-        old = self._ctm
+        old, self._ctm = self._ctm, None
         assert old is not None and self._ctm_config is not None
+        logger.warning("cache transfer manager (pid %s) is replaced after: %s", old.pid, reason)
         old.kill()  # a stuck one must be gone before its blocks are reused
         self._ctm_replacements += 1
         # a store that is down must not keep the replacement from starting: it starts degraded
         self._ctm_config = dataclasses.replace(self._ctm_config, storage_must_answer=False)
         new = CacheTransferClient()
+        new.launch(self._ctm_config)
+        self._ctm_starting, self._ctm_starting_since = new, time.monotonic()
+
+    def _adopt_new_ctm(self) -> None:
+        new = self._ctm_starting
+        if new is None:
+            return
         try:
-            new.start(self._ctm_config)
-        except Exception as e:  # noqa: BLE001 - serving on without tiers beats failing every request
+            if not new.ready():
+                if time.monotonic() - self._ctm_starting_since < _CTM_START_TIMEOUT_S:
+                    return
+                new.kill()
+                raise CacheTransferError(f"it did not come up within {_CTM_START_TIMEOUT_S:g} s")
+        except CacheTransferError as e:  # serving on without tiers beats failing every request
             logger.error("cache transfer manager could not be replaced (%s); serving without CPU and storage tiers", e)
-            self._ctm = None
-            self._ctm_failed = f"replacement failed: {e}"
+            self._ctm_starting, self._ctm_failed = None, f"replacement failed: {e}"
             self.kv.reset_transfer(None)
             return
-        logger.warning("cache transfer manager replaced (pid %s -> %s) after: %s", old.pid, new.pid, reason)
-        self._ctm = new
+        self._ctm, self._ctm_starting = new, None
         self.kv.reset_transfer(new)
 
     def degraded(self) -> dict[str, str]:
@@ -434,6 +451,9 @@ class EngineService:
         }
 
     def _stop_children(self) -> None:
+        if self._ctm_starting is not None:
+            self._ctm_starting.kill()
+            self._ctm_starting = None
         # The CTM first: on CUDA it maps the workers' KV through IPC handles, which must be released
         # before the worker that exported them exits.
         if self._ctm is not None:
