@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
-IPC_DIR_PREFIX = "fdr3_ipc_"
-_IPC_DIR_RE = re.compile(rf"^{IPC_DIR_PREFIX}(\d+)_")
+# fdr3_ipc_p<pid>-<random>: mkdtemp's random part never holds "-", so no other name reads as one of these
+IPC_DIR_PREFIX = "fdr3_ipc_p"
+_IPC_DIR_RE = re.compile(rf"^{IPC_DIR_PREFIX}(\d+)-")
 
 
 def exit_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
@@ -76,7 +77,7 @@ def pid_alive(pid: int) -> bool:
 
 def new_ipc_dir() -> str:
     """A private (0700) directory for this server's ZMQ sockets, named after this process."""
-    return tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}_")
+    return tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
 
 
 def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:

@@ -67,21 +67,23 @@ def test_a_child_whose_parent_died_before_it_asked_exits_at_once():
 
 def test_ipc_dirs_of_gone_servers_are_swept_and_live_ones_kept(tmp_path):
     dead_pid = 2**22 + 4321  # above the default pid_max: no such process
-    stale = tmp_path / f"fdr3_ipc_{dead_pid}_abc123"
+    stale = tmp_path / f"fdr3_ipc_p{dead_pid}-abc123"
     stale.mkdir()
     (stale / "input").write_text("")
-    live = tmp_path / f"fdr3_ipc_{os.getpid()}_def456"
+    live = tmp_path / f"fdr3_ipc_p{os.getpid()}-def456"
     live.mkdir()
     other = tmp_path / "fdr3_ipc_notapid"
     other.mkdir()
+    older_style = tmp_path / "fdr3_ipc_9_b3dwa6"  # mkdtemp("fdr3_ipc_") of older servers: not ours to judge
+    older_style.mkdir()
     assert remove_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, older_style.name])
 
 
 def test_a_new_ipc_dir_is_private_and_named_after_this_process():
     path = new_ipc_dir()
     try:
-        assert os.path.basename(path).startswith(f"fdr3_ipc_{os.getpid()}_")
+        assert os.path.basename(path).startswith(f"fdr3_ipc_p{os.getpid()}-")
         assert os.stat(path).st_mode & 0o777 == 0o700
     finally:
         os.rmdir(path)

@@ -128,7 +128,7 @@ def leftovers(roles: dict[str, int], pids: list[int]) -> Leftovers:
         shm = []
     segments = sorted(n for n in shm if engine_pid is not None and n.startswith(f"fdr3_{engine_pid}_"))
     tmp = tempfile.gettempdir()
-    ipc = sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith(f"fdr3_ipc_{roles['api']}_"))
+    ipc = sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith(f"fdr3_ipc_p{roles['api']}-"))
     procs = [f"{p} ({comm(p)})" for p in sorted(set(pids)) if alive(p)]
     return Leftovers(procs, segments, ipc)
 

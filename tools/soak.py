@@ -379,9 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=",".join(ALL_FAULTS), help=f"comma list from {', '.join(ALL_FAULTS)}")
     p.add_argument("--fault-every", type=float, default=20.0, help="seconds between faults")
     p.add_argument("--stop-seconds", type=float, default=4.0, help="how long SIGSTOP / full / read-only last")
-    p.add_argument("--stop-fatal-seconds", type=float, default=15.0, help="SIGSTOP of an engine or worker")
-    p.add_argument("--step-timeout", type=float, default=5.0, help="the server's worker step deadline")
-    p.add_argument("--stall-timeout", type=float, default=10.0, help="the API server's engine stall deadline")
+    p.add_argument("--stop-fatal-seconds", type=float, default=45.0,
+                   help="SIGSTOP of an engine or worker (longer than the deadlines that must catch it)")
+    p.add_argument("--step-timeout", type=float, default=20.0, help="the server's worker step deadline")
+    p.add_argument("--stall-timeout", type=float, default=30.0, help="the API server's engine stall deadline")
     p.add_argument("--store-timeout", type=float, default=2.0, help="deadline of one store operation")
     p.add_argument("--transfer-timeout", type=float, default=5.0, help="deadline of one CTM transfer")
     p.add_argument("--storage-bytes", type=int, default=8 << 20, help="size of config A's storage tmpfs")
