@@ -12,22 +12,21 @@ and supervises its children (workers, CacheTransferManager).
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
-import time
 import weakref
 from dataclasses import dataclass, field, replace
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
-from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferError
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
+from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.token_processor import TokenProcessor
+from fastdeploy_r3.engine.transfer_supervisor import TransferSupervisor
 from fastdeploy_r3.engine.worker_group import WorkerGroup
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionDelta, RequestDelta
@@ -36,9 +35,6 @@ from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, ScheduledRequestData, StepInput, WorkerReady
 
 logger = logging.getLogger(__name__)
-
-_CTM_START_TIMEOUT_S = 300.0  # a replacement CTM that is not up by then: serve without tiers
-
 
 @dataclass
 class _Group:
@@ -58,13 +54,8 @@ class EngineService:
         self._closed = False
         self._dead: str | None = None
         self.workers: WorkerGroup | None = None
-        self._ctm = None
-        self._ctm_config = None
-        self._ctm_replacements = 0
-        self._ctm_failed: str | None = None
-        self._ctm_starting = None  # a replacement CTM that is still coming up
-        self._ctm_starting_since = 0.0
-        self._lookup = None
+        self._transfers: TransferSupervisor | None = None  # the cache transfer manager, over its life
+        self._lookup: StorageLookup | None = None
         self._routing_host: RoutingBuffer | None = None
         self._step_id = 0
         self._groups: dict[str, _Group] = {}
@@ -130,18 +121,14 @@ class EngineService:
         namespace = f"{mc.model_identity}|{mc.weight_version}"
         if cc.enable_prefix_caching and cc.kv_storage:
             from fastdeploy_r3.cache_manager.storage import make_storage_backend
-            from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 
             storage = make_storage_backend(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s)
             self._lookup = StorageLookup(storage, cc.storage_timeout_s, storage.health)
         transfer = None
         if num_cpu_blocks > 0 or storage is not None:
-            from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
             from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig
 
-            transfer = CacheTransferClient()
-            self._ctm = transfer
-            self._ctm_config = CacheTransferConfig(
+            self._transfers = TransferSupervisor(CacheTransferConfig(
                 kv_specs=[r.kv_spec for r in readies],
                 num_cpu_blocks=num_cpu_blocks,
                 block_size=cc.block_size,
@@ -155,8 +142,8 @@ class EngineService:
                 storage_ttl_s=cc.kv_storage_ttl_s,
                 storage_capacity_bytes=(None if cc.kv_storage_capacity_gib is None
                                         else int(cc.kv_storage_capacity_gib * 2**30)),
-            )
-            transfer.start(self._ctm_config)
+            ))
+            transfer = self._transfers.start()
         self.num_cpu_blocks = num_cpu_blocks
         self.kv = PrefixCacheManager(
             num_gpu_blocks=num_gpu_blocks,
@@ -239,12 +226,11 @@ class EngineService:
         try:
             self._check_children()
             self.kv.poll_transfers()
-            if self.kv.transfer_lost is not None and self._ctm is not None:
-                self._replace_ctm(self.kv.transfer_lost)
-            self._adopt_new_ctm()
+            if self._transfers is not None:
+                self._transfers.tick(self.kv)  # a lost CTM is replaced without the loop waiting for it
             out = self.scheduler.schedule()
-            if not out.chunks and self.kv.has_pending_lookups():
-                self._lookup.wait(0.01)  # type: ignore[union-attr]  # nothing to run but lookups: do not spin
+            if not out.chunks and self._lookup is not None and self.kv.has_pending_lookups():
+                self._lookup.wait(0.01)  # nothing to run but lookups: do not spin
             if out.chunks:
                 sampled = self._run_workers(out)
                 if isinstance(sampled, str):
@@ -352,51 +338,14 @@ class EngineService:
     def _check_children(self) -> None:
         if self.workers is not None:
             self.workers.check_alive()
-        if self._ctm is not None and not self._ctm.is_alive() and self.kv.transfer_lost is None:
-            self.kv.lose_transfer(f"the cache transfer manager (pid {self._ctm.pid}) exited")
-
-    def _replace_ctm(self, reason: str) -> None:
-        """Kill a dead or stuck CTM and launch its replacement; the requests keep going meanwhile, the
-        blocks the old one held (its CPU tier, loads and puts in flight) become misses, and the tiers
-        are skipped until the new one is up (_adopt_new_ctm)."""
-        from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
-
-        old, self._ctm = self._ctm, None
-        assert old is not None and self._ctm_config is not None
-        logger.warning("cache transfer manager (pid %s) is replaced after: %s", old.pid, reason)
-        old.kill()  # a stuck one must be gone before its blocks are reused
-        self._ctm_replacements += 1
-        # a store that is down must not keep the replacement from starting: it starts degraded
-        self._ctm_config = dataclasses.replace(self._ctm_config, storage_must_answer=False)
-        new = CacheTransferClient()
-        new.launch(self._ctm_config)
-        self._ctm_starting, self._ctm_starting_since = new, time.monotonic()
-
-    def _adopt_new_ctm(self) -> None:
-        new = self._ctm_starting
-        if new is None:
-            return
-        try:
-            if not new.ready():
-                if time.monotonic() - self._ctm_starting_since < _CTM_START_TIMEOUT_S:
-                    return
-                new.kill()
-                raise CacheTransferError(f"it did not come up within {_CTM_START_TIMEOUT_S:g} s")
-        except CacheTransferError as e:  # serving on without tiers beats failing every request
-            logger.error("cache transfer manager could not be replaced (%s); serving without CPU and storage tiers", e)
-            self._ctm_starting, self._ctm_failed = None, f"replacement failed: {e}"
-            self.kv.reset_transfer(None)
-            return
-        self._ctm, self._ctm_starting = new, None
-        self.kv.reset_transfer(new)
 
     def degraded(self) -> dict[str, str]:
         """What works less well than configured, for /health: {"kv_storage": why, "cache_transfer": why}."""
         out = {}
         if self._lookup is not None and (why := self._lookup.health.degraded) is not None:
             out["kv_storage"] = why
-        if self._ctm_failed is not None:
-            out["cache_transfer"] = self._ctm_failed
+        if self._transfers is not None and self._transfers.failed is not None:
+            out["cache_transfer"] = self._transfers.failed
         return out
 
     def _check_alive(self) -> None:
@@ -439,9 +388,9 @@ class EngineService:
             "storage_load_blocks": c.storage_load_blocks,
             "storage_load_failed_blocks": c.storage_load_failed_blocks,
             "storage_put_blocks": c.storage_put_blocks,
-            "cache_transfer_replacements": self._ctm_replacements,
+            "cache_transfer_replacements": 0 if self._transfers is None else self._transfers.replacements,
             "kv_storage_lookup_failures": 0 if self._lookup is None else self._lookup.health.counters.failures,
-            **(self._ctm.stats.store_counters if self._ctm is not None else {}),
+            **(self._transfers.store_counters if self._transfers is not None else {}),
             "evicted_blocks": c.evicted_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "r3_rows_delivered": r3.rows_delivered,
@@ -451,17 +400,10 @@ class EngineService:
         }
 
     def _stop_children(self) -> None:
-        if self._ctm_starting is not None:
-            self._ctm_starting.kill()
-            self._ctm_starting = None
         # The CTM first: on CUDA it maps the workers' KV through IPC handles, which must be released
         # before the worker that exported them exits.
-        if self._ctm is not None:
-            try:
-                self._ctm.shutdown()
-            except Exception:
-                logger.exception("cache transfer manager shutdown")
-            self._ctm = None
+        if self._transfers is not None:
+            self._transfers.stop()
         if self.workers is not None:
             self.workers.stop()
         if self._routing_host is not None:

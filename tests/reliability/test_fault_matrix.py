@@ -31,7 +31,7 @@ from soak_load import CLEAR, CUT, OK, REFUSED, Load, Outcome, Target
 HANG_S = 60.0  # well past every deadline below plus a request's own time on a loaded 2-core machine
 # Deadlines short enough to fire within a test, long enough that a starved 2-core machine never trips
 # the worker deadline by itself; where no worker is faulted it is left long.
-FATAL_DEADLINES = ("--worker-step-timeout-s", "8", "--engine-stall-timeout-s", "12", "--storage-timeout-s", "1",
+FATAL_DEADLINES = ("--worker-step-timeout-s", "10", "--engine-stall-timeout-s", "15", "--storage-timeout-s", "1",
                    "--transfer-timeout-s", "5")
 DEADLINES = ("--worker-step-timeout-s", "60", "--engine-stall-timeout-s", "90", "--storage-timeout-s", "1",
              "--transfer-timeout-s", "4")
