@@ -103,8 +103,9 @@ class Supervisor:
         else:
             kv = self.redis_url.rsplit("/", 1)[0] + "/1"
         cmd = [sys.executable, "-m", "fastdeploy_r3.entrypoints.openai.api_server", "--model", self.model,
-               "--port", str(port), "--device", "cpu", "--block-size", "4", "--num-gpu-blocks-override", "96",
-               "--num-cpu-blocks-override", "64", "--kv-storage", kv, "--max-model-len", "128",
+               "--port", str(port), "--device", "cpu", "--block-size", "4",
+               "--num-gpu-blocks-override", str(a.gpu_blocks), "--num-cpu-blocks-override", "64",
+               "--kv-storage", kv, "--max-model-len", "128",
                "--routing-replay-config", json.dumps(r3), "--r3-namespace", STORE_NAMESPACE,
                "--worker-step-timeout-s", str(a.step_timeout), "--storage-timeout-s", str(a.store_timeout),
                "--transfer-timeout-s", str(a.transfer_timeout), "--engine-stall-timeout-s", str(a.stall_timeout)]
@@ -386,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-timeout", type=float, default=2.0, help="deadline of one store operation")
     p.add_argument("--transfer-timeout", type=float, default=5.0, help="deadline of one CTM transfer")
     p.add_argument("--storage-bytes", type=int, default=8 << 20, help="size of config A's storage tmpfs")
+    p.add_argument("--gpu-blocks", type=int, default=96, help="KV blocks of 4 tokens (small: swaps, preemption)")
     p.add_argument("--hang-after", type=float, default=90.0, help="a request without an answer this long hung")
     p.add_argument("--leak-grace", type=float, default=20.0, help="seconds a dead server has to clean up")
     p.add_argument("--rss-every", type=float, default=10.0)
