@@ -170,8 +170,8 @@ class CacheTransferClient:
         code = self._exit_code()
         lost = sorted(self._pending)
         return CacheTransferError(
-            f"cache transfer manager (pid {self.pid}) exited with code {code}; tasks {lost} are lost. "
-            "Fail the requests that wait on them and restart the engine (see the CTM log for the cause)"
+            f"cache transfer manager (pid {self.pid}) exited with code {code}; tasks {lost} are lost (their "
+            "blocks count as misses; see the CTM log for the cause)"
         )
 
     def _require_conn(self) -> Connection:
