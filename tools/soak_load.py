@@ -25,7 +25,7 @@ from fastdeploy_r3.client import decode_routed_experts, read_redis_rollout
 
 OK, BAD_OK, CLEAR, REFUSED, GAVE_UP, CUT, HUNG, WRONG, UNCLEAR = (
     "served, R3 exact", "bad request refused (400)", "failed with a clear error", "refused while restarting",
-    "client gave up (disconnect/abort)", "cut by a killed API server", "hung", "wrong R3 rows", "unclear errors")
+    "client gave up (disconnect/abort)", "cut by an exiting API server", "hung", "wrong R3 rows", "unclear errors")
 OUTCOMES = (OK, BAD_OK, CLEAR, REFUSED, GAVE_UP, CUT, HUNG, WRONG, UNCLEAR)
 MUST_BE_ZERO = (HUNG, WRONG, UNCLEAR)
 
@@ -162,11 +162,14 @@ class Load:
 async def _transport_outcome(target: Target, e: Exception) -> tuple[str, str]:
     if isinstance(e, httpx.ConnectError):
         return REFUSED, ""
-    # the connection broke mid-answer: acceptable only when the API server itself died
-    await asyncio.sleep(0.5)
-    if not target.server_alive():
-        return CUT, ""
-    return UNCLEAR, f"{type(e).__name__} from a live API server: {e}"
+    # The connection broke mid-answer: acceptable only from an API server that was killed, or that is
+    # exiting because its engine is gone (it closes its connections on the way out); a server that
+    # keeps running must never drop a request.
+    for _ in range(40):
+        if not target.server_alive():
+            return CUT, ""
+        await asyncio.sleep(0.5)
+    return UNCLEAR, f"{type(e).__name__} from an API server that kept running: {e}"
 
 
 def expected_rows(start: int, num_rows: int, dtype: np.dtype) -> np.ndarray:
