@@ -4,10 +4,12 @@
                             ▲                            │
                             └──────────failure───────────┘
 
-While a store is degraded its callers do not wait on it: a KV lookup or load is a miss at once, an
-R3 put fails its request at once with the reason, and one call every `retry_after_s` probes whether
-the store is back. Nothing else changes state, so a store that is down costs one deadline per
-`retry_after_s`, not one per request. Thread-safe: the engine loop, lookup threads and the API
+While a store is degraded because it was slow (a call missed its deadline) its callers do not wait
+on it: a KV lookup or load is a miss at once, an R3 put fails its request at once with the reason,
+and one call every `retry_after_s` probes whether the store is back; so a store that hangs costs one
+deadline per `retry_after_s`, not one per request. A store that failed fast (refused, disk full) is
+degraded too, for /health, but costs nothing to try, so every call still tries it and the first
+success heals it. Thread-safe: the engine loop, lookup threads and the API
 server's delivery threads share one instance per store.
 
 `call_with_deadline` runs one blocking store call on the store's own thread and stops waiting at
@@ -47,6 +49,7 @@ class StoreHealth:
         self._clock = clock
         self._lock = threading.Lock()
         self._reason: str | None = None
+        self._skip = True  # the failure was slow: skip the store until a probe
         self._since = 0.0
         self._next_probe = 0.0
         self.counters = StoreHealthCounters()
@@ -62,7 +65,7 @@ class StoreHealth:
     def should_try(self) -> bool:
         """True when a call may go to the store: it is healthy, or degraded and due a probe."""
         with self._lock:
-            if self._reason is None:
+            if self._reason is None or not self._skip:
                 return True
             now = self._clock()
             if now >= self._next_probe:
@@ -77,13 +80,15 @@ class StoreHealth:
                 self.counters.recoveries += 1
             self._reason = None
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, slow: bool = True) -> None:
+        """Record a failure; `slow` (it took a deadline, or may have) makes callers skip the store until a probe."""
         with self._lock:
             now = self._clock()
             self.counters.failures += 1
             if self._reason is None:
                 self._since = now
             self._reason = reason
+            self._skip = slow
             self._next_probe = now + self.retry_after_s
 
     def unavailable(self) -> StoreUnavailableError:
@@ -115,7 +120,7 @@ class DeadlineCaller:
                 fut.add_done_callback(lambda f: _undo_late(f, undo))
             raise self.health.unavailable() from None
         except Exception as e:
-            self.health.failed(f"{type(e).__name__}: {e}")
+            self.health.failed(f"{type(e).__name__}: {e}", slow=False)
             raise
         self.health.ok()
         return result

@@ -76,14 +76,22 @@ def test_a_call_past_its_deadline_raises_and_later_calls_are_skipped_without_wai
     caller.close()
 
 
-def test_a_call_that_raises_marks_the_store_degraded_and_re_raises():
-    def broken(keys: list[str]) -> list[bool]:
-        raise ConnectionError("redis at redis://127.0.0.1:1/0 refused")
+def test_a_call_that_fails_fast_degrades_the_store_but_the_next_call_still_tries_it():
+    """A refusal costs nothing to retry: /health says degraded, and the first success heals it."""
+    outcomes = [ConnectionError("redis at redis://127.0.0.1:1/0 refused"), [True]]
 
-    caller = DeadlineCaller(StoreHealth("kv storage"), timeout_s=1.0)
+    def flaky(keys: list[str]) -> list[bool]:
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    caller = DeadlineCaller(StoreHealth("r3 store", retry_after_s=60.0), timeout_s=1.0)
     with pytest.raises(ConnectionError):
-        caller.call(broken, ["a"])
+        caller.call(flaky, ["a"])
     assert "ConnectionError: redis at redis://127.0.0.1:1/0 refused" in caller.health.degraded
+    assert caller.call(flaky, ["a"]) == [True]
+    assert caller.health.degraded is None
     caller.close()
 
 
