@@ -22,8 +22,9 @@ def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
         "--model", "--dtype", "--load-format", "--max-model-len", "--seed", "--weight-version",
         "--block-size", "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-space-gib",
         "--enable-prefix-caching", "--swap-space", "--num-cpu-blocks-override", "--kv-storage",
+        "--kv-storage-ttl-s", "--kv-storage-capacity-gib", "--storage-timeout-s", "--transfer-timeout-s",
         "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--tensor-parallel-size",
-        "--routing-replay-config", "--device",
+        "--worker-step-timeout-s", "--routing-replay-config", "--device",
     ]
 
 

@@ -121,8 +121,11 @@ class Load:
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
             return await _transport_outcome(target, e)
         if kind == "bad":
-            if r.status_code == 400 and error_message(safe_json(r)):
+            msg = error_message(safe_json(r))
+            if r.status_code == 400 and msg:
                 return BAD_OK, ""
+            if r.status_code >= 500 and msg:  # the server could not look at it (its engine is gone): clear too
+                return CLEAR, f"bad request answered {r.status_code}: {msg}"
             return UNCLEAR, f"bad request {body} answered {r.status_code}: {r.text[:200]}"
         if r.status_code != 200:
             msg = error_message(safe_json(r))
