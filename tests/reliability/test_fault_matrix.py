@@ -120,7 +120,9 @@ def test_a_lost_engine_fails_requests_clearly_and_the_server_exits_1_leaving_not
         assert failed, "the fault hit no request: inject it earlier"
         assert all(says in o.detail for o in failed), [o.detail for o in failed]
         assert wait_exit(srv, 30) == 1
-        assert "exits with code 1 so that its supervisor restarts it" in srv.log_tail(80)
+        log = srv.log_tail(80)
+        assert "the server exits with code 1 so that its supervisor restarts it" in log
+        assert "fastdeploy_r3: error: the engine is gone (" in log and says in log
     assert_nothing_left(roles, pids)
 
 
