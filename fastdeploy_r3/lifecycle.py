@@ -52,6 +52,14 @@ def exit_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+def unwind_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM handler of the children: unwind once (SystemExit) into their cleanup, and ignore any
+    SIGTERM after that, so that a second one (the kernel may deliver the parent-death signal more than
+    once) does not cut the cleanup short and leave shared memory behind. SIGKILL still ends a stuck one."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def name_this_process(name: str) -> None:
     """Set the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), e.g. `fdr3-worker0`.
 

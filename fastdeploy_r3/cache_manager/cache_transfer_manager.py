@@ -52,7 +52,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
-from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process
+from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, unwind_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -324,10 +324,7 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
     """Entry point of the CTM subprocess: set up, say ready, run tasks FIFO until told or orphaned."""
     logging.basicConfig(level=logging.INFO, format="[CTM %(process)d] %(levelname)s %(message)s")
 
-    def _on_sigterm(signum: int, frame: object) -> None:
-        raise SystemExit(0)  # unwinds into the finally below, which unlinks the CPU tier
-
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, unwind_on_sigterm)  # unwinds into the finally below, which unlinks the CPU tier
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
     ppid = os.getppid()  # reparenting means the process that started us died, even if parent_pid lives
     ctm = None

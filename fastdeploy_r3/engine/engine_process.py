@@ -39,7 +39,14 @@ from fastdeploy_r3.engine.messages import (
     OutputBatch,
     RequestRejected,
 )
-from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown, exit_with_parent, name_this_process, new_ipc_dir
+from fastdeploy_r3.lifecycle import (
+    EngineDeadError,
+    Shutdown,
+    exit_with_parent,
+    name_this_process,
+    new_ipc_dir,
+    unwind_on_sigterm,
+)
 from fastdeploy_r3.sampling_params import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -163,17 +170,13 @@ class _EngineLoop:
                     self.send(OutputBatch(outputs))
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) -> None:
     """Entry point of the spawned engine process."""
     # The API server drives shutdown (Ctrl-C reaches the whole process group); SIGTERM sent to this
     # process alone, or by the kernel when the API server dies (exit_with_parent), must still run
     # EngineService.shutdown() so no child or SHM segment outlives it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, unwind_on_sigterm)
     try:
         exit_with_parent(parent_pid)
         name_this_process("fdr3-engine")

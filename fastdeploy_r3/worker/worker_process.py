@@ -25,7 +25,7 @@ import torch
 
 from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, pid_alive
+from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, pid_alive, unwind_on_sigterm
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, Shutdown, StepInput, StepOutput, WorkerReady
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def worker_main(
 
     # SIGTERM (from the engine's stop(), or from the kernel when the engine dies) unwinds into the
     # finally below, which frees this rank's SHM, whatever the rank was doing.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, unwind_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
     engine = multiprocessing.parent_process()
     engine_pid = engine.pid if engine is not None else os.getppid()
@@ -89,6 +89,3 @@ def worker_main(
         if not pid_alive(engine_pid) or os.getppid() != engine_pid:
             unlink_all(engine_suffix)  # the engine died without shutting us down: nobody else will
 
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)

@@ -31,4 +31,4 @@ def test_short_soak_has_no_hang_no_wrong_row_and_no_leak() -> None:
                  "leaked IPC directories"):
         assert row(table, name) == "0", table
     assert int(row(table, "served, R3 exact")) > 0
-    assert "ctm-kill 1" in row(table, "faults injected"), table
+    assert "ctm-kill" in row(table, "faults injected"), table
