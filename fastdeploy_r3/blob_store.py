@@ -26,6 +26,7 @@ import abc
 import os
 import re
 import secrets
+import shutil
 import struct
 from collections.abc import Sequence
 
@@ -44,6 +45,13 @@ def redact_url(url: str) -> str:
 # Stored R3 and KV are the users' data: readable by the server's user only (issue 11)
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def write_atomic(path: str, data: bytes | memoryview) -> None:
@@ -119,6 +127,18 @@ class BlobStore(abc.ABC):
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
 
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        """Store the value unless the key exists; True when stored. Backends make it atomic where they can."""
+        if self.exists([key])[0]:
+            return False
+        self.put(key, value, ttl_s)
+        return True
+
+    def tail(self, key: str, nbytes: int) -> bytes | None:
+        """The last `nbytes` of the value (its checksum trailer), or None when the key is not there."""
+        value = self.get(key)
+        return None if value is None else value[-nbytes:]
+
 
 class ChecksummedBlobStore(BlobStore):
     """`inner` with every value stored as `checksummed([value])`; `get` raises ChecksumError (naming the
@@ -187,6 +207,86 @@ class LocalBlobStore(BlobStore):
 
     def exists(self, keys: list[str]) -> list[bool]:
         return [os.path.isfile(self.path(k)) for k in keys]
+
+    def put_many(self, items: dict[str, bytes], ttl_s: int | None = None) -> None:
+        """Every item or none, as a reader sees it. Items whose keys share a top directory
+        (`rid/layer_3.npy`, `rid/layer_5.npy`) are written into a hidden staging directory that is renamed
+        into place whole, so a reader never finds some layers of a rollout without the others; a failure
+        anywhere (disk full, read-only) takes back what this call put in place."""
+        groups: dict[str, dict[str, bytes]] = {}
+        for key, value in items.items():
+            top, sep, _ = key.partition("/")
+            groups.setdefault(top if sep else "", {})[key] = value
+        placed: list[tuple[str, str | None]] = []  # (path put in place, what it replaced, set aside)
+        try:
+            for top, group in groups.items():
+                if top:
+                    placed.append(self._put_dir(top, group))
+                    continue
+                for key, value in group.items():
+                    write_atomic(self.path(key), value)
+                    placed.append((self.path(key), None))
+        except OSError as e:
+            for path, aside in reversed(placed):
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    _unlink_quietly(path)
+                if aside is not None:
+                    os.rename(aside, path)
+            raise BlobStoreError(f"cannot write {len(items)} item(s) under {self.root}: {e}") from e
+        for _, aside in placed:
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+
+    def _put_dir(self, top: str, group: dict[str, bytes]) -> tuple[str, str | None]:
+        tag = f"{os.getpid()}.{secrets.token_hex(4)}"
+        stage, target = os.path.join(self.root, f".{top}.tmp.{tag}"), self.path(top)
+        aside = None
+        try:
+            for key, value in group.items():
+                path = os.path.join(stage, key.partition("/")[2])
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(value)
+            if os.path.exists(target):
+                aside = os.path.join(self.root, f".{top}.old.{tag}")
+                os.rename(target, aside)
+            os.rename(stage, target)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            if aside is not None and not os.path.exists(target):
+                os.rename(aside, target)  # what was there stays
+            raise
+        return target, aside
+
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        # a hard link creates the name only if it does not exist: two writers never replace each other
+        path = self.path(key)
+        tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(value)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        except OSError as e:
+            raise BlobStoreError(f"cannot write {path}: {e}") from e
+        return True
+
+    def tail(self, key: str, nbytes: int) -> bytes | None:
+        try:
+            with open(self.path(key), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise BlobStoreError(f"cannot read {self.path(key)}: {e}") from e
 
     def delete(self, keys: list[str]) -> None:
         for k in keys:
@@ -265,6 +365,22 @@ class RedisBlobStore(BlobStore):
             self._r.delete(*[self.key_prefix + k for k in keys])
         except self._errors as e:
             raise self._fail(f"deleting {len(keys)} key(s)", e) from e
+
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        try:
+            return bool(self._r.set(self.key_prefix + key, value, ex=ttl_s, nx=True))
+        except self._errors as e:
+            raise self._fail("storing 1 key", e) from e
+
+    def tail(self, key: str, nbytes: int) -> bytes | None:
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            pipe.exists(self.key_prefix + key)
+            pipe.getrange(self.key_prefix + key, -nbytes, -1)
+            present, data = pipe.execute()
+        except self._errors as e:
+            raise self._fail("reading 1 key", e) from e
+        return bytes(data) if present else None
 
     def close(self) -> None:
         self._r.close()

@@ -145,6 +145,15 @@ class CacheConfig:
         "storage tier below the CPU tier: file:///dir, redis://127.0.0.1:6379/0 or "
         "mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp",
     )
+    kv_storage_ttl_s: int = flag(86400, "a block in the storage tier expires this long after it was stored "
+                                        "(Redis; a file tier drops it at its next read or capacity sweep)")
+    kv_storage_capacity_gib: float | None = flag(None, "bytes a file storage tier may hold; past it the least "
+                                                       "recently used blocks are removed (Redis: its maxmemory)")
+    storage_timeout_s: float = flag(2.0, "deadline of one storage-tier lookup, load or put: past it the block is "
+                                         "a miss (or is not stored) and the store counts as degraded until a probe "
+                                         "answers")
+    transfer_timeout_s: float = flag(30.0, "a cache transfer task without an ack this long means a stuck CTM: it "
+                                           "is killed and replaced (its CPU tier is lost: misses, not errors)")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -157,6 +166,12 @@ class CacheConfig:
             raise ConfigError(f"swap_space={self.swap_space}; use 0 (no CPU tier) or a positive size in GiB")
         if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
             raise ConfigError(f"num_cpu_blocks_override={self.num_cpu_blocks_override}; use 0 or more")
+        for name in ("storage_timeout_s", "transfer_timeout_s", "kv_storage_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}; use a positive number of seconds")
+        if self.kv_storage_capacity_gib is not None and not self.kv_storage_capacity_gib > 0:
+            raise ConfigError(f"kv_storage_capacity_gib={self.kv_storage_capacity_gib}; use a positive size or "
+                              "leave it unset (no byte limit beyond kv_storage_ttl_s)")
         if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://", "mooncake://")):
             raise ConfigError(
                 f"kv_storage={self.kv_storage!r}; use file:///absolute/dir, redis://127.0.0.1:6379/0 or "
@@ -200,10 +215,14 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = flag(1, "worker processes the model is sharded over (gloo on CPU, NCCL on CUDA)")
+    worker_step_timeout_s: float = flag(120.0, "a step the workers have not answered this long (a stuck or stopped "
+                                               "worker) fails the engine, which exits so its supervisor restarts it")
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}; use at least 1")
+        if not self.worker_step_timeout_s > 0:
+            raise ConfigError(f"worker_step_timeout_s={self.worker_step_timeout_s}; use a positive number of seconds")
 
     def validate_for_model(self, hf_config: dict[str, Any]) -> None:
         """Every size the ranks split (heads, kv heads, intermediate sizes) must divide evenly."""
@@ -259,6 +278,8 @@ class RoutingReplayConfig:
     debug_mode: bool = False
     ttl_s: int = 3600
     routing_layout: str = "moe"
+    store_timeout_s: float | int = 10.0  # deadline of one R3 store put: past it the request fails, the store degrades
+    local_store_capacity_gib: float | int | None = None  # local store: least recently used rollouts go past it
     # derived once by postprocess(model_config)
     moe_layer_ids: list[int] | None = derived(default=None, repr=False)
     num_hidden_layers: int = derived(default=0)  # layers of the all_layers layout (an MTP layer is not one)
@@ -332,6 +353,11 @@ class RoutingReplayConfig:
             raise ConfigError(f"ttl_s={self.ttl_s}; use a positive number of seconds")
         if self.routing_layout not in ROUTING_LAYOUTS:
             raise ConfigError(f"routing_layout={self.routing_layout!r}; use one of {', '.join(ROUTING_LAYOUTS)}")
+        if not self.store_timeout_s > 0:
+            raise ConfigError(f"store_timeout_s={self.store_timeout_s}; use a positive number of seconds")
+        if self.local_store_capacity_gib is not None and not self.local_store_capacity_gib > 0:
+            raise ConfigError(f"local_store_capacity_gib={self.local_store_capacity_gib}; use a positive size or "
+                              "leave it out (rollouts then go only after ttl_s)")
 
     def postprocess(self, model_config: ModelConfig) -> None:
         """Derive the R3 shape from the final model config; call once, after ModelConfig.finalize()."""

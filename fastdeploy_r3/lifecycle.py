@@ -1,13 +1,109 @@
-"""Process life-cycle words that every process boundary shares (server, engine, workers).
+"""Process life-cycle: the words every process boundary shares, and how the processes of one server
+die together and leave nothing behind.
 
 `Shutdown` is the one "finish what you hold and exit" message; `EngineDeadError` the one error for
-"the engine, or a child it needs, is gone" (raised in the engine when a worker or the cache transfer
-manager dies, and in the API server when the engine process does).
+"the engine, or a child it needs, is gone" (raised in the engine when a worker dies, and in the API
+server when the engine process does).
+
+    api_server ──► engine ──► worker rank 0..TP-1
+                          └─► cache transfer manager
+
+Each child asks the kernel to send it SIGTERM the moment its parent dies (`exit_with_parent`), so
+that it exits whatever it is doing, even blocked in a send or in the middle of a step; its SIGTERM
+handler unwinds into the cleanup that unlinks its shared memory. A SIGKILLed process cleans nothing
+itself, so what it owns is named after it: SHM segments carry the engine's pid (cache_manager/shm.py)
+and the ZMQ IPC directory the API server's (`new_ipc_dir`), and the next start sweeps names whose
+owner is gone (`remove_stale_ipc_dirs`, `shm.remove_stale_segments`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+# fdr3_ipc_p<pid>-<random>: mkdtemp's random part never holds "-", so no other name reads as one of these
+IPC_DIR_PREFIX = "fdr3_ipc_p"
+_IPC_DIR_RE = re.compile(rf"^{IPC_DIR_PREFIX}(\d+)-")
+
+
+def exit_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (Linux; elsewhere a no-op).
+
+    Call it first thing in the child. The parent may already be gone by then (the signal is only
+    armed for a death that comes later), so that case sends the signal at once.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError):  # not Linux: the children's own parent polling still applies
+        return
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+
+
+def unwind_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM handler of the children: unwind once (SystemExit) into their cleanup, and ignore any
+    SIGTERM after that, so that a second one (the kernel may deliver the parent-death signal more than
+    once) does not cut the cleanup short and leave shared memory behind. SIGKILL still ends a stuck one."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+def name_this_process(name: str) -> None:
+    """Set the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), e.g. `fdr3-worker0`.
+
+    Spawned children all run `python -c ...spawn_main...`; a name tells an operator, and the fault
+    tests, which one is the engine, a worker or the cache transfer manager.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def new_ipc_dir() -> str:
+    """A private (0700) directory for this server's ZMQ sockets, named after this process."""
+    return tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
+    """Remove the IPC directories of servers whose process is gone; returns their paths."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = _IPC_DIR_RE.match(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 @dataclass

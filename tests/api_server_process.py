@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -46,12 +46,22 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def api_server(model_dir: str, log_dir: str, *args: str, timeout: float = 180.0) -> Iterator[ServerHandle]:
-    """Start `python -m fastdeploy_r3.entrypoints.openai.api_server` and wait until /health is 200."""
+def api_server(
+    model_dir: str,
+    log_dir: str,
+    *args: str,
+    timeout: float = 180.0,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+) -> Iterator[ServerHandle]:
+    """Start `python -m fastdeploy_r3.entrypoints.openai.api_server` and wait until /health is 200.
+
+    `wrap` turns the command into the one to run (e.g. in a private mount namespace; it must exec so
+    that the server keeps the pid of the process started here)."""
     port = free_port()
     log_path = os.path.join(log_dir, f"server_{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally, after the process
-    proc = subprocess.Popen(server_command(model_dir, port, *args), stdout=log, stderr=subprocess.STDOUT,
+    cmd = server_command(model_dir, port, *args)
+    proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=log, stderr=subprocess.STDOUT,
                             env=server_env(), cwd=REPO_ROOT)
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
     try:

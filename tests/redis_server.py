@@ -35,6 +35,18 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"redis-server on port {port} did not answer PING within {timeout} s")
 
 
+def redis_pid(url: str) -> int:
+    """The pid of the redis-server behind `url` (it retitles itself "redis-server 127.0.0.1:PORT")."""
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{name}/cmdline", "rb") as f:
+                words = f.read().replace(b"\0", b" ").split()
+                if words and b"redis-server" in words[0] and any(w.endswith(f":{port}".encode()) for w in words):
+                    return int(name)
+    raise RuntimeError(f"no redis-server on port {port}")
+
+
 @contextlib.contextmanager
 def redis_server(timeout: float = 10.0) -> Iterator[str]:
     """Start redis-server on a free 127.0.0.1 port without persistence; yield `redis://127.0.0.1:PORT/0`."""

@@ -22,9 +22,9 @@ def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
         "--model", "--dtype", "--load-format", "--max-model-len", "--seed", "--weight-version", "--enforce-eager",
         "--block-size", "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-space-gib",
         "--enable-prefix-caching", "--swap-space", "--num-cpu-blocks-override", "--kv-storage",
+        "--kv-storage-ttl-s", "--kv-storage-capacity-gib", "--storage-timeout-s", "--transfer-timeout-s",
         "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--max-waiting-requests",
-        "--tensor-parallel-size",
-        "--routing-replay-config", "--device",
+        "--tensor-parallel-size", "--worker-step-timeout-s", "--routing-replay-config", "--device",
     ]
 
 

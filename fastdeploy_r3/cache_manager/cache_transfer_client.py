@@ -31,6 +31,7 @@ class TransferStats:
     storage_miss_blocks: int = 0  # missing, corrupt or mismatched in storage
     bytes_moved: int = 0
     by_kind_bytes: dict[str, int] = field(default_factory=dict)
+    store_counters: dict[str, int] = field(default_factory=dict)  # the storage tier's, as of the last storage ack
 
 
 class CacheTransferClient:
@@ -45,6 +46,7 @@ class CacheTransferClient:
         self._config: CacheTransferConfig | None = None
         self._pending: dict[int, TransferTask] = {}
         self._arrived: dict[int, TransferAck] = {}
+        self._ready = False
         self.stats = TransferStats()
 
     @property
@@ -53,6 +55,13 @@ class CacheTransferClient:
 
     def start(self, config: CacheTransferConfig, timeout: float = 120.0) -> None:
         """Spawn the CTM and wait until its CPU tier exists and storage is reachable."""
+        self.launch(config)
+        if not self.ready(timeout):
+            self.shutdown()
+            raise CacheTransferError(f"cache transfer manager did not come up within {timeout} s")
+
+    def launch(self, config: CacheTransferConfig) -> None:
+        """Spawn the CTM without waiting for it; `ready()` says when it is up."""
         if self._proc is not None:
             raise CacheTransferError("CacheTransferClient.start() called twice; call shutdown() first")
         parent_conn, child_conn = spawn_context().Pipe(duplex=True)
@@ -60,9 +69,16 @@ class CacheTransferClient:
         self._proc = start_process(run_cache_transfer_manager, (config, child_conn), name="CacheTransferManager")
         child_conn.close()  # so that the CTM's death reads as EOF here
         self._conn = parent_conn
+        self._ready = False
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """True once the launched CTM said it is ready (waits up to `timeout`); raises CacheTransferError
+        (after cleaning up) when its setup failed or it died."""
+        if self._ready:
+            return True
+        parent_conn = self._require_conn()
         if not parent_conn.poll(timeout):
-            self.shutdown()
-            raise CacheTransferError(f"cache transfer manager did not come up within {timeout} s")
+            return False
         try:
             ready = parent_conn.recv()
         except EOFError:
@@ -74,6 +90,8 @@ class CacheTransferClient:
         if ready.error is not None:
             self.shutdown()
             raise CacheTransferError(f"cache transfer manager setup failed: {ready.error}")
+        self._ready = True
+        return True
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()
@@ -137,6 +155,8 @@ class CacheTransferClient:
         else:
             s.storage_get_blocks += n_ok
             s.storage_miss_blocks += len(ack.failed)
+        if ack.store_counters:
+            s.store_counters = dict(ack.store_counters)
         s.bytes_moved += ack.nbytes
         s.by_kind_bytes[ack.kind.value] = s.by_kind_bytes.get(ack.kind.value, 0) + ack.nbytes
         self._arrived[ack.task_id] = ack
@@ -150,14 +170,23 @@ class CacheTransferClient:
         code = self._exit_code()
         lost = sorted(self._pending)
         return CacheTransferError(
-            f"cache transfer manager (pid {self.pid}) exited with code {code}; tasks {lost} are lost. "
-            "Fail the requests that wait on them and restart the engine (see the CTM log for the cause)"
+            f"cache transfer manager (pid {self.pid}) exited with code {code}; tasks {lost} are lost (their "
+            "blocks count as misses; see the CTM log for the cause)"
         )
 
     def _require_conn(self) -> Connection:
         if self._conn is None or self._proc is None:
             raise CacheTransferError("cache transfer manager is not started; call start(config) first")
         return self._conn
+
+    def kill(self) -> None:
+        """SIGKILL a CTM that is stuck or stopped (it cannot be asked), then clean up as shutdown() does.
+
+        After this returns the process is gone, so nothing it was doing can still write a GPU block."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5.0)
+        self.shutdown(timeout=1.0)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the CTM (politely, then SIGTERM, then SIGKILL) and make sure its SHM is gone."""

@@ -18,6 +18,8 @@ as its KV (DESIGN.md §5.3).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -36,6 +38,7 @@ from fastdeploy_r3.cache_manager.slots import block_slots
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
+    CorruptBlockError,
     KVStorageBackend,
     StorageError,
     decode_block,
@@ -49,6 +52,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
+from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, unwind_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +136,8 @@ class CacheTransferManager:
             rows_dtype=rows_dtype,
         )
         if cfg.storage_url:
-            self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace)
+            self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace, cfg.storage_timeout_s,
+                                                cfg.storage_must_answer, cfg.storage_ttl_s, cfg.storage_capacity_bytes)
 
     # ---- tasks -------------------------------------------------------------------------------------
 
@@ -153,7 +158,18 @@ class CacheTransferManager:
             return TransferAck(task.task_id, task.kind, ok=False, failed=list(range(n)), error=f"{e}",
                                seconds=time.perf_counter() - t0)  # fmt: skip
         return TransferAck(task.task_id, task.kind, ok=not failed, failed=failed, error=error, nbytes=nbytes,
-                           seconds=time.perf_counter() - t0)  # fmt: skip
+                           seconds=time.perf_counter() - t0, store_counters=self._store_counters())  # fmt: skip
+
+    def _store_counters(self) -> dict[str, int]:
+        """Running totals of the storage tier as this CTM sees it (puts, refusals, evictions, failures)."""
+        if self.storage is None:
+            return {}
+        out = {f"kv_storage_{k}": v for k, v in dataclasses.asdict(self.storage.counters).items()}
+        out["kv_storage_failures"] = self.storage.health.counters.failures
+        budget = getattr(self.storage, "budget", None)
+        if budget is not None:
+            out.update({f"kv_storage_{k}": v for k, v in dataclasses.asdict(budget.counters).items()})
+        return out
 
     def _validate(self, task: TransferTask) -> None:
         n = len(task.gpu_block_ids)
@@ -244,6 +260,9 @@ class CacheTransferManager:
                 kv_parts, rows = decode_block(blob, self.layout)
             except BlockDecodeError as e:
                 logger.warning("CTM: stored block %s is unusable (%s); treated as a miss", key, e)
+                if isinstance(e, CorruptBlockError):
+                    with contextlib.suppress(StorageError):
+                        self.storage.delete([key])
                 failed.append(i)
                 reasons.append(f"{i}: {e}")
                 continue
@@ -305,13 +324,13 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
     """Entry point of the CTM subprocess: set up, say ready, run tasks FIFO until told or orphaned."""
     logging.basicConfig(level=logging.INFO, format="[CTM %(process)d] %(levelname)s %(message)s")
 
-    def _on_sigterm(signum: int, frame: object) -> None:
-        raise SystemExit(0)  # unwinds into the finally below, which unlinks the CPU tier
-
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, unwind_on_sigterm)  # unwinds into the finally below, which unlinks the CPU tier
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
     ppid = os.getppid()  # reparenting means the process that started us died, even if parent_pid lives
     ctm = None
     try:
+        exit_with_parent(ppid)  # SIGTERM the moment the engine dies, even in the middle of a task
+        name_this_process("fdr3-ctm")
         try:
             ctm = CacheTransferManager(config)
         except Exception as e:

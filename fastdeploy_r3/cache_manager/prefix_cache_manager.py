@@ -12,6 +12,12 @@ until acknowledged, so a block is never rewritten while a transfer reads it.
 Every GPU block carries a routing_tag: the provenance of its R3 rows. A block computed here gets a
 fresh tag; a block swapped in keeps the tag its rows were swapped out with; a block loaded from
 storage gets a fresh tag that the CacheTransferManager stamps on the loaded rows.
+
+Faults cost recomputation, never a request: a storage lookup runs off the engine loop with a
+deadline (storage_lookup.py; the request waits for it, nobody else does); a transfer that fails or
+misses `transfer_timeout_s` (the CTM died or is stuck) counts as failed for every block, and the
+manager marks the CTM lost (`transfer_lost`): the tiers behind it are skipped until the engine has
+replaced the CTM and called `reset_transfer` with the new one (its CPU tier starts empty).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
+from fastdeploy_r3.cache_manager.cache_transfer_manager import CacheTransferError
+from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind, TransferTask
 
 logger = logging.getLogger(__name__)
@@ -82,6 +90,7 @@ class CacheCounters:
     storage_put_blocks: int = 0
     evicted_blocks: int = 0
     dropped_blocks: int = 0  # evicted with nowhere to go
+    transfers_lost: int = 0  # times the CTM was found dead or stuck
 
 
 class PrefixCacheManager:
@@ -94,6 +103,8 @@ class PrefixCacheManager:
         num_cpu_blocks: int = 0,
         storage: BlockStorage | None = None,
         transfer: TransferClient | None = None,
+        lookup: StorageLookup | None = None,  # storage lookups off the loop (else storage.exists inline)
+        transfer_timeout_s: float = 60.0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -102,6 +113,11 @@ class PrefixCacheManager:
         self.cpu = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 and enable_prefix_caching else None
         self.storage = storage if enable_prefix_caching else None
         self.transfer = transfer
+        self.lookup = lookup if enable_prefix_caching else None
+        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_lost: str | None = None  # why the CTM is unusable, until reset_transfer()
+        self.num_cpu_blocks = num_cpu_blocks
+        self._storage_found: dict[str, list[bool]] = {}  # request -> its lookup's answer, per full block
         self.counters = CacheCounters()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks so far
@@ -137,8 +153,9 @@ class PrefixCacheManager:
         """Token ids of full block i of a request's tokens: what a cached block must hold to be a hit."""
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
-    def find_cached_prefix(self, req: Request) -> PrefixHit:
-        """Pure query: the longest run of leading full blocks found in some tier.
+    def find_cached_prefix(self, req: Request) -> PrefixHit | None:
+        """The longest run of leading full blocks found in some tier; None while the request's storage
+        lookup is still running (the first call starts it; try again next step).
 
         Capped so that at least the last token is computed (its logits sample the next token).
         """
@@ -152,18 +169,41 @@ class PrefixCacheManager:
         while i < len(hashes) and (b := self.gpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None:
             hit.gpu_blocks.append(b)
             i += 1
+        if self.transfer_lost is not None:
+            return hit  # the CPU tier and storage loads need the CTM
         while (self.cpu is not None and i < len(hashes)
                and (b := self.cpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None):
             hit.cpu_blocks.append(b)
             i += 1
         # Stored blobs carry no token ids: the storage tier trusts its 128-bit hash (DESIGN.md §4).
-        if self.storage is not None and i < len(hashes):
-            rest = hashes[i:]
-            for h, present in zip(rest, self.storage.exists([h.hex() for h in rest])):
+        if i < len(hashes) and (self.lookup is not None or self.storage is not None):
+            found = self._found_in_storage(req.request_id, hashes)
+            if found is None:
+                return None
+            for h, present in zip(hashes[i:], found[i:]):
                 if not present:
                     break
                 hit.storage_hashes.append(h)
         return hit
+
+    def _found_in_storage(self, request_id: str, hashes: list[bytes]) -> list[bool] | None:
+        """Per full block of the request, whether storage holds it; None while the lookup runs."""
+        found = self._storage_found.get(request_id)
+        if found is not None and len(found) >= len(hashes):
+            return found
+        keys = [h.hex() for h in hashes]
+        if self.lookup is not None:
+            if not self.lookup.has(request_id):
+                self.lookup.start(request_id, keys)
+            found = self.lookup.answer(request_id)
+            if found is None:
+                return None
+        elif self.storage is not None:
+            found = self.storage.exists(keys)
+        else:
+            found = [False] * len(keys)
+        self._storage_found[request_id] = found
+        return found
 
     def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
         hit_tokens = hit.num_blocks * self.block_size
@@ -277,15 +317,21 @@ class PrefixCacheManager:
             if self.gpu.cache(blocks[i], hashes[i], self._block_tokens(tokens, i)):
                 new_cached.append((blocks[i], hashes[i]))
         self._num_cached[req.request_id] = num_full
-        if self.storage is not None and self.transfer is not None and new_cached:
+        writable = self.storage is not None or self.lookup is not None
+        if writable and self.transfer is not None and self.transfer_lost is None and new_cached:
             put_blocks = [b for b, _ in new_cached]
             self.gpu.touch(put_blocks)  # pinned until the put is acknowledged
-            task_id = self._submit(
-                TransferKind.GPU2STORAGE,
-                gpu=[b.block_id for b in put_blocks],
-                keys=[h.hex() for _, h in new_cached],
-                tags=[b.routing_tag for b in put_blocks],  # the CTM refuses rows not written under this tag
-            )
+            try:
+                task_id = self._submit(
+                    TransferKind.GPU2STORAGE,
+                    gpu=[b.block_id for b in put_blocks],
+                    keys=[h.hex() for _, h in new_cached],
+                    tags=[b.routing_tag for b in put_blocks],  # the CTM refuses rows not written under this tag
+                )
+            except CacheTransferError as e:
+                self.gpu.free(put_blocks)
+                self.lose_transfer(str(e))
+                return
             self._pinned[task_id] = put_blocks
 
     def forget_cached(self, request_id: str) -> int:
@@ -325,17 +371,47 @@ class PrefixCacheManager:
         self.gpu.free(list(reversed(blocks)))
         self._num_cached.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
+        self._storage_found.pop(req.request_id, None)
+        if self.lookup is not None:
+            self.lookup.forget(req.request_id)
 
     def poll_transfers(self, block: bool = False) -> None:
         """Unpin blocks whose write-through finished (all of them when block=True)."""
-        if self.transfer is None or not self._pinned:
+        if self.transfer is None or not self._pinned or self.transfer_lost is not None:
             return
-        acks = self.transfer.poll()
-        for ack in acks:
-            self._finish_put(ack)
-        if block:
-            for task_id in list(self._pinned):
-                self._finish_put(self.transfer.wait(task_id))
+        try:
+            acks = self.transfer.poll()
+            for ack in acks:
+                self._finish_put(ack)
+            if block:
+                for task_id in list(self._pinned):
+                    self._finish_put(self.transfer.wait(task_id, timeout=self.transfer_timeout_s))
+        except CacheTransferError as e:
+            self.lose_transfer(str(e))
+
+    def lose_transfer(self, reason: str) -> None:
+        """The CTM is dead or stuck: its pending puts are abandoned (blocks unpinned) and every tier
+        behind it is skipped until reset_transfer()."""
+        if self.transfer_lost is None:
+            self.counters.transfers_lost += 1
+            logger.warning("cache transfer manager lost (%s); CPU tier and storage are skipped until it is replaced",
+                           reason)
+        self.transfer_lost = reason
+        for blocks in self._pinned.values():
+            self.gpu.free(blocks)
+        self._pinned.clear()
+
+    def reset_transfer(self, transfer: object | None) -> None:
+        """Continue with a new CTM (None: without one). Its CPU tier is empty, so ours forgets every block."""
+        self.transfer = transfer
+        self.transfer_lost = None
+        if self.cpu is not None:
+            self.cpu = BlockPool(self.num_cpu_blocks) if transfer is not None else None
+        if transfer is None:
+            self.storage = self.lookup = None
+
+    def has_pending_lookups(self) -> bool:
+        return self.lookup is not None and self.lookup.pending()
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -344,6 +420,7 @@ class PrefixCacheManager:
         if blocks is None:
             return
         self.counters.storage_put_blocks += len(blocks) - len(ack.failed)
+        self._storage_found.clear()  # storage holds more now: answers from before the put are stale
         if not ack.ok:
             logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)
         self.gpu.free(blocks)
@@ -363,7 +440,7 @@ class PrefixCacheManager:
         self.counters.evicted_blocks += len(evicted)
         if not evicted:
             return
-        if self.cpu is None or self.transfer is None:
+        if self.cpu is None or self.transfer is None or self.transfer_lost is not None:
             self.counters.dropped_blocks += len(evicted)
             return
         pairs: list[tuple[int, KVBlock]] = []
@@ -405,9 +482,16 @@ class PrefixCacheManager:
         return task_id
 
     def _run(self, kind: TransferKind, **kw: list) -> TransferAck:
-        assert self.transfer is not None, f"{kind} needs the cache transfer manager"
-        task_id = self._submit(kind, **kw)
-        ack = self.transfer.wait(task_id)
+        """Submit and wait; a dead or stuck CTM fails every block of the task (and is marked lost)."""
+        n = len(kw["gpu"])
+        if self.transfer_lost is not None:
+            return TransferAck(-1, kind, ok=False, failed=list(range(n)), error=self.transfer_lost)
+        try:
+            task_id = self._submit(kind, **kw)
+            ack = self.transfer.wait(task_id, timeout=self.transfer_timeout_s)
+        except CacheTransferError as e:
+            self.lose_transfer(str(e))
+            return TransferAck(-1, kind, ok=False, failed=list(range(n)), error=str(e))
         if ack.failed and kind in (TransferKind.SWAP2CPU, TransferKind.SWAP2GPU):
             logger.warning("%s failed for %d blocks: %s", kind.value, len(ack.failed), ack.error)
         return ack

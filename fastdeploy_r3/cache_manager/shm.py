@@ -13,6 +13,8 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
+from fastdeploy_r3.lifecycle import pid_alive
+
 SHM_PREFIX = "fdr3_"
 
 
@@ -66,6 +68,19 @@ class ShmSegment:
         unlink_quietly(name)
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         _untrack(shm)
+        try:
+            # tmpfs hands out pages only when they are touched, so an untouched segment does not count
+            # against /dev/shm and the check above passes for segments that together cannot fit; the
+            # first touch past the limit is then a SIGBUS. Reserving every page now turns that into a
+            # clear error at creation, and makes the next segment's check see this one.
+            os.posix_fallocate(shm._fd, 0, nbytes)  # type: ignore[attr-defined]
+        except OSError as e:
+            shm.close()
+            unlink_quietly(name)
+            raise SharedMemoryError(
+                f"/dev/shm cannot reserve {nbytes / 2**20:.1f} MiB for {name} ({e.strerror}); enlarge /dev/shm "
+                "(e.g. docker --shm-size) or lower num_gpu_blocks / swap_space"
+            ) from e
         return cls(shm, owner=True)
 
     @classmethod
@@ -125,16 +140,6 @@ def remove_stale_segments() -> list[str]:
         unlink_quietly(name)
         removed.append(name)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def unlink_all(suffix: str) -> None:

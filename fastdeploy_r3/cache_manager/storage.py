@@ -35,6 +35,8 @@ from fastdeploy_r3.blob_store import (
     redact_url,
     verify_checksum,
 )
+from fastdeploy_r3.disk_budget import DiskBudget
+from fastdeploy_r3.store_health import StoreHealth
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,11 @@ class InvalidStorageKeyError(ValueError):
 
 class BlockDecodeError(ValueError):
     """A stored blob is truncated, corrupt, or laid out for another model/parallelism: treat it as a miss."""
+
+
+class CorruptBlockError(BlockDecodeError):
+    """A stored blob is truncated or fails its checksum: garbage no engine can use, so its finder deletes it
+    (stored blocks are immutable, and a corrupt one would otherwise refuse every good put of its key)."""
 
 
 def validate_key(key: str) -> str:
@@ -71,6 +78,14 @@ def namespace_prefix(namespace: str) -> str:
     return xxhash.xxh64_hexdigest(namespace.encode())
 
 
+@dataclass
+class StorageCounters:
+    puts: int = 0
+    put_duplicates: int = 0  # the same bytes were already stored under the key
+    put_conflicts: int = 0  # other bytes were stored under the key: refused, the stored ones stay
+    put_failures: int = 0
+
+
 class KVStorageBackend:
     """Block blobs in a BlobStore (fastdeploy_r3/blob_store.py) under validated hex keys.
 
@@ -78,36 +93,71 @@ class KVStorageBackend:
     storage hiccup must only cost recomputation; `exists` likewise answers False. `put` raises
     StorageError when the value was not stored. A backend is a BlobStore plus a branch in
     make_storage_backend (Mooncake: MooncakeBlobStore in mooncake_store.py).
+
+    Stored blocks are immutable: a put under a key that holds the same bytes (same checksum trailer)
+    is a no-op, one that holds other bytes is refused, so nobody can replace what other engines load.
+    Every call goes through `health` (store_health.py): a store that failed is skipped (a miss, or a
+    put refused at once) until a probe every few seconds finds it back.
     """
 
-    def __init__(self, blobs: BlobStore, blob_key: Callable[[str], str]) -> None:
+    def __init__(self, blobs: BlobStore, blob_key: Callable[[str], str], ttl_s: int | None = None) -> None:
         self.blobs = blobs
         self._blob_key = blob_key  # block key -> key in the blob store (namespaced)
+        self.ttl_s = ttl_s
+        self.health = StoreHealth("kv storage")
+        self.counters = StorageCounters()
 
     def blob_key(self, key: str) -> str:
         return self._blob_key(validate_key(key))
 
     def put(self, key: str, value: bytes) -> None:
+        blob_key = self.blob_key(key)
+        if not self.health.should_try():
+            self.counters.put_failures += 1
+            raise StorageError(f"block {key} not stored: {self.health.degraded}")
         try:
-            self.blobs.put(self.blob_key(key), value)
+            stored = self.blobs.put_if_absent(blob_key, value, self.ttl_s)
+            existing = None if stored else self.blobs.tail(blob_key, CHECKSUM_NBYTES)
         except BlobStoreError as e:
+            self.health.failed(str(e))
+            self.counters.put_failures += 1
             raise StorageError(f"cannot store block {key}: {e}") from e
+        self.health.ok()
+        if stored or existing is None:  # None: it expired between the two calls; the next put stores it
+            self.counters.puts += int(stored)
+            return
+        if existing == bytes(value[-CHECKSUM_NBYTES:]):
+            self.counters.put_duplicates += 1
+            return
+        self.counters.put_conflicts += 1
+        raise StorageError(f"block {key} is stored with other bytes; stored blocks are immutable, so this put "
+                           "is refused and the stored block stays")
 
     def get(self, key: str) -> bytes | None:
         blob_key = self.blob_key(key)
+        if not self.health.should_try():
+            return None
         try:
-            return self.blobs.get(blob_key)
+            value = self.blobs.get(blob_key)
         except BlobStoreError as e:
+            self.health.failed(str(e))
             logger.warning("storage: cannot read block %s: %s (treated as a miss)", key, e)
             return None
+        self.health.ok()
+        return value
 
     def exists(self, keys: list[str]) -> list[bool]:
         blob_keys = [self.blob_key(k) for k in keys]
+        if not self.health.should_try():
+            return [False] * len(keys)
         try:
-            return self.blobs.exists(blob_keys)
+            found = self.blobs.exists(blob_keys)
         except BlobStoreError as e:
+            self.health.failed(str(e))
             logger.warning("storage: exists() failed: %s (treated as all misses)", e)
             return [False] * len(keys)
+        self.health.ok()
+        return found
 
     def delete(self, keys: list[str]) -> None:
         blob_keys = [self.blob_key(k) for k in keys]
@@ -121,9 +171,10 @@ class KVStorageBackend:
 
 
 class FileStorageBackend(KVStorageBackend):
-    """`file:///abs/dir`: one file per block under `<dir>/<namespace prefix>/<key[:2]>/<key>`."""
+    """`file:///abs/dir`: one file per block under `<dir>/<namespace prefix>/<key[:2]>/<key>`, bounded by
+    a DiskBudget (capacity with least-recently-used eviction, and age) when one is given."""
 
-    def __init__(self, root: str, namespace: str) -> None:
+    def __init__(self, root: str, namespace: str, ttl_s: int | None = None, capacity_bytes: int | None = None) -> None:
         if not os.path.isabs(root):
             raise StorageError(f"file storage directory {root!r} is not absolute; use file:///absolute/dir")
         self.dir = os.path.join(root, namespace_prefix(namespace))
@@ -131,19 +182,44 @@ class FileStorageBackend(KVStorageBackend):
             os.makedirs(self.dir, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot create file storage directory {self.dir}: {e}") from e
-        super().__init__(LocalBlobStore(self.dir), lambda key: os.path.join(key[:2], key))
+        self._files = LocalBlobStore(self.dir)
+        super().__init__(self._files, lambda key: os.path.join(key[:2], key))
+        self.budget = DiskBudget(self.dir, capacity_bytes, ttl_s)
+
+    def put(self, key: str, value: bytes) -> None:
+        try:
+            self.budget.admit(len(value))
+        except OSError as e:
+            raise StorageError(f"cannot make room for block {key}: {e}") from e
+        super().put(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        path = self._files.path(self.blob_key(key))
+        if self.budget.expired(path):
+            self.delete([key])
+            self.budget.counters.expired += 1
+            return None
+        value = super().get(key)
+        if value is not None:
+            self.budget.touch(path)
+        return value
 
 
 class RedisStorageBackend(KVStorageBackend):
-    """`redis://host:port/db`: one string value per block under `fdr3:kv:<namespace prefix>:<key>`."""
+    """`redis://host:port/db`: one string value per block under `fdr3:kv:<namespace prefix>:<key>`,
+    expiring `ttl_s` after it was stored (Redis's maxmemory policy bounds the bytes)."""
 
-    def __init__(self, url: str, namespace: str) -> None:
-        blobs = RedisBlobStore(url, f"fdr3:kv:{namespace_prefix(namespace)}:", connect_timeout_s=5)
+    def __init__(self, url: str, namespace: str, timeout_s: float = 30.0, must_answer: bool = True,
+                 ttl_s: int | None = None) -> None:  # fmt: skip
+        blobs = RedisBlobStore(url, f"fdr3:kv:{namespace_prefix(namespace)}:", connect_timeout_s=min(5.0, timeout_s),
+                               timeout_s=timeout_s)  # fmt: skip
+        super().__init__(blobs, lambda key: key, ttl_s)
         try:
             blobs.ping()
         except BlobStoreError as e:
-            raise StorageError(f"{e}; start it or fix storage_url") from e
-        super().__init__(blobs, lambda key: key)
+            if must_answer:
+                raise StorageError(f"{e}; start it or fix storage_url") from e
+            self.health.failed(str(e))  # a replacement CTM starts degraded rather than not at all
 
 
 class MooncakeStorageBackend(KVStorageBackend):
@@ -166,18 +242,24 @@ class MooncakeStorageBackend(KVStorageBackend):
         super().__init__(blobs, lambda key: prefix + key)
 
 
-def make_storage_backend(url: str, namespace: str, lookup_only: bool = False) -> KVStorageBackend:
-    """`file:///abs/dir`, `redis://host:port/db` or `mooncake://master:port?...`; keys namespaced by `namespace`.
+def make_storage_backend(url: str, namespace: str, timeout_s: float = 30.0, must_answer: bool = True,
+                         ttl_s: int | None = None, capacity_bytes: int | None = None,
+                         lookup_only: bool = False) -> KVStorageBackend:  # fmt: skip
+    """`file:///abs/dir`, `redis://host:port/db` or `mooncake://master:port?...`; keys are namespaced by a
+    hash of `namespace`.
 
-    `lookup_only`: the caller only asks `exists` (the engine); a Mooncake client then stores nothing itself.
-    """
+    timeout_s: of one Redis call. must_answer: a Redis that does not answer the first ping is an error
+    (False: the backend starts degraded and probes later). ttl_s: stored blocks expire after it (Redis;
+    Mooncake evicts unpinned objects itself). capacity_bytes: what a file tier may hold (least recently
+    used blocks go first); Redis is bounded by its own maxmemory policy, Mooncake by its segments.
+    lookup_only: the caller only asks `exists` (the engine); a Mooncake client then stores nothing itself."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise StorageError(f"file storage URL {url!r} names a host; use file:///absolute/dir")
-        return FileStorageBackend(parsed.path, namespace)
+        return FileStorageBackend(parsed.path, namespace, ttl_s, capacity_bytes)
     if parsed.scheme in ("redis", "rediss", "unix"):
-        return RedisStorageBackend(url, namespace)
+        return RedisStorageBackend(url, namespace, timeout_s, must_answer, ttl_s)
     if parsed.scheme == "mooncake":
         return MooncakeStorageBackend(url, namespace, lookup_only)
     raise StorageError(
@@ -257,21 +339,21 @@ def decode_block(blob: bytes, layout: BlockLayout) -> tuple[list[np.ndarray], np
     Raises BlockDecodeError for a truncated or corrupt blob or one laid out for another engine shape.
     """
     if len(blob) < _HEADER.size + CHECKSUM_NBYTES:
-        raise BlockDecodeError(f"blob of {len(blob)} bytes is shorter than a header: truncated")
+        raise CorruptBlockError(f"blob of {len(blob)} bytes is shorter than a header: truncated")
     fields = _HEADER.unpack_from(blob, 0)
     magic, version, num_ranks, kv_dtype, kv_ndim = fields[:5]
     if magic != _MAGIC:
-        raise BlockDecodeError(f"bad magic {magic!r}: not a fastdeploy_r3 block blob")
+        raise CorruptBlockError(f"bad magic {magic!r}: not a fastdeploy_r3 block blob")
     if version != _VERSION:
         raise BlockDecodeError(f"blob format version {version}, this engine reads {_VERSION}")
     kv_nbytes, rows_nbytes = fields[-2:]
     expected_len = _HEADER.size + num_ranks * kv_nbytes + rows_nbytes + CHECKSUM_NBYTES
     if len(blob) != expected_len:
-        raise BlockDecodeError(f"blob has {len(blob)} bytes, its header says {expected_len}: truncated or padded")
+        raise CorruptBlockError(f"blob has {len(blob)} bytes, its header says {expected_len}: truncated or padded")
     try:
         verify_checksum(blob)
     except ChecksumError as e:
-        raise BlockDecodeError(f"stored block: {e}") from e
+        raise CorruptBlockError(f"stored block: {e}") from e
     kv_shape = tuple(fields[5 : 5 + kv_ndim])
     rows_dtype = fields[11].rstrip(b"\x00").decode()
     rows_shape = tuple(fields[12:15]) if rows_dtype else None

@@ -42,6 +42,7 @@ class TransferAck:
     error: str | None = None
     nbytes: int = 0
     seconds: float = 0.0
+    store_counters: dict[str, int] = field(default_factory=dict)  # storage tasks: the CTM's store totals
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,7 @@ class CacheTransferConfig:
     storage_url: str | None
     storage_namespace: str
     parent_pid: int
+    storage_timeout_s: float = 30.0  # one storage call (Redis socket timeout)
+    storage_must_answer: bool = True  # False: a store that is down at start is degraded, not an error
+    storage_ttl_s: int | None = None  # stored blocks expire after it (where the store has expiry)
+    storage_capacity_bytes: int | None = None  # a file tier's byte budget (least recently used go first)

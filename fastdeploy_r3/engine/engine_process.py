@@ -18,7 +18,6 @@ import os
 import pickle
 import shutil
 import signal
-import tempfile
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,7 +48,14 @@ from fastdeploy_r3.engine.messages import (
     WeightUpdate,
 )
 from fastdeploy_r3.engine.scheduler import QueueFullError
-from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
+from fastdeploy_r3.lifecycle import (
+    EngineDeadError,
+    Shutdown,
+    exit_with_parent,
+    name_this_process,
+    new_ipc_dir,
+    unwind_on_sigterm,
+)
 from fastdeploy_r3.sampling_params import InvalidRequestError
 from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup
 
@@ -58,6 +64,24 @@ if TYPE_CHECKING:
 
 # How often an idle engine wakes to check that its parent is still alive.
 _IDLE_POLL_MS = 500
+# One attempt to hand a message to the API server; retried while the server lives (it may be slow or
+# stopped), given up the moment it is gone, so the engine never blocks in a send.
+SEND_TIMEOUT_MS = 1000
+
+
+class ParentGoneError(RuntimeError):
+    """The API server that started this engine is gone; nobody will read its outputs."""
+
+
+def send_while_parent_lives(sock: zmq.Socket, msg: object, parent_pid: int) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    while True:
+        try:
+            sock.send(data)  # SNDTIMEO bounds each attempt
+            return
+        except zmq.Again:
+            if os.getppid() != parent_pid:
+                raise ParentGoneError(f"the API server (pid {parent_pid}) is gone") from None
 
 
 @dataclass(frozen=True)
@@ -74,8 +98,9 @@ class EngineAddresses:
 
     @classmethod
     def new(cls) -> EngineAddresses:
-        # mkdtemp gives a unique, private (0700) directory: two engines never share a socket
-        return cls(tempfile.mkdtemp(prefix="fdr3_ipc_"))
+        # a unique, private (0700) directory named after the API server: two engines never share a
+        # socket, and a start-up sweep removes the directories of servers that were SIGKILLed
+        return cls(new_ipc_dir())
 
     def remove(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
@@ -103,7 +128,7 @@ class _EngineLoop:
         self.running = True
 
     def send(self, msg: object) -> None:
-        self.output_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        send_while_parent_lives(self.output_sock, msg, self.parent_pid)
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, AddRequest):
@@ -120,7 +145,7 @@ class _EngineLoop:
         elif isinstance(msg, MetricsQuery):
             self.send(MetricsReply(msg.query_id, {k: float(v) for k, v in self.svc.metrics().items()}))
         elif isinstance(msg, HealthQuery):
-            self.send(HealthReply(msg.query_id, ok=True))
+            self.send(HealthReply(msg.query_id, ok=True, degraded=self.svc.degraded()))
         elif isinstance(msg, ControlRequest):
             self.send(self.control(msg))
         elif isinstance(msg, Shutdown):
@@ -192,24 +217,32 @@ class _EngineLoop:
                     self.send(OutputBatch(outputs))
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) -> None:
     """Entry point of the spawned engine process."""
     # The API server drives shutdown (Ctrl-C reaches the whole process group); SIGTERM sent to this
-    # process alone must still run EngineService.shutdown() so no child or SHM segment outlives it.
+    # process alone, or by the kernel when the API server dies (exit_with_parent), must still run
+    # EngineService.shutdown() so no child or SHM segment outlives it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, unwind_on_sigterm)
+    try:
+        exit_with_parent(parent_pid)
+        name_this_process("fdr3-engine")
+        _serve(config, addresses, parent_pid)
+    finally:
+        if os.getppid() != parent_pid:
+            addresses.remove()  # its owner is gone and will not remove it
+
+
+def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) -> None:
     ctx = zmq.Context()
     input_sock = ctx.socket(zmq.PULL)
     input_sock.bind(addresses.input)
     output_sock = ctx.socket(zmq.PUSH)
     output_sock.setsockopt(zmq.LINGER, 2000)
+    output_sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     output_sock.bind(addresses.output)
 
-    def send(msg: object) -> None:
+    def send(msg: object) -> None:  # one attempt: for last words that nobody may be left to read
         output_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
@@ -218,14 +251,17 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
 
         svc = EngineService(config)
     except BaseException as e:  # noqa: BLE001 - any start-up failure is reported to the API server
-        send(EngineStartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
+        with contextlib.suppress(zmq.ZMQError):
+            send(EngineStartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
         output_sock.close()
         input_sock.close(linger=0)
         ctx.term()
         return
     try:
-        send(EngineReady(_engine_info(config)))
+        send_while_parent_lives(output_sock, EngineReady(_engine_info(config)), parent_pid)
         _EngineLoop(svc, input_sock, output_sock, parent_pid).run()
+    except ParentGoneError:
+        pass  # the API server died while this engine waited to hand it something
     except SystemExit:
         with contextlib.suppress(zmq.ZMQError):
             send(EngineCrashed("the engine process was terminated by a signal"))
@@ -240,6 +276,7 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
         try:
             svc.shutdown()
         finally:
-            output_sock.close()
+            # an orphan has nobody to flush its last messages to
+            output_sock.close(linger=0 if os.getppid() != parent_pid else None)
             input_sock.close(linger=0)
             ctx.term()

@@ -21,11 +21,13 @@ from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
+from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
 from fastdeploy_r3.engine.token_processor import TokenProcessor
+from fastdeploy_r3.engine.transfer_supervisor import TransferSupervisor
 from fastdeploy_r3.engine.worker_group import WorkerGroup
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, weight_version_spans
@@ -39,7 +41,6 @@ from fastdeploy_r3.worker.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
 
 @dataclass
 class _Group:
@@ -59,7 +60,8 @@ class EngineService:
         self._closed = False
         self._dead: str | None = None
         self.workers: WorkerGroup | None = None
-        self._ctm = None
+        self._transfers: TransferSupervisor | None = None  # the cache transfer manager, over its life
+        self._lookup: StorageLookup | None = None
         self._routing_host: RoutingBuffer | None = None
         self._step_id = 0
         self._groups: dict[str, _Group] = {}
@@ -95,7 +97,7 @@ class EngineService:
             logger.warning("generation_config.json sets %s, which this engine does not implement; requests are "
                            "sampled without it", ", ".join(f"{k}={mc.generation_defaults[k]}" for k in ignored))
 
-        self.workers = WorkerGroup(cfg, self.suffix, also_check=self._check_ctm)
+        self.workers = WorkerGroup(cfg, self.suffix)
         readies: list[WorkerReady] = self.workers.collect(timeout=600)
         num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
         self.num_gpu_blocks = num_gpu_blocks
@@ -131,27 +133,29 @@ class EngineService:
         if cc.enable_prefix_caching and cc.kv_storage:
             from fastdeploy_r3.cache_manager.storage import make_storage_backend
 
-            storage = make_storage_backend(cc.kv_storage, namespace, lookup_only=True)  # the CTM writes
+            storage = make_storage_backend(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s,
+                                           lookup_only=True)  # the CTM writes
+            self._lookup = StorageLookup(storage, cc.storage_timeout_s, storage.health)
         transfer = None
         if num_cpu_blocks > 0 or storage is not None:
-            from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
             from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig
 
-            transfer = CacheTransferClient()
-            self._ctm = transfer
-            transfer.start(
-                CacheTransferConfig(
-                    kv_specs=[r.kv_spec for r in readies],
-                    num_cpu_blocks=num_cpu_blocks,
-                    block_size=cc.block_size,
-                    routing_host=routing_spec,
-                    routing_swap_name=shm_name(self.suffix, "routing_swap") if routing_spec else None,
-                    kv_cpu_name=shm_name(self.suffix, "kv_cpu"),
-                    storage_url=cc.kv_storage if storage is not None else None,
-                    storage_namespace=namespace,
-                    parent_pid=os.getpid(),
-                )
-            )
+            self._transfers = TransferSupervisor(CacheTransferConfig(
+                kv_specs=[r.kv_spec for r in readies],
+                num_cpu_blocks=num_cpu_blocks,
+                block_size=cc.block_size,
+                routing_host=routing_spec,
+                routing_swap_name=shm_name(self.suffix, "routing_swap") if routing_spec else None,
+                kv_cpu_name=shm_name(self.suffix, "kv_cpu"),
+                storage_url=cc.kv_storage if storage is not None else None,
+                storage_namespace=namespace,
+                parent_pid=os.getpid(),
+                storage_timeout_s=cc.storage_timeout_s,
+                storage_ttl_s=cc.kv_storage_ttl_s,
+                storage_capacity_bytes=(None if cc.kv_storage_capacity_gib is None
+                                        else int(cc.kv_storage_capacity_gib * 2**30)),
+            ))
+            transfer = self._transfers.start()
         self.num_cpu_blocks = num_cpu_blocks
         self.kv = PrefixCacheManager(
             num_gpu_blocks=num_gpu_blocks,
@@ -159,8 +163,9 @@ class EngineService:
             enable_prefix_caching=cc.enable_prefix_caching,
             root_hash=root_hash(mc.model_identity, mc.weight_version),
             num_cpu_blocks=num_cpu_blocks,
-            storage=storage,
             transfer=transfer,
+            lookup=self._lookup,
+            transfer_timeout_s=cc.transfer_timeout_s,
         )
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
                                    max_waiting=sc.max_waiting_requests)
@@ -268,8 +273,12 @@ class EngineService:
         try:
             self._check_children()
             self.kv.poll_transfers()
+            if self._transfers is not None:
+                self._transfers.tick(self.kv)  # a lost CTM is replaced without the loop waiting for it
             # paused: nothing advances (in_place requests keep their blocks); aborts still go out
             out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
+            if not out.chunks and self._lookup is not None and self.kv.has_pending_lookups():
+                self._lookup.wait(0.01)  # nothing to run but lookups: do not spin
             if out.chunks:
                 # a failed step is bisected so that only the requests that make it fail fail
                 step = run_isolating_failures(out.chunks, self._run_batch)
@@ -331,7 +340,8 @@ class EngineService:
             self._worker_known.difference_update(finished)
             self._finished_since_step.clear()
         assert self.workers is not None
-        outs = self.workers.call(StepInput(self._step_id, reqs, finished))
+        outs = self.workers.call(StepInput(self._step_id, reqs, finished),
+                                 timeout=self.config.parallel_config.worker_step_timeout_s)
         errors = [o.error for o in outs if o.error]
         if errors:
             return StepAttempt(error=errors[0])
@@ -418,11 +428,15 @@ class EngineService:
     def _check_children(self) -> None:
         if self.workers is not None:
             self.workers.check_alive()
-        self._check_ctm()
 
-    def _check_ctm(self) -> None:
-        if self._ctm is not None and not self._ctm.is_alive():
-            raise EngineDeadError(f"the cache transfer manager (pid {self._ctm.pid}) exited")
+    def degraded(self) -> dict[str, str]:
+        """What works less well than configured, for /health: {"kv_storage": why, "cache_transfer": why}."""
+        out = {}
+        if self._lookup is not None and (why := self._lookup.health.degraded) is not None:
+            out["kv_storage"] = why
+        if self._transfers is not None and self._transfers.failed is not None:
+            out["cache_transfer"] = self._transfers.failed
+        return out
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -464,6 +478,9 @@ class EngineService:
             "storage_load_blocks": c.storage_load_blocks,
             "storage_load_failed_blocks": c.storage_load_failed_blocks,
             "storage_put_blocks": c.storage_put_blocks,
+            "cache_transfer_replacements": 0 if self._transfers is None else self._transfers.replacements,
+            "kv_storage_lookup_failures": 0 if self._lookup is None else self._lookup.health.counters.failures,
+            **(self._transfers.store_counters if self._transfers is not None else {}),
             "evicted_blocks": c.evicted_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "weight_updates": self.control.num_weight_updates,
@@ -476,12 +493,8 @@ class EngineService:
     def _stop_children(self) -> None:
         # The CTM first: on CUDA it maps the workers' KV through IPC handles, which must be released
         # before the worker that exported them exits.
-        if self._ctm is not None:
-            try:
-                self._ctm.shutdown()
-            except Exception:
-                logger.exception("cache transfer manager shutdown")
-            self._ctm = None
+        if self._transfers is not None:
+            self._transfers.stop()
         if self.workers is not None:
             self.workers.stop()
         if self._routing_host is not None:
@@ -493,6 +506,8 @@ class EngineService:
         if self._closed:
             return
         self._closed = True
+        if self._lookup is not None:
+            self._lookup.close()
         if self._dead is None and hasattr(self, "kv"):
             try:
                 self.kv.poll_transfers(block=True)

@@ -152,6 +152,7 @@ class HealthReply:
     query_id: int
     ok: bool
     message: str = ""
+    degraded: dict[str, str] = field(default_factory=dict)  # part -> why, e.g. {"kv_storage": "..."}
 
 
 @dataclass

@@ -107,11 +107,15 @@ class Scheduler:
         out.chunks = [c for c in out.chunks if c.request.status is RequestStatus.RUNNING]
         budget = self.max_num_batched_tokens - out.num_tokens
 
-        # 2. waiting requests in order, unless this step had to preempt
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        # 2. waiting requests in order, unless this step had to preempt; one whose storage lookup is
+        # still running keeps its place and lets the next ones go (a slow store delays only its own)
+        for req in list(self.waiting):
+            if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             # prompt logprobs need the logits of every prompt position: no prefix hit may skip one
             hit = PrefixHit() if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req)
+            if hit is None:
+                continue
             hit_tokens = hit.num_blocks * self.kv.block_size
             num_new = req.num_tokens - hit_tokens
             if num_new > budget:
@@ -120,7 +124,7 @@ class Scheduler:
                 num_new = budget
             if not self.kv.can_admit(hit, num_new):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             num_computed = self.kv.admit(req, hit, num_new)
             # a failed load leaves fewer usable tokens; the allocated blocks bound what we compute now
             covered = hit_tokens + num_new

@@ -1,7 +1,9 @@
 """The engine's worker processes, one per TP rank: start, broadcast, collect answers, supervise, stop.
 
 Every message goes to all ranks and every rank answers; rank 0's answer carries the sampled
-tokens. A rank that dies or stops answering surfaces as EngineDeadError naming it.
+tokens. A rank that dies, or does not answer a step within its deadline (stuck, or stopped with
+SIGSTOP), surfaces as EngineDeadError naming it; `stop()` then kills such a rank at once instead of
+asking it politely.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class WorkerGroup:
         from fastdeploy_r3.worker.worker_process import worker_main
 
         self._also_check = also_check
+        self._stuck: set[int] = set()  # ranks that missed a deadline: stop() kills them outright
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         world = config.parallel_config.tensor_parallel_size
@@ -66,7 +69,11 @@ class WorkerGroup:
             self.check_alive()
             self._also_check()
             if deadline is not None and time.monotonic() > deadline:
-                raise EngineDeadError(f"worker rank {rank} did not answer in {timeout} s")
+                self._stuck.add(rank)
+                raise EngineDeadError(
+                    f"worker rank {rank} (pid {self._procs[rank].pid}) did not answer within {timeout:g} s "
+                    "(stuck or stopped); raise worker_step_timeout_s if its steps are legitimately this slow"
+                )
         try:
             msg = conn.recv()
         except (EOFError, OSError) as e:
@@ -81,7 +88,10 @@ class WorkerGroup:
         return EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
     def stop(self) -> None:
-        """Ask politely, then terminate, then kill; idempotent."""
+        """Ask politely, then terminate, then kill (a rank that missed a deadline: kill at once); idempotent."""
+        for rank, proc in enumerate(self._procs):
+            if rank in self._stuck and proc.is_alive():
+                proc.kill()
         for proc, conn in zip(self._procs, self._conns):
             try:
                 if proc.is_alive():
@@ -97,4 +107,4 @@ class WorkerGroup:
                 proc.kill()
                 proc.join(timeout=5)
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._stuck = [], [], set()

@@ -1,8 +1,13 @@
 """The API server's handle on the engine process (engine/messages.py is the wire).
 
-One reader task routes engine messages to per-request queues; one watchdog task notices a dead
-engine process and fails everything in flight with a message that says so. After that, every call
-raises `EngineDeadError` (the API server answers 503).
+One reader task routes engine messages to per-request queues; one watchdog task notices an engine
+that is gone or stalled and fails everything in flight with a message that says so. After that,
+every call raises `EngineDeadError` and `on_dead` runs (the API server exits non-zero so that its
+supervisor restarts it; a server without its engine would only answer 503 forever).
+
+    dead      the engine process exited (crash, SIGKILL, OOM), or the reader task itself failed
+    stalled   no message from the engine for `stall_timeout_s` although it is asked every second
+              (SIGSTOP, a hung step): the engine is SIGKILLed, which its own children follow
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import multiprocessing.process
 import os
 import pickle
@@ -19,6 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from fastdeploy_r3.cache_manager.shm import remove_stale_segments
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_process import EngineAddresses, run_engine_process
 from fastdeploy_r3.engine.messages import (
@@ -39,12 +46,17 @@ from fastdeploy_r3.engine.messages import (
     RequestRejected,
     Shutdown,
 )
-from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.lifecycle import EngineDeadError, remove_stale_ipc_dirs
 from fastdeploy_r3.outputs import RequestDelta
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 from fastdeploy_r3.spawn import start_process
 
+logger = logging.getLogger(__name__)
+
 _WATCHDOG_PERIOD_S = 0.5
+_HEARTBEAT_PERIOD_S = 1.0
+# A send the engine does not take within this is refused with an error (its input queue is full).
+_SEND_TIMEOUT_S = 10.0
 
 
 class EngineStartupError(RuntimeError):
@@ -62,11 +74,19 @@ class EngineOverloadedError(RuntimeError):
 class AsyncEngineClient:
     """Starts the engine process and talks to it; create with `await AsyncEngineClient.start(config)`."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None, stall_timeout_s: float | None = None) -> None:
+        """stall_timeout_s: default the worker step deadline + 30 s (a step may legitimately take that long)."""
         self.config = config
         self.tokenizer = tokenizer
         self.info: EngineInfo | None = None
         self.dead_message: str | None = None
+        self.on_dead: Callable[[str], None] | None = None
+        self.stall_timeout_s = (
+            stall_timeout_s if stall_timeout_s is not None else config.parallel_config.worker_step_timeout_s + 30.0
+        )
+        self._last_heard = 0.0
+        for path in remove_stale_ipc_dirs():
+            logger.warning("removed IPC directory %s left by a server that is gone", path)
         self._addresses = EngineAddresses.new()
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
@@ -81,8 +101,10 @@ class AsyncEngineClient:
     # -- life cycle -------------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, config: EngineConfig, tokenizer: Any = None, timeout_s: float = 900.0) -> AsyncEngineClient:
-        client = cls(config, tokenizer)
+    async def start(
+        cls, config: EngineConfig, tokenizer: Any = None, timeout_s: float = 900.0, stall_timeout_s: float | None = None
+    ) -> AsyncEngineClient:
+        client = cls(config, tokenizer, stall_timeout_s)
         try:
             await client._start(timeout_s)
         except BaseException:
@@ -113,10 +135,13 @@ class AsyncEngineClient:
                 raise EngineStartupError(f"engine process exited with code {self._proc.exitcode} during start-up")
             if loop.time() > deadline:
                 raise EngineStartupError(f"engine did not become ready within {timeout_s:.0f} s")
+        self._last_heard = loop.time()
         self._tasks = [
             asyncio.create_task(self._read_outputs(), name="fdr3-engine-reader"),
             asyncio.create_task(self._watch_process(), name="fdr3-engine-watchdog"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         if self._closed:
@@ -147,9 +172,21 @@ class AsyncEngineClient:
         return self.dead_message is None and not self._closed
 
     def _mark_dead(self, message: str) -> None:
-        if self.dead_message is None:
+        first = self.dead_message is None
+        if first:
             self.dead_message = message
+            logger.error("engine unavailable: %s", message)
         self._fail_all(EngineDeadError(self.dead_message))
+        if first and not self._closed and self.on_dead is not None:
+            self.on_dead(message)
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        # Without its reader or watchdog no request would ever finish: that is the engine lost too.
+        if task.cancelled() or self._closed:
+            return
+        exc = task.exception()
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else "it returned"
+        self._mark_dead(f"the server's {task.get_name()} task stopped ({why})")
 
     def _fail_all(self, error: BaseException) -> None:
         for q in self._queues.values():
@@ -166,16 +203,44 @@ class AsyncEngineClient:
             raise EngineDeadError("the server is shutting down")
 
     async def _watch_process(self) -> None:
-        assert self._proc is not None
-        while self._proc.is_alive():
+        proc = self._proc
+        assert proc is not None
+        loop = asyncio.get_running_loop()
+        next_ping = 0.0
+        prev = loop.time()
+        while proc.is_alive():
+            now = loop.time()
+            if now - prev > 4 * _WATCHDOG_PERIOD_S + 1.0:
+                # this process itself was not running (SIGSTOP, swapped out): the engine's answers are
+                # still unread, so its silence starts counting again now
+                self._last_heard = now
+            prev = now
+            silent = now - self._last_heard
+            if silent > self.stall_timeout_s:
+                proc.kill()  # SIGKILL works on a stopped process too; its children follow it (exit_with_parent)
+                await loop.run_in_executor(None, proc.join, 10.0)
+                remove_stale_segments()  # named after the engine's pid, which is gone now
+                self._mark_dead(
+                    f"engine process (pid {proc.pid}) did not answer for {silent:.0f} s (stopped or stuck "
+                    f"past stall_timeout_s={self.stall_timeout_s:g}); it was killed"
+                )
+                return
+            if now >= next_ping:
+                # the engine answers between steps: any message it sends proves the loop moves
+                next_ping = now + _HEARTBEAT_PERIOD_S
+                with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
+                    await asyncio.wait_for(self._send(HealthQuery(-1)), _HEARTBEAT_PERIOD_S)
             await asyncio.sleep(_WATCHDOG_PERIOD_S)
         # let the reader deliver what the engine sent before it died (e.g. EngineCrashed's cause)
         await asyncio.sleep(_WATCHDOG_PERIOD_S)
-        self._mark_dead(f"engine process (pid {self._proc.pid}) exited with code {self._proc.exitcode}")
+        remove_stale_segments()
+        self._mark_dead(f"engine process (pid {proc.pid}) exited with code {proc.exitcode}")
 
     async def _read_outputs(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             msg = pickle.loads(await self._output.recv())
+            self._last_heard = loop.time()
             if isinstance(msg, OutputBatch):
                 for out in msg.outputs:
                     q = self._queues.get(out.request_id)
@@ -200,7 +265,13 @@ class AsyncEngineClient:
     # -- requests ---------------------------------------------------------------------------------
 
     async def _send(self, msg: object) -> None:
-        await self._input.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            await asyncio.wait_for(self._input.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)),
+                                   _SEND_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineRequestError(
+                f"the engine did not take a message within {_SEND_TIMEOUT_S:g} s (its input queue is full); retry later"
+            ) from None
 
     async def generate(
         self,
@@ -271,11 +342,12 @@ class AsyncEngineClient:
         reply: MetricsReply = await self._query(MetricsQuery, timeout_s)
         return reply.metrics
 
-    async def check_health(self, timeout_s: float = 30.0) -> None:
-        """Raise EngineDeadError unless the engine process answers."""
+    async def check_health(self, timeout_s: float = 30.0) -> dict[str, str]:
+        """What of the engine is degraded ({} when all is well); EngineDeadError unless the engine answers."""
         try:
             reply: HealthReply = await self._query(HealthQuery, timeout_s)
         except TimeoutError as e:
             raise EngineDeadError(f"engine did not answer a health check within {timeout_s:.0f} s") from e
         if not reply.ok:
             raise EngineDeadError(reply.message)
+        return dict(reply.degraded)

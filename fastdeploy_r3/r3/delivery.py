@@ -11,12 +11,19 @@ One policy, fail closed: a choice that asked for R3 and has none, an array of th
 dtype, a no-route hole, or a put that did not complete fails the request (R3DeliveryError); nothing
 is half delivered as if it were whole. `deliver` blocks (encoding, disk, network): the server runs it
 in a worker thread. The rollout id comes from r3/rollout_id.py's one rule.
+
+A put waits at most `store_timeout_s`; one that fails or misses it marks the store degraded
+(store_health.py), and while it is, puts fail at once with the reason (one probe every few seconds
+finds it back), so a dead store costs each request a clear error, not a wait. `store_problem()` is
+what /health and /ready report.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +32,9 @@ from fastdeploy_r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.codec import encode_routed_experts
 from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range, to_all_layers
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
+from fastdeploy_r3.store_health import DeadlineCaller, StoreHealth, StoreUnavailableError
+
+_PROBE_EVERY_S = 1.0
 
 if TYPE_CHECKING:
     from fastdeploy_r3.outputs import RequestOutput
@@ -61,6 +71,9 @@ class R3Delivery:
     def __init__(self, config: RoutingReplayConfig, store: RoutingStore | None) -> None:
         self.config = config
         self.store = store  # None: R3 goes in the response
+        self.health = StoreHealth("r3 store")
+        self._caller = DeadlineCaller(self.health, float(config.store_timeout_s)) if store is not None else None
+        self._last_probe = float("-inf")
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -124,8 +137,31 @@ class R3Delivery:
         if self.store is None:
             payloads: list[str | None] = [encode_routed_experts(a) if inline else None for a in arrays]
             return R3Result(payloads, starts, layout, arrays)
+        assert self._caller is not None
         try:
-            self.store.put(rollout_id, arrays, layer_ids, self.meta(final, layout, layer_ids))
-        except (RoutingStoreError, OSError) as e:
-            raise R3StoreFailedError(f"storing routed_experts of rollout {rollout_id!r} failed: {e}") from e
+            # a put that lands after its deadline is taken back: the request was answered as failed
+            undo = partial(self.store.delete, rollout_id, layer_ids)
+            self._caller.call(self.store.put, rollout_id, arrays, layer_ids, self.meta(final, layout, layer_ids),
+                              undo=undo)
+        except (RoutingStoreError, StoreUnavailableError, OSError) as e:
+            raise R3StoreFailedError(f"storing routed_experts of rollout {rollout_id!r} failed: the R3 store "
+                                     f"did not take it ({e})") from e
         return R3Result([None] * len(arrays), starts, layout, arrays)
+
+    def store_problem(self) -> str | None:
+        """Why R3 cannot be stored now (None: it can, or R3 goes in responses). Probes the store at most
+        once a second, so a store that went down before any request noticed is reported too."""
+        if self._caller is None or self.store is None:
+            return None
+        now = time.monotonic()
+        if now - self._last_probe >= _PROBE_EVERY_S:
+            self._last_probe = now
+            try:
+                self._caller.call(self.store.ping)
+            except (RoutingStoreError, StoreUnavailableError, OSError):
+                pass  # the health records it
+        return self.health.degraded
+
+    def close(self) -> None:
+        if self._caller is not None:
+            self._caller.close()

@@ -49,6 +49,7 @@ from fastdeploy_r3.blob_store import (
     RedisBlobStore,
 )
 from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.disk_budget import DiskBudget
 from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError, load_npy, npy_bytes
 from fastdeploy_r3.r3.rollout_id import (
     any_n_rollout_ids,
@@ -203,19 +204,54 @@ class RoutingStore(abc.ABC):
         except BlobStoreError as e:
             raise RoutingStoreError(f"deleting R3 of previous turn {rollout_id!r} failed: {e}") from e
 
+    def ping(self) -> None:  # noqa: B027 - optional: a store with nothing to check answers by not raising
+        """Raise RoutingStoreError when the store cannot take a put now (unreachable, read-only, full)."""
+
     def close(self) -> None:
         """Release connections; the stored data stays."""
         self.blobs.close()
 
 
 class LocalRoutingStore(RoutingStore):
-    """`.npy` files under one directory; every file appears whole (temp file + rename)."""
+    """`.npy` files under one directory; every file appears whole (temp file + rename), and the files of
+    a per-layer rollout appear together (LocalBlobStore.put_many). Bounded, when asked, by a DiskBudget:
+    a rollout older than `ttl_s` is gone, and past `capacity_bytes` the least recently used rollouts go
+    first, each removed whole."""
 
-    def __init__(self, root: str, use_fused_put: bool = True, only_last_turn: bool = False) -> None:
+    def __init__(self, root: str, use_fused_put: bool = True, only_last_turn: bool = False,
+                 ttl_s: int | None = None, capacity_bytes: int | None = None) -> None:  # fmt: skip
         blobs = LocalBlobStore(root)
         super().__init__(blobs, None, use_fused_put, only_last_turn, blobs.root)
         self.root = blobs.root
         self._local = blobs
+        self.budget = DiskBudget(self.root, capacity_bytes, ttl_s, whole_dirs=True)
+
+    def put(
+        self,
+        rollout_id: str,
+        routed_experts: list[np.ndarray],
+        moe_layer_ids: list[int],
+        meta: dict[str, Any] | None = None,
+    ) -> list[str]:
+        try:
+            self.budget.admit(sum(a.nbytes + 128 for a in routed_experts))  # + .npy headers
+        except OSError as e:
+            raise RoutingStoreError(f"cannot make room for rollout {rollout_id!r} under {self.root}: {e}") from e
+        return super().put(rollout_id, routed_experts, moe_layer_ids, meta)
+
+    def _entries(self, rid: str) -> tuple[str, str]:
+        """The fused file and the per-layer directory of one stored choice."""
+        return self._local.path(self.fused_key(rid)), self._local.path(f"{rid}.layers")
+
+    def get(self, rollout_id: str, choice: int | None = None, moe_layer_ids: list[int] | None = None) -> np.ndarray:
+        rid = choice_rollout_id(rollout_id, choice)
+        for entry in self._entries(rid):
+            if self.budget.expired(entry):
+                raise KeyError(f"R3 of rollout {rid!r} under {self.root} expired (older than ttl_s)")
+        arr = super().get(rollout_id, choice, moe_layer_ids)
+        for entry in self._entries(rid):
+            self.budget.touch(entry)
+        return arr
 
     def fused_key(self, rid: str) -> str:
         return f"{rid}.npy"
@@ -228,6 +264,16 @@ class LocalRoutingStore(RoutingStore):
 
     def entry_name(self, key: str) -> str:
         return self._local.path(key)
+
+    def ping(self) -> None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError as e:
+            raise RoutingStoreError(f"local_store_dir {self.root} is not there: {e}") from e
+        if not os.access(self.root, os.W_OK) or st.f_flag & os.ST_RDONLY:
+            raise RoutingStoreError(f"local_store_dir {self.root} is not writable")
+        if st.f_bavail * st.f_frsize < 1 << 20:
+            raise RoutingStoreError(f"local_store_dir {self.root} has less than 1 MiB free")
 
     def stored_layers(self, rid: str) -> list[int]:
         layer_dir = self._local.path(f"{rid}.layers")
@@ -253,9 +299,10 @@ class RedisRoutingStore(RoutingStore):
         ttl_s: int = 3600,
         use_fused_put: bool = True,
         only_last_turn: bool = False,
+        timeout_s: float = 30.0,
     ) -> None:
         self.namespace = validate_namespace(namespace)
-        blobs = RedisBlobStore(url, f"{self.namespace}/")
+        blobs = RedisBlobStore(url, f"{self.namespace}/", connect_timeout_s=min(10.0, timeout_s), timeout_s=timeout_s)
         super().__init__(blobs, int(ttl_s), use_fused_put, only_last_turn, blobs.where)
         self._redis_blobs = blobs
 
@@ -290,12 +337,14 @@ def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore
             os.makedirs(cfg.local_store_dir, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
             raise RoutingStoreError(f"local_store_dir {cfg.local_store_dir!r} cannot be created: {e}") from e
-        return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn)
+        capacity = None if cfg.local_store_capacity_gib is None else int(cfg.local_store_capacity_gib * 2**30)
+        return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn, cfg.ttl_s, capacity)
     if cfg.routing_store_type == "p2pstore":
         assert cfg.p2pstore_url is not None
         if cfg.p2pstore_url.startswith("mooncake://"):
             from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore  # needs the mooncake extra
 
             return MooncakeRoutingStore(cfg.p2pstore_url, namespace, cfg.use_fused_put, cfg.only_last_turn)
-        return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn)
+        return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn,
+                                 timeout_s=float(cfg.store_timeout_s))
     raise RoutingStoreError(f"unknown routing_store_type {cfg.routing_store_type!r}")

@@ -17,7 +17,9 @@ Every rank runs every step (its forward all-reduces with the others); only rank 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import signal
 import traceback
 from multiprocessing.connection import Connection
 
@@ -25,6 +27,7 @@ import torch
 
 from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, pid_alive, unwind_on_sigterm
 from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
     DestroyWeightUpdateGroup,
@@ -51,9 +54,18 @@ def worker_main(
     from fastdeploy_r3.model_executor.parallel_state import destroy_distributed, init_distributed
     from fastdeploy_r3.worker.model_runner import ModelRunner
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    runner = ModelRunner(config, rank, world_size, engine_suffix)
+    # SIGTERM (from the engine's stop(), or from the kernel when the engine dies) unwinds into the
+    # finally below, which frees this rank's SHM, whatever the rank was doing.
+    signal.signal(signal.SIGTERM, unwind_on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
+    engine = multiprocessing.parent_process()
+    engine_pid = engine.pid if engine is not None else os.getppid()
+    runner = None
     try:
+        exit_with_parent(engine_pid)
+        name_this_process(f"fdr3-worker{rank}")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        runner = ModelRunner(config, rank, world_size, engine_suffix)
         init_distributed(rank, world_size, dist_init_method, config.device)
         runner.load_model()
         num_blocks = runner.determine_num_gpu_blocks()
@@ -63,9 +75,7 @@ def worker_main(
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                # The engine died without shutting us down: nobody else will unlink its segments.
-                unlink_all(engine_suffix)
-                break
+                break  # the engine is gone: the finally below unlinks its segments
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, AttachRoutingBuffer):
@@ -87,5 +97,9 @@ def worker_main(
         except Exception:
             pass
     finally:
-        runner.close()
+        if runner is not None:
+            runner.close()
         destroy_distributed()
+        if not pid_alive(engine_pid) or os.getppid() != engine_pid:
+            unlink_all(engine_suffix)  # the engine died without shutting us down: nobody else will
+

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from fake_model import make_fake_model
@@ -48,3 +50,36 @@ def test_engine_refuses_to_start_when_dev_shm_cannot_hold_the_routing_buffer(tmp
 def test_unknown_engine_argument_is_named():
     with pytest.raises(ConfigError, match="unknown engine argument 'blocksize'"):
         EngineConfig.from_kwargs("/nonexistent", blocksize=4)
+
+
+def test_a_created_segment_reserves_its_pages_at_once():
+    """8 MiB created and never touched: /dev/shm's free space still drops by 8 MiB."""
+    free_before = shm.shm_free_bytes()
+    seg = ShmSegment.create("fdr3_testshm_reserve", 8 << 20)
+    try:
+        assert free_before - shm.shm_free_bytes() >= 8 << 20
+    finally:
+        seg.close()
+
+
+def test_segments_that_together_overflow_dev_shm_fail_at_creation_not_at_first_touch():
+    """A private 1 MiB /dev/shm (own mount namespace): 600 KiB fits, a second 600 KiB is refused clearly."""
+    script = (
+        "from fastdeploy_r3.cache_manager.shm import ShmSegment, SharedMemoryError\n"
+        "a = ShmSegment.create('fdr3_testshm_one', 600 << 10)\n"
+        "try:\n"
+        "    ShmSegment.create('fdr3_testshm_two', 600 << 10)\n"
+        "except SharedMemoryError as e:\n"
+        "    print('refused:', e)\n"
+        "a.numpy((600 << 10,), 'uint8')[:] = 1\n"
+        "print('touched')\n"
+    )
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    cmd = ["unshare", *userns, "--mount", "--propagation", "private", "sh", "-c",
+           'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, script]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    # without the reservation the untouched first segment did not count and the second was "free"
+    assert "refused: /dev/shm has 0.4 MiB free but fdr3_testshm_two needs 0.6 MiB" in out.stdout
+    assert out.stdout.rstrip().endswith("touched")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from mooncake_server import mooncake_master, mooncake_url, raw_client
+from redis_server import redis_pid, redis_server
 
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
@@ -87,8 +89,11 @@ def _exercise_backend(store, other_namespace_store) -> None:
     assert store.exists([key, "ab"]) == [False, False]
     store.put(key, b"v1")
     store.put("ab", b"v2")
-    store.put(key, b"v3")  # overwrite
-    assert store.get(key) == b"v3"
+    store.put(key, b"v1")  # the same bytes again: a no-op
+    with pytest.raises(StorageError, match=f"block {key} is stored with other bytes; stored blocks are immutable"):
+        store.put(key, b"v3")
+    assert store.get(key) == b"v1"  # nobody replaces what other engines load
+    assert (store.counters.puts, store.counters.put_duplicates, store.counters.put_conflicts) == (2, 1, 1)
     assert store.exists([key, "ab", "cd"]) == [True, True, False]
     assert other_namespace_store.get(key) is None  # weights of another version never see it
     store.delete([key, "cd"])
@@ -218,9 +223,36 @@ def test_mooncake_evicts_unpinned_blocks_silently_and_keeps_pinned_ones() -> Non
             if i >= 39 and not all(store.exists([f"{j + 16:x}" for j in stored])):
                 break
             assert i < 1000, "the master never evicted an unpinned block"
-        present = [i for i in stored if store.get(f"{i + 16:x}") is not None]
+        # read through another client (another engine): the writer's own health may still be skipping the
+        # store after its refused puts, which would make every read a miss for a few seconds
+        reader = make_storage_backend(mooncake_url(master, segment="0"), "m@v1")
+        present = [i for i in stored if reader.get(f"{i + 16:x}") is not None]
         assert len(stored) > len(present) > 0, (stored, present)
-        assert all(store.get(f"{i + 16:x}") == bytes([i % 256]) * 2**20 for i in present)
-        assert store.get("0f") == b"p" * 2**20
+        assert all(reader.get(f"{i + 16:x}") == bytes([i % 256]) * 2**20 for i in present)
+        assert reader.get("0f") == b"p" * 2**20
+        reader.close()
         pinner.close()
+
+
+def test_a_stopped_redis_costs_one_timeout_then_is_skipped_until_it_answers() -> None:
+    """F8 at the backend: Redis SIGSTOPped; the first call waits its 0.3 s timeout, the next ones none."""
+    with redis_server() as url:
+        store = make_storage_backend(url, "qwen3-moe@v1", timeout_s=0.3)
+        store.put("ab", b"block")
+        store.health.retry_after_s = 0.5  # probe again after 0.5 s rather than 5 s
+        pid = redis_pid(url)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert store.exists(["ab"]) == [False]
+            assert 0.25 < time.monotonic() - t0 < 2.0
+            t1 = time.monotonic()
+            assert store.get("ab") is None and store.exists(["ab"]) == [False]
+            with pytest.raises(StorageError, match="not stored: kv storage degraded for"):
+                store.put("cd", b"other")
+            assert time.monotonic() - t1 < 0.1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.6)
+        assert store.exists(["ab"]) == [True] and store.health.degraded is None
         store.close()

@@ -1,12 +1,13 @@
 """Cache tiers end to end: greedy outputs are the same whether shared prefixes stay on the GPU,
 go through the CPU tier and back, or come back from the storage tier (file, Redis, Mooncake); and a dead
-cache transfer manager fails in-flight requests instead of hanging."""
+cache transfer manager is replaced without costing a request."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import time
 from collections.abc import Callable
 
 import pytest
@@ -16,7 +17,6 @@ from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.shm import list_segments
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.lifecycle import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -88,26 +88,55 @@ def test_mooncake_blocks_of_an_exited_engine_are_recomputed(model_dir, prompts, 
         assert m2["storage_load_blocks"] == 0 and m2["storage_put_blocks"] > 0, m2
 
 
-def test_killed_cache_transfer_manager_fails_in_flight_requests(model_dir, prompts) -> None:
-    """SIGKILL the CTM mid-run: the next step raises EngineDeadError, every request errors, nothing leaks."""
-    cfg = EngineConfig.from_kwargs(model_dir, block_size=4, num_gpu_blocks_override=24, num_cpu_blocks_override=32)
+def _run_to_end(engine: EngineService, n: int, tokens: dict[str, list[int]] | None = None,
+                max_steps: int = 2000) -> dict[str, list[int]]:  # fmt: skip
+    """Step until n requests finished (or max_steps); their tokens, gathered from the deltas into `tokens`."""
+    done: dict[str, list[int]] = {}
+    tokens = {} if tokens is None else tokens
+    for _ in range(max_steps):
+        for out in engine.step():
+            for c in out.outputs:
+                tokens.setdefault(out.request_id, []).extend(c.token_ids)
+                assert c.error is None, c.error
+            if out.finished:
+                done[out.request_id] = tokens[out.request_id]
+        if len(done) == n:
+            return done
+    if max_steps < 2000:
+        return done
+    raise AssertionError(f"only {sorted(done)} finished")
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_lost_cache_transfer_manager_is_replaced_and_costs_no_request(model_dir, prompts, reference, fault) -> None:
+    """SIGKILL (or SIGSTOP: past transfer_timeout_s it is stuck) the CTM mid-run: it is killed and
+    replaced, its CPU tier becomes misses, and every request finishes with the tokens of a run
+    without tiers; nothing leaks."""
+    cfg = EngineConfig.from_kwargs(model_dir, block_size=4, num_gpu_blocks_override=24, num_cpu_blocks_override=32,
+                                   max_num_seqs=2, transfer_timeout_s=2.0,
+                                   routing_replay_config={"enable_routing_replay": True, "debug_mode": True})
     engine = EngineService(cfg)
     suffix = engine.suffix
     try:
-        for i, p in enumerate(prompts[:4]):
-            engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-        engine.step()
-        os.kill(engine._ctm.pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match="cache transfer manager"):
-            for _ in range(200):
-                engine.step()
-        outs = engine.fail_all()
-        assert sorted(o.request_id for o in outs) == ["r0", "r1", "r2", "r3"]
-        for o in outs:
-            assert o.finished and o.outputs[0].finish_reason == "error"
-            assert "cache transfer manager" in o.outputs[0].error and o.outputs[0].routed_experts is None
-        with pytest.raises(EngineDeadError):
-            engine.add_request("late", prompts[0], GREEDY)
+        for i, p in enumerate(prompts[:6]):
+            engine.add_request(f"r{i}", p, GREEDY)
+        tokens: dict[str, list[int]] = {}
+        _run_to_end(engine, 6, tokens, max_steps=3)
+        old = engine._transfers.client.pid
+        os.kill(old, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        done = _run_to_end(engine, 6, tokens)
+        assert [done[f"r{i}"] for i in range(6)] == reference[:6]
+        for _ in range(600):  # the replacement comes up while requests keep going
+            if engine._transfers.client is not None:
+                break
+            engine.step()
+            time.sleep(0.05)
+        assert engine._transfers.client is not None and engine._transfers.client.pid != old
+        assert engine.metrics()["cache_transfer_replacements"] == 1
+        engine.add_request("late", prompts[0], GREEDY)
+        assert _run_to_end(engine, 1)["late"] == reference[0]
     finally:
         engine.shutdown()
+        if fault == "stop":
+            os.kill(old, signal.SIGKILL) if os.path.exists(f"/proc/{old}") else None
     assert list_segments(suffix) == []

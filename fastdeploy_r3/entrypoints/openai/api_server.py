@@ -6,7 +6,9 @@
 
 Start-up order: parse and validate the config (a bad flag exits with a message before anything
 starts), reach the routing store, bind the port, start the engine process, then serve. The engine
-process is shut down when the server stops (SIGINT/SIGTERM included).
+process is shut down when the server stops (SIGINT/SIGTERM included). When the engine dies or stalls,
+the server answers what is in flight with the error, logs why, and exits with code 1, so that its
+supervisor (systemd, Kubernetes) restarts the whole tree instead of a server that answers 503 forever.
 
 Exposure (issue 11): request bodies over --max-request-body-mb are refused (413) before they are
 read; a client that hangs up has its request aborted (entrypoints/openai/disconnect.py); /docs and
@@ -83,6 +85,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "{namespace}/{rollout_id}[/layer_{layer}]",
     )
     parser.add_argument("--engine-start-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--engine-stall-timeout-s", type=float, default=None,
+        help="an engine silent this long (stopped, stuck) is killed and the server exits "
+             "(default: --worker-step-timeout-s + 30)",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
@@ -183,13 +190,34 @@ def build_app(
                           "server log has the details", "internal_server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    async def health_body() -> tuple[dict[str, str], bool]:
+        """({"status", "engine", and per degraded part why}, can R3 be delivered); EngineDeadError."""
+        body = {"status": "ok", "engine": "ok"}
+        body.update(await ctx.engine.check_health(_HEALTH_TIMEOUT_S))
+        r3_problem = await asyncio.to_thread(ctx.delivery.store_problem)
+        if r3_problem is not None:
+            body["r3_store"] = r3_problem
+        if len(body) > 2:
+            body["status"] = "degraded"
+        return body, r3_problem is None
+
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: 200 while the engine answers, with what is degraded (a store down) in the body."""
         try:
-            await ctx.engine.check_health(_HEALTH_TIMEOUT_S)
+            body, _ = await health_body()
         except EngineDeadError as e:
             return JSONResponse(engine_unavailable(str(e)).body(), status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(body)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: 200 only while the server can serve requests and deliver their R3 (503 otherwise)."""
+        try:
+            body, r3_ok = await health_body()
+        except EngineDeadError as e:
+            return JSONResponse(engine_unavailable(str(e)).body(), status_code=503)
+        return JSONResponse(body, status_code=200 if r3_ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -236,6 +264,10 @@ def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+class EngineLostError(RuntimeError):
+    """The engine died or stalled while serving; the server exits non-zero so a supervisor restarts it."""
+
+
 async def run_server(args: argparse.Namespace) -> None:
     config = EngineConfig.from_cli_args(args)  # ConfigError: bad flags, before anything starts
     namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
@@ -249,16 +281,30 @@ async def run_server(args: argparse.Namespace) -> None:
     # until uvicorn installs its handlers, SIGTERM must unwind through the finally below
     signal.signal(signal.SIGTERM, _raise_system_exit)
     engine: AsyncEngineClient | None = None
+    lost: list[str] = []
     try:
-        engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout)
+        engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout,
+                                               stall_timeout_s=args.engine_stall_timeout_s)
         ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store,
                              request_timeout_s=args.request_timeout_s,
                              longest_token_chars=longest_token_chars(tokenizer))
         app = build_app(ctx, args.api_key, namespace, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
                         enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
+
+        def on_engine_dead(message: str) -> None:
+            # in-flight requests already got the error; uvicorn lets their responses finish, then exits
+            logger.error("the engine is gone (%s); the server exits with code 1 so that its supervisor restarts it",
+                         message)
+            lost.append(message)
+            server.should_exit = True
+
+        engine.on_dead = on_engine_dead
         logger.info("serving %s on http://%s:%d", ctx.served_model_name, args.host, args.port)
         await server.serve(sockets=[sock])
+        if lost:
+            raise EngineLostError(f"the engine is gone ({lost[0]}); exiting with code 1 so that a supervisor "
+                                  "restarts the server")
     finally:
         if engine is not None:
             await engine.shutdown()
@@ -276,7 +322,7 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(run_server(args))
-    except (ConfigError, EngineStartupError, RoutingStoreError, ValueError, OSError) as e:
+    except (ConfigError, EngineStartupError, EngineLostError, RoutingStoreError, ValueError, OSError) as e:
         # start-up failures: one clear line (plus the engine's traceback where it sent one), exit 1
         print(f"fastdeploy_r3: error: {e}", file=sys.stderr)
         sys.exit(1)

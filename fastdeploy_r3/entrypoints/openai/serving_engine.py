@@ -92,6 +92,8 @@ class ServerCounters:
     r3_store_put_seconds: float = 0.0
     r3_response_payload_bytes: int = 0
     request_errors: int = 0
+    r3_store_evicted: int = 0  # local store: rollouts dropped for capacity (least recently used first)
+    r3_store_expired: int = 0  # local store: rollouts dropped for age (ttl_s)
 
 
 @dataclass
@@ -319,6 +321,9 @@ class OpenAIServing:
                 counters.r3_store_put_seconds += time.perf_counter() - t0
         if storing:
             counters.r3_store_puts += 1
+            budget = getattr(self.ctx.store, "budget", None)
+            if budget is not None:
+                counters.r3_store_evicted, counters.r3_store_expired = budget.counters.evicted, budget.counters.expired
         counters.r3_response_payload_bytes += r3.payload_bytes
         return r3
 

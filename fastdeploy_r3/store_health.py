@@ -1,0 +1,138 @@
+"""The health of one store (KV storage tier, R3 store) as its callers have seen it lately.
+
+    healthy ──failure──► degraded ──retry_after_s──► one probe ──success──► healthy
+                            ▲                            │
+                            └──────────failure───────────┘
+
+While a store is degraded because it was slow (a call missed its deadline) its callers do not wait
+on it: a KV lookup or load is a miss at once, an R3 put fails its request at once with the reason,
+and one call every `retry_after_s` probes whether the store is back; so a store that hangs costs one
+deadline per `retry_after_s`, not one per request. A store that failed fast (refused, disk full) is
+degraded too, for /health, but costs nothing to try, so every call still tries it and the first
+success heals it. Thread-safe: the engine loop, lookup threads and the API
+server's delivery threads share one instance per store.
+
+`call_with_deadline` runs one blocking store call on the store's own thread and stops waiting at
+the deadline (the call itself cannot be interrupted; the next calls queue behind it and are skipped
+while the store is degraded, so stuck calls do not pile up).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store is degraded (or did not answer in time); the message says since when and why."""
+
+
+@dataclass
+class StoreHealthCounters:
+    failures: int = 0  # calls that raised or missed their deadline
+    skipped: int = 0  # calls not attempted because the store was degraded
+    recoveries: int = 0  # degraded -> healthy
+
+
+class StoreHealth:
+    def __init__(self, name: str, retry_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._skip = True  # the failure was slow: skip the store until a probe
+        self._since = 0.0
+        self._next_probe = 0.0
+        self.counters = StoreHealthCounters()
+
+    @property
+    def degraded(self) -> str | None:
+        """None when healthy, else what failed and for how long (for /health and error messages)."""
+        with self._lock:
+            if self._reason is None:
+                return None
+            return f"{self.name} degraded for {self._clock() - self._since:.1f} s: {self._reason}"
+
+    def should_try(self) -> bool:
+        """True when a call may go to the store: it is healthy, or degraded and due a probe."""
+        with self._lock:
+            if self._reason is None or not self._skip:
+                return True
+            now = self._clock()
+            if now >= self._next_probe:
+                self._next_probe = now + self.retry_after_s
+                return True
+            self.counters.skipped += 1
+            return False
+
+    def ok(self) -> None:
+        with self._lock:
+            if self._reason is not None:
+                self.counters.recoveries += 1
+            self._reason = None
+
+    def failed(self, reason: str, slow: bool = True) -> None:
+        """Record a failure; `slow` (it took a deadline, or may have) makes callers skip the store until a probe."""
+        with self._lock:
+            now = self._clock()
+            self.counters.failures += 1
+            if self._reason is None:
+                self._since = now
+            self._reason = reason
+            self._skip = slow
+            self._next_probe = now + self.retry_after_s
+
+    def unavailable(self) -> StoreUnavailableError:
+        return StoreUnavailableError(self.degraded or f"{self.name} is unavailable")
+
+
+class DeadlineCaller:
+    """One thread per store that runs its blocking calls; callers wait at most a deadline."""
+
+    def __init__(self, health: StoreHealth, timeout_s: float) -> None:
+        self.health = health
+        self.timeout_s = timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fdr3-{health.name}")
+
+    def call(self, fn: Callable[..., T], *args: object, undo: Callable[[], object] | None = None) -> T:
+        """fn(*args) on the store's thread. Raises StoreUnavailableError when the store is degraded or the
+        call misses the deadline, and re-raises what fn raised (both mark the store degraded).
+
+        undo: run on the store's thread if fn completes after all, once its caller gave up on it (a put
+        that was reported as failed must not stay stored)."""
+        if not self.health.should_try():
+            raise self.health.unavailable()
+        fut = self._pool.submit(fn, *args)
+        try:
+            result = fut.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.health.failed(f"no answer within {self.timeout_s:g} s")
+            if undo is not None:
+                fut.add_done_callback(lambda f: _undo_late(f, undo))
+            raise self.health.unavailable() from None
+        except Exception as e:
+            self.health.failed(f"{type(e).__name__}: {e}", slow=False)
+            raise
+        self.health.ok()
+        return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _undo_late(fut: concurrent.futures.Future, undo: Callable[[], object]) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    try:
+        undo()
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone again
+        logger.warning("could not take back a store call that completed after its deadline", exc_info=True)

@@ -1,0 +1,144 @@
+"""Store health, deadline calls and prefix lookups off the engine loop, against a store that can hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
+from fastdeploy_r3.store_health import DeadlineCaller, StoreHealth, StoreUnavailableError
+
+
+class HangingStore:
+    """Answers exists() from a set of keys; while `hang` is set every call blocks until it is cleared."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.keys = keys
+        self.released = threading.Event()
+        self.released.set()
+        self.calls = 0
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        self.calls += 1
+        self.released.wait()
+        return [k in self.keys for k in keys]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_answer(lookup: StorageLookup, rid: str, seconds: float = 5.0) -> list[bool]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ans = lookup.answer(rid)
+        if ans is not None:
+            return ans
+        lookup.wait(0.05)
+    raise AssertionError(f"lookup of {rid} never answered")
+
+
+def test_health_degrades_on_failure_probes_once_per_period_and_recovers():
+    clock = FakeClock()
+    h = StoreHealth("kv storage", retry_after_s=5.0, clock=clock)
+    assert h.should_try() and h.degraded is None
+    h.failed("ConnectionError: refused")
+    clock.now += 1.0
+    assert h.degraded == "kv storage degraded for 1.0 s: ConnectionError: refused"
+    assert [h.should_try() for _ in range(3)] == [False, False, False]
+    clock.now += 4.0
+    assert h.should_try() is True  # the probe
+    assert h.should_try() is False  # only one per period
+    h.ok()
+    assert h.degraded is None and h.should_try()
+    assert (h.counters.failures, h.counters.skipped, h.counters.recoveries) == (1, 4, 1)
+
+
+def test_a_call_past_its_deadline_raises_and_later_calls_are_skipped_without_waiting():
+    store = HangingStore({"a"})
+    caller = DeadlineCaller(StoreHealth("r3 store", retry_after_s=60.0), timeout_s=0.2)
+    assert caller.call(store.exists, ["a", "b"]) == [True, False]
+    store.released.clear()
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match=r"r3 store degraded for .* no answer within 0.2 s"):
+        caller.call(store.exists, ["a"])
+    with pytest.raises(StoreUnavailableError):
+        caller.call(store.exists, ["a"])
+    assert time.monotonic() - t0 < 1.0  # the second call did not wait another deadline
+    assert store.calls == 2
+    store.released.set()
+    caller.close()
+
+
+def test_a_call_that_fails_fast_degrades_the_store_but_the_next_call_still_tries_it():
+    """A refusal costs nothing to retry: /health says degraded, and the first success heals it."""
+    outcomes = [ConnectionError("redis at redis://127.0.0.1:1/0 refused"), [True]]
+
+    def flaky(keys: list[str]) -> list[bool]:
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    caller = DeadlineCaller(StoreHealth("r3 store", retry_after_s=60.0), timeout_s=1.0)
+    with pytest.raises(ConnectionError):
+        caller.call(flaky, ["a"])
+    assert "ConnectionError: redis at redis://127.0.0.1:1/0 refused" in caller.health.degraded
+    assert caller.call(flaky, ["a"]) == [True]
+    assert caller.health.degraded is None
+    caller.close()
+
+
+def test_lookups_answer_from_the_thread():
+    lookup = StorageLookup(HangingStore({"k1", "k2"}), deadline_s=5.0, health=StoreHealth("kv storage"))
+    lookup.start("r1", ["k1", "k2", "k3"])
+    assert wait_answer(lookup, "r1") == [True, True, False]
+    assert not lookup.has("r1")  # answered once, then forgotten
+    lookup.close()
+
+
+def test_a_hanging_store_answers_missing_at_the_deadline_and_then_at_once_until_it_recovers():
+    """The store hangs: r1 waits its deadline (0.3 s) and misses; r2 misses at once; the store recovers."""
+    store = HangingStore({"k1"})
+    health = StoreHealth("kv storage", retry_after_s=0.5)
+    lookup = StorageLookup(store, deadline_s=0.3, health=health)
+    store.released.clear()
+    lookup.start("r1", ["k1"])
+    assert lookup.answer("r1") is None  # still within its deadline
+    time.sleep(0.35)
+    assert lookup.answer("r1") == [False]
+    assert "a prefix lookup did not answer within 0.3 s" in health.degraded
+    lookup.start("r2", ["k1"])
+    assert lookup.answer("r2") == [False]  # degraded: no wait at all
+    store.released.set()
+    time.sleep(0.55)  # past retry_after_s: the next lookup is a probe
+    lookup.start("r3", ["k1"])
+    assert wait_answer(lookup, "r3") == [True]
+    assert health.degraded is None
+    lookup.close()
+
+
+def test_a_store_that_raises_is_a_miss_and_degraded():
+    class Broken:
+        def exists(self, keys: list[str]) -> list[bool]:
+            raise TimeoutError("Timeout reading from socket")
+
+    health = StoreHealth("kv storage")
+    lookup = StorageLookup(Broken(), deadline_s=5.0, health=health)
+    lookup.start("r1", ["k1", "k2"])
+    assert wait_answer(lookup, "r1") == [False, False]
+    assert "TimeoutError: Timeout reading from socket" in health.degraded
+    lookup.close()
+
+
+def test_an_answer_nobody_asked_for_is_an_error():
+    lookup = StorageLookup(HangingStore(set()), deadline_s=1.0, health=StoreHealth("kv storage"))
+    with pytest.raises(KeyError, match="no storage lookup was started for request 'x'"):
+        lookup.answer("x")
+    lookup.close()

@@ -1,0 +1,416 @@
+"""Fault-and-soak run: the real server with R3 in debug mode, a mixed load, faults on a schedule, one table.
+
+    python tools/soak.py --requests 10000 --concurrency 16 --fault-every 20
+    python tools/soak.py --minutes 30 --faults ctm-kill,redis-stop,storage-full
+
+It starts its own redis-server and, when no --model is given, a tiny fake checkpoint; then runs the
+API server as a supervisor would (restarting it whenever it exits), alternating two configurations
+on each start so both R3 delivery paths see faults:
+
+    config A   KV storage tier on a file directory (a private tmpfs), R3 to the p2pstore (Redis)
+    config B   KV storage tier on Redis, R3 in the response
+
+Both have a CPU tier and a small GPU cache (swaps and preemption). The load mixes shared prefixes,
+n=2, streams, aborted streams, clients that disconnect and bad requests. Faults (round robin, one
+every --fault-every seconds): SIGKILL or SIGSTOP of the CTM, a worker, the engine or the API server,
+SIGSTOP of Redis, and the storage directory full, read-only or corrupt. Debug mode makes every R3 row
+checkable without a reference: row i of a request holds position routed_experts_start + i.
+
+Every request ends in exactly one row of the table; "hung", "wrong R3 rows", "unclear errors" and
+"leaked ..." must be 0 (the exit code is 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TOOLS_DIR)
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, TOOLS_DIR)
+
+import faults  # noqa: E402
+from soak_load import MUST_BE_ZERO, OUTCOMES, REFUSED, Load, Target  # noqa: E402
+from soak_load import Stats as RequestStats  # noqa: E402
+
+ALL_FAULTS = ("ctm-kill", "redis-stop", "storage-full", "worker-kill", "ctm-stop", "storage-corrupt",
+              "engine-stop", "storage-ro", "worker-stop", "engine-kill", "api-kill")
+FATAL = {"worker-kill", "worker-stop", "engine-kill", "engine-stop", "api-kill"}  # the server exits
+STORE_NAMESPACE = "soak"
+
+
+@dataclass
+class Stats(RequestStats):
+    faults: Counter = field(default_factory=Counter)
+    restarts: int = 0
+    leaked_processes: int = 0
+    leaked_segments: int = 0
+    leaked_ipc_dirs: int = 0
+    leak_examples: list[str] = field(default_factory=list)
+    rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB of the whole server tree)
+
+
+# -- the supervised server -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    config: str  # "A" or "B"
+    storage_dir: str | None
+    roles: dict[str, int] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """Starts the server, restarts it when it exits, and counts what each dead one left behind."""
+
+    def __init__(self, args: argparse.Namespace, model: str, redis_url: str, work: str, stats: Stats) -> None:
+        self.args, self.model, self.redis_url, self.work, self.stats = args, model, redis_url, work, stats
+        self.server: Server | None = None
+        self.up = asyncio.Event()
+        self.starts = 0
+        self.stopping = False
+
+    def _command(self, port: int, config: str, storage_dir: str) -> list[str]:
+        a = self.args
+        r3 = {"enable_routing_replay": True, "debug_mode": True, "store_timeout_s": a.store_timeout}
+        if config == "A":
+            r3.update(routing_store_type="p2pstore", p2pstore_url=self.redis_url, ttl_s=600)
+            kv = f"file://{storage_dir}"
+        else:
+            kv = self.redis_url.rsplit("/", 1)[0] + "/1"
+        cmd = [sys.executable, "-m", "fastdeploy_r3.entrypoints.openai.api_server", "--model", self.model,
+               "--port", str(port), "--device", "cpu", "--block-size", "4",
+               "--num-gpu-blocks-override", str(a.gpu_blocks), "--num-cpu-blocks-override", "64",
+               "--kv-storage", kv, "--max-model-len", "128",
+               "--routing-replay-config", json.dumps(r3), "--r3-namespace", STORE_NAMESPACE,
+               "--worker-step-timeout-s", str(a.step_timeout), "--storage-timeout-s", str(a.store_timeout),
+               "--transfer-timeout-s", str(a.transfer_timeout), "--engine-stall-timeout-s", str(a.stall_timeout)]
+        if config == "A":
+            return faults.in_private_tmpfs(cmd, storage_dir, a.storage_bytes)
+        return cmd
+
+    async def start(self) -> None:
+        config = "AB"[self.starts % 2]
+        self.starts += 1
+        port = free_port()
+        storage_dir = os.path.join(self.work, f"kv{self.starts}")
+        log = open(os.path.join(self.work, f"server{self.starts}.log"), "w")  # noqa: SIM115 - the child owns it
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.Popen(self._command(port, config, storage_dir), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO_ROOT)
+        log.close()
+        srv = Server(proc, f"http://127.0.0.1:{port}", config, storage_dir if config == "A" else None)
+        deadline = time.monotonic() + 300
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode} during start-up; see {self.work}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get(f"{srv.url}/health")).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy within 300 s; see {self.work}")
+                await asyncio.sleep(0.2)
+        srv.roles = faults.wait_for_roles(proc.pid, ("engine", "worker", "ctm"), 30)
+        srv.pids = [proc.pid, *faults.descendants(proc.pid)]
+        self.server = srv
+        self.up.set()
+
+    async def watch(self) -> None:
+        """Restart the server whenever it exits; sample the tree's RSS."""
+        t0 = time.monotonic()
+        last_rss = -1e9
+        while not self.stopping:
+            srv = self.server
+            if srv is not None and srv.proc.poll() is not None:
+                self.up.clear()
+                self.server = None
+                await asyncio.to_thread(self.account_leftovers, srv)
+                self.stats.restarts += 1
+                if not self.stopping:
+                    await self.start()
+                continue
+            if srv is not None and not self.up.is_set() and await self._answers(srv):
+                self.up.set()  # a refusal cleared it but this server still serves
+            if srv is not None and time.monotonic() - last_rss >= self.args.rss_every:
+                last_rss = time.monotonic()
+                self.stats.rss.append((last_rss - t0, tree_rss_mib(srv.proc.pid)))
+            await asyncio.sleep(0.2)
+
+    async def _answers(self, srv: Server) -> bool:
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            try:
+                return (await c.get(f"{srv.url}/health")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+    def account_leftovers(self, srv: Server) -> None:
+        srv.pids = sorted(set(srv.pids) | set(faults.descendants(srv.proc.pid)))
+        left = faults.wait_no_leftovers(srv.roles, srv.pids, self.args.leak_grace)
+        self.stats.leaked_processes += len(left.processes)
+        self.stats.leaked_segments += len(left.segments)
+        self.stats.leaked_ipc_dirs += len(left.ipc_dirs)
+        if left.count:
+            self.stats.leak_examples.append(f"server {srv.proc.pid}: {left}")
+            for p in srv.pids:  # do not let one leak snowball into the next runs
+                faults.kill(p)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        srv = self.server
+        if srv is None:
+            return
+        srv.pids = sorted(set(srv.pids) | set(faults.descendants(srv.proc.pid)))
+        srv.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(srv.proc.wait, 60)
+        except subprocess.TimeoutExpired:
+            self.stats.leak_examples.append(f"server {srv.proc.pid} did not stop within 60 s of SIGTERM")
+            srv.proc.kill()
+        await asyncio.to_thread(self.account_leftovers, srv)
+
+
+def tree_rss_mib(pid: int) -> float:
+    total = 0
+    for p in [pid, *faults.descendants(pid)]:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return total / 2**20
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+
+class FaultInjector:
+    def __init__(self, sup: Supervisor, redis_pid: int, args: argparse.Namespace, stats: Stats) -> None:
+        self.sup, self.redis_pid, self.args, self.stats = sup, redis_pid, args, stats
+
+    async def run(self, names: list[str]) -> None:
+        i = 0
+        while not self.sup.stopping:
+            await asyncio.sleep(self.args.fault_every)
+            await self.sup.up.wait()
+            srv = self.sup.server
+            if srv is None or self.sup.stopping:
+                continue
+            name = names[i % len(names)]
+            i += 1
+            if name.startswith("storage") and srv.storage_dir is None:
+                name = "redis-stop"  # config B keeps KV in Redis: its storage fault is Redis stopping
+            self.stats.faults[name] += 1
+            await asyncio.to_thread(self.inject, name, srv)
+
+    def inject(self, name: str, srv: Server) -> None:
+        hold = self.args.stop_seconds
+        target, action = name.rsplit("-", 1)
+        if target in ("ctm", "worker", "engine", "api"):
+            roles = faults.server_roles(srv.proc.pid)
+            pid = roles.get(target)
+            if pid is None:
+                return
+            srv.pids = sorted(set(srv.pids) | set(roles.values()))
+            if action == "kill":
+                faults.kill(pid)
+            else:
+                faults.stop_for(pid, hold if target == "ctm" else self.args.stop_fatal_seconds)
+        elif name == "redis-stop":
+            faults.stop_for(self.redis_pid, hold)
+        else:
+            storage = faults.StorageFaults(srv.proc.pid, srv.storage_dir)  # type: ignore[arg-type]
+            with contextlib.suppress(RuntimeError):  # the server may have been restarted meanwhile
+                if action == "full":
+                    storage.fill()
+                    time.sleep(hold)
+                    storage.unfill()
+                elif action == "ro":
+                    storage.read_only()
+                    time.sleep(hold)
+                    storage.read_write()
+                else:
+                    storage.corrupt()
+
+
+# -- the load --------------------------------------------------------------------------------------
+
+
+class Clients:
+    """--concurrency loops of requests; each waits while the supervisor restarts the server."""
+
+    def __init__(self, sup: Supervisor, stats: Stats, args: argparse.Namespace) -> None:
+        self.sup, self.stats, self.args = sup, stats, args
+        self.load = Load(args.seed, args.hang_after)
+
+    async def one(self, client: httpx.AsyncClient) -> None:
+        while True:
+            await self.sup.up.wait()
+            srv = self.sup.server
+            if srv is not None:
+                break
+        r3_store = (self.sup.redis_url, STORE_NAMESPACE) if srv.config == "A" else None
+        target = Target(srv.url, r3_store, server_alive=lambda: srv.proc.poll() is None)
+        outcome = await self.load.one(client, target)
+        self.stats.add(outcome)
+        if outcome.outcome == REFUSED:
+            # the server is on its way out: wait for the supervisor's restart instead of burning requests
+            if self.sup.server is srv:
+                self.sup.up.clear()
+            await asyncio.sleep(0.5)
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def start_redis(work: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return proc, f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def make_model(work: str) -> str:
+    try:
+        from fake_model import make_fake_model  # tools/fake_model.py
+    except ImportError:
+        from fastdeploy_r3.model_executor.fake_model import make_fake_model
+    return make_fake_model("qwen3_moe", os.path.join(work, "model"), preset="tiny")
+
+
+async def soak(args: argparse.Namespace, work: str) -> Stats:
+    stats = Stats()
+    redis, redis_url = start_redis(work)
+    sup = Supervisor(args, args.model or make_model(work), redis_url, work, stats)
+    t_end = time.monotonic() + args.minutes * 60 if args.minutes else None
+    try:
+        await sup.start()
+        watcher = asyncio.create_task(sup.watch())
+        names = [f for f in args.faults.split(",") if f]
+        injector = asyncio.create_task(FaultInjector(sup, redis.pid, args, stats).run(names)) if names else None
+        clients = Clients(sup, stats, args)
+        issued = 0
+
+        async def client_loop() -> None:
+            nonlocal issued
+            async with httpx.AsyncClient(timeout=None) as client:
+                while (args.requests is None or issued < args.requests) and (t_end is None or time.monotonic() < t_end):
+                    issued += 1
+                    await clients.one(client)
+
+        await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
+        if injector is not None:
+            injector.cancel()
+        sup.stopping = True
+        await asyncio.sleep(0.5)
+        watcher.cancel()
+        await sup.stop()
+    finally:
+        sup.stopping = True
+        if sup.server is not None and sup.server.proc.poll() is None:
+            sup.server.proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(redis.pid, signal.SIGCONT)
+        redis.terminate()
+        redis.wait(10)
+    return stats
+
+
+def table(stats: Stats, seconds: float) -> str:
+    lat = sorted(stats.latencies)
+    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: float("nan"))
+    total = sum(stats.outcomes.values())
+    rows = [("requests", total)]
+    for name in OUTCOMES:
+        rows.append((name, stats.outcomes.get(name, 0)))
+    rows += [("leaked processes", stats.leaked_processes), ("leaked /dev/shm segments", stats.leaked_segments),
+             ("leaked IPC directories", stats.leaked_ipc_dirs),
+             ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(stats.faults.items())) or "none"),
+             ("server restarts", stats.restarts),
+             ("latency p50 / p99 (served)", f"{pct(0.5):.0f} / {pct(0.99):.0f} ms"),
+             ("wall time", f"{seconds:.0f} s")]
+    if stats.rss:
+        step = max(1, len(stats.rss) // 8)
+        rows.append(("RSS of the server tree", ", ".join(f"{t:.0f}s {m:.0f}MiB" for t, m in stats.rss[::step])))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"| {'what'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
+    for k, v in stats.examples.items():
+        lines.append(f"first '{k}': {v}")
+    lines += [f"leak: {x}" for x in stats.leak_examples[:5]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=None, help="stop after this many requests")
+    p.add_argument("--minutes", type=float, default=None, help="stop after this long")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--faults", default=",".join(ALL_FAULTS), help=f"comma list from {', '.join(ALL_FAULTS)}")
+    p.add_argument("--fault-every", type=float, default=20.0, help="seconds between faults")
+    p.add_argument("--stop-seconds", type=float, default=4.0, help="how long SIGSTOP / full / read-only last")
+    p.add_argument("--stop-fatal-seconds", type=float, default=45.0,
+                   help="SIGSTOP of an engine or worker (longer than the deadlines that must catch it)")
+    p.add_argument("--step-timeout", type=float, default=20.0, help="the server's worker step deadline")
+    p.add_argument("--stall-timeout", type=float, default=30.0, help="the API server's engine stall deadline")
+    p.add_argument("--store-timeout", type=float, default=2.0, help="deadline of one store operation")
+    p.add_argument("--transfer-timeout", type=float, default=5.0, help="deadline of one CTM transfer")
+    p.add_argument("--storage-bytes", type=int, default=8 << 20, help="size of config A's storage tmpfs")
+    p.add_argument("--gpu-blocks", type=int, default=96, help="KV blocks of 4 tokens (small: swaps, preemption)")
+    p.add_argument("--hang-after", type=float, default=90.0, help="a request without an answer this long hung")
+    p.add_argument("--leak-grace", type=float, default=20.0, help="seconds a dead server has to clean up")
+    p.add_argument("--rss-every", type=float, default=10.0)
+    p.add_argument("--model", default=None, help="model directory (default: a tiny fake Qwen3-MoE)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true", help="keep the work directory (server logs)")
+    args = p.parse_args(argv)
+    if args.requests is None and args.minutes is None:
+        args.requests = 1000
+    # SIGTERM unwinds like Ctrl-C, through the finally that stops the server tree and redis-server
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    work = tempfile.mkdtemp(prefix="fdr3_soak_")
+    t0 = time.monotonic()
+    stats = asyncio.run(soak(args, work))
+    print(table(stats, time.monotonic() - t0))
+    bad = sum(stats.outcomes.get(k, 0) for k in MUST_BE_ZERO)
+    bad += stats.leaked_processes + stats.leaked_segments + stats.leaked_ipc_dirs
+    if args.keep or bad:
+        print(f"server logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
