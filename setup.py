@@ -28,7 +28,7 @@ setup(
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
         # R3 as Paddle tensors at the trainer boundary (CPU build; paddlepaddle-gpu on GPU trainers).
         "paddle": ["paddlepaddle==3.3.1"],
-        "test": ["pytest", "pytest-timeout", "transformers>=5", "openai", "httpx", "ruff", "triton"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5", "openai", "httpx", "ruff", "triton", "matplotlib"],
     },
     entry_points={"console_scripts": ["fastdeploy-r3=fastdeploy_r3.entrypoints.cli:main"]},
 )
