@@ -201,7 +201,7 @@ class RoutingStore(abc.ABC):
         try:
             self.blobs.delete(keys)
         except BlobStoreError as e:
-            raise RoutingStoreError(f"deleting R3 of previous turn {rollout_id!r} failed: {e}") from e
+            raise RoutingStoreError(f"deleting R3 of rollout {rollout_id!r} in {self.where} failed: {e}") from e
 
     def close(self) -> None:
         """Release connections; the stored data stays."""
