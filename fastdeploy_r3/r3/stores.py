@@ -202,7 +202,7 @@ class RoutingStore(abc.ABC):
         try:
             self.blobs.delete(keys)
         except BlobStoreError as e:
-            raise RoutingStoreError(f"deleting R3 of previous turn {rollout_id!r} failed: {e}") from e
+            raise RoutingStoreError(f"deleting R3 of rollout {rollout_id!r} in {self.where} failed: {e}") from e
 
     def ping(self) -> None:  # noqa: B027 - optional: a store with nothing to check answers by not raising
         """Raise RoutingStoreError when the store cannot take a put now (unreachable, read-only, full)."""
