@@ -246,8 +246,8 @@ class LocalBlobStore(BlobStore):
         try:
             for key, value in group.items():
                 path = os.path.join(stage, key.partition("/")[2])
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
+                os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+                with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
                     f.write(value)
             if os.path.exists(target):
                 aside = os.path.join(self.root, f".{top}.old.{tag}")

@@ -46,11 +46,11 @@ def test_a_full_local_r3_store_drops_whole_rollouts(tmp_path) -> None:
     store = LocalRoutingStore(str(tmp_path), use_fused_put=False, capacity_bytes=3500)
     store.put("r1", [arr], [1, 2, 3])
     store.put("r2", [arr], [1, 2, 3])
-    age(str(tmp_path / "r1"), 50)
-    age(str(tmp_path / "r2"), 40)
+    age(str(tmp_path / "r1.layers"), 50)
+    age(str(tmp_path / "r2.layers"), 40)
     store.get("r1", moe_layer_ids=[1, 2, 3])  # r1 read: r2 is now the least recently used
     store.put("r3", [arr], [1, 2, 3])
-    assert sorted(os.listdir(tmp_path)) == ["r1", "r3"]
+    assert sorted(os.listdir(tmp_path)) == ["r1.layers", "r3.layers"]
     with pytest.raises(KeyError):
         store.get("r2", moe_layer_ids=[1, 2, 3])
 

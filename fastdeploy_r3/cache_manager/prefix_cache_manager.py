@@ -23,6 +23,7 @@ replaced the CTM and called `reset_transfer` with the new one (its CPU tier star
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,6 +119,11 @@ class PrefixCacheManager:
         self.transfer_lost: str | None = None  # why the CTM is unusable, until reset_transfer()
         self.num_cpu_blocks = num_cpu_blocks
         self._storage_found: dict[str, list[bool]] = {}  # request -> its lookup's answer, per full block
+        # Hashes this engine's puts stored, newest last: a lookup runs off the loop and may answer from
+        # before a put landed, so a block found here counts as stored too (a load that then misses, the
+        # block expired or evicted since, is recomputed like any failed load).
+        self._recently_stored: OrderedDict[bytes, None] = OrderedDict()
+        self._recently_stored_cap = max(4096, 4 * num_gpu_blocks)
         self.counters = CacheCounters()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks so far
@@ -181,7 +187,7 @@ class PrefixCacheManager:
             if found is None:
                 return None
             for h, present in zip(hashes[i:], found[i:]):
-                if not present:
+                if not present and h not in self._recently_stored:
                     break
                 hit.storage_hashes.append(h)
         return hit
@@ -420,7 +426,13 @@ class PrefixCacheManager:
         if blocks is None:
             return
         self.counters.storage_put_blocks += len(blocks) - len(ack.failed)
-        self._storage_found.clear()  # storage holds more now: answers from before the put are stale
+        failed = set(ack.failed)
+        for i, b in enumerate(blocks):
+            if i not in failed and b.block_hash is not None:
+                self._recently_stored[b.block_hash] = None  # a lookup answered before this put missed it
+                self._recently_stored.move_to_end(b.block_hash)
+        while len(self._recently_stored) > self._recently_stored_cap:
+            self._recently_stored.popitem(last=False)
         if not ack.ok:
             logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)
         self.gpu.free(blocks)

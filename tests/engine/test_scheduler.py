@@ -2,9 +2,12 @@ from __future__ import annotations
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
+from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
+from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind, TransferTask
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler
 from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.store_health import StoreHealth
 
 
 def make(num_blocks: int, budget: int = 64, max_seqs: int = 8, caching: bool = True) -> Scheduler:
@@ -116,3 +119,60 @@ def test_forced_hash_collision_is_recomputed_not_served(monkeypatch):
     s.add_request(c)
     step(s)
     assert c.num_cached_tokens == 4 and s.kv.block_table("c")[0] == 0
+
+
+class StoreThatAcksOnPoll:
+    """A storage tier behind a fake CTM: a put lands (and is acknowledged) at the next poll; loads succeed."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self._puts: list[TransferTask] = []
+        self._acks: dict[int, TransferAck] = {}
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return [k in self.keys for k in keys]
+
+    def submit(self, task: TransferTask) -> None:
+        if task.kind is TransferKind.GPU2STORAGE:
+            self._puts.append(task)
+        else:
+            self._acks[task.task_id] = TransferAck(task.task_id, task.kind, ok=True)
+
+    def poll(self) -> list[TransferAck]:
+        acks = []
+        for task in self._puts:
+            self.keys.update(task.storage_keys)
+            acks.append(TransferAck(task.task_id, task.kind, ok=True))
+        self._puts.clear()
+        return acks
+
+    def wait(self, task_id: int, timeout: float | None = 60) -> TransferAck:
+        return self._acks.pop(task_id)
+
+
+def test_a_lookup_answered_before_a_put_landed_still_finds_the_stored_blocks():
+    """Three GPU blocks, no CPU tier. a, c and b (b has a's prompt) all start their storage lookups at
+    once, while the store is empty. a runs and writes its 2 full blocks through; c then evicts them.
+    b's lookup said 'not stored' before a's put landed: b still loads both blocks instead of
+    recomputing them (before, it recomputed all 9 tokens and its put was refused as a conflict)."""
+    store = StoreThatAcksOnPoll()
+    lookup = StorageLookup(store, deadline_s=30.0, health=StoreHealth("kv storage"))
+    kv = PrefixCacheManager(3, block_size=4, enable_prefix_caching=True, root_hash=root_hash("t", "0"),
+                            transfer=store, lookup=lookup)
+    s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    a, c, b = req("a", list(range(9)), 1), req("c", list(range(100, 109)), 1), req("b", list(range(9)), 1)
+    for r in (a, c, b):
+        s.add_request(r)
+    assert step(s) == []  # three lookups running
+    while kv.has_pending_lookups():
+        lookup.wait(0.05)
+    assert step(s) == [("a", 9, True)]  # c and b wait for blocks; b's lookup has answered [False, False]
+    kv.poll_transfers()
+    assert len(store.keys) == 2
+    s.release(a, RequestStatus.FINISHED_LENGTH)
+    assert step(s) == [("c", 9, True)]  # evicts a's cached blocks
+    kv.poll_transfers()
+    s.release(c, RequestStatus.FINISHED_LENGTH)
+    assert step(s) == [("b", 1, True)]
+    assert b.num_cached_tokens == 8 and kv.counters.storage_load_blocks == 2
+    lookup.close()
