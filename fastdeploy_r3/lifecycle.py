@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ def unwind_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def cleanup_begins() -> None:
+    """Call first in a child's final cleanup: a SIGTERM now (the parent-death signal arriving after
+    the child already saw its parent's pipe close) must not unwind out of the cleanup it would start."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def name_this_process(name: str) -> None:
     """Set the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), e.g. `fdr3-worker0`.
 
@@ -81,6 +88,23 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def parent_gone(parent_pid: int, wait_s: float = 0.0) -> bool:
+    """Whether the process that started this one has exited, waiting up to `wait_s` to see it.
+
+    The parent-death signal comes when the parent's *thread* that started us exits; a SIGKILLed
+    parent's other threads may still be running then, and until the last one exits we stay its child
+    (getppid() unchanged, its pid alive). A child that got SIGTERM without a shutdown message waits a
+    moment to tell "my parent is dying" from "my parent is stopping me".
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        if os.getppid() != parent_pid or not pid_alive(parent_pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 def new_ipc_dir() -> str:

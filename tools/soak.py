@@ -322,10 +322,15 @@ async def soak(args: argparse.Namespace, work: str) -> Stats:
         clients = Clients(sup, stats, args)
         issued = 0
 
+        def more_to_do() -> bool:
+            if sum(stats.faults.values()) < args.min_faults:
+                return True  # a short run (make test) must still meet every fault it names
+            return (args.requests is None or issued < args.requests) and (t_end is None or time.monotonic() < t_end)
+
         async def client_loop() -> None:
             nonlocal issued
             async with httpx.AsyncClient(timeout=None) as client:
-                while (args.requests is None or issued < args.requests) and (t_end is None or time.monotonic() < t_end):
+                while more_to_do():
                     issued += 1
                     await clients.one(client)
 
@@ -379,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--faults", default=",".join(ALL_FAULTS), help=f"comma list from {', '.join(ALL_FAULTS)}")
     p.add_argument("--fault-every", type=float, default=20.0, help="seconds between faults")
+    p.add_argument("--min-faults", type=int, default=0,
+                   help="keep the load going past --requests / --minutes until this many faults were injected")
     p.add_argument("--stop-seconds", type=float, default=4.0, help="how long SIGSTOP / full / read-only last")
     p.add_argument("--stop-fatal-seconds", type=float, default=45.0,
                    help="SIGSTOP of an engine or worker (longer than the deadlines that must catch it)")

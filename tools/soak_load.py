@@ -29,6 +29,7 @@ OK, BAD_OK, CLEAR, REFUSED, GAVE_UP, CUT, HUNG, WRONG, UNCLEAR = (
 OUTCOMES = (OK, BAD_OK, CLEAR, REFUSED, GAVE_UP, CUT, HUNG, WRONG, UNCLEAR)
 MUST_BE_ZERO = (HUNG, WRONG, UNCLEAR)
 
+HELD_TOKENS = 90  # with a prompt of at most 28 tokens, within a max_model_len of 128
 KINDS = (("plain", 35), ("n2", 10), ("stream", 20), ("abort", 8), ("disconnect", 7), ("bad", 10), ("long", 10))
 BAD_BODIES = ({"max_tokens": -1}, {"prompt": [10**7]}, {"temperature": -1.0}, {"n": 0}, {"no_such_field": 1},
               {"prompt": []})
@@ -74,6 +75,13 @@ class Load:
         self.hang_after_s = hang_after_s
         self.prefixes = [[self.rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(16)] for _ in range(6)]
         self.kinds = [k for k, w in KINDS for _ in range(w)]
+        self.held_streaming: asyncio.Event | None = None  # set at the first event of a "held" stream
+
+    def held_event(self) -> asyncio.Event:
+        """Set once some "held" stream has its first event (made in the running loop)."""
+        if self.held_streaming is None:
+            self.held_streaming = asyncio.Event()
+        return self.held_streaming
 
     def pick_kind(self) -> str:
         return self.rng.choice(self.kinds)
@@ -90,7 +98,9 @@ class Load:
         if kind == "long":
             body["prompt"] = prompt + [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(40)]
             body["max_tokens"] = rng.randint(10, 40)
-        if kind in ("stream", "abort"):
+        if kind == "held":  # a stream still decoding well after its first token: a fault can meet it
+            body.update(max_tokens=HELD_TOKENS, ignore_eos=True)
+        if kind in ("stream", "abort", "held"):
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         if kind == "bad":
@@ -147,6 +157,8 @@ class Load:
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
+                if kind == "held":
+                    self.held_event().set()
                 if kind == "abort":
                     return GAVE_UP, ""  # leaving the block closes the connection: the server aborts it
                 if "error" in event:

@@ -52,7 +52,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
-from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, unwind_on_sigterm
+from fastdeploy_r3.lifecycle import cleanup_begins, exit_with_parent, name_this_process, unwind_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -354,9 +354,10 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
     except (BrokenPipeError, EOFError):
         return
     finally:
+        cleanup_begins()
+        unlink_ctm_segments(config)
         if ctm is not None:
             ctm.close()
-        unlink_ctm_segments(config)
 
 
 def unlink_ctm_segments(config: CacheTransferConfig) -> None:

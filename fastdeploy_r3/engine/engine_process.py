@@ -18,6 +18,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,9 +52,11 @@ from fastdeploy_r3.engine.scheduler import QueueFullError
 from fastdeploy_r3.lifecycle import (
     EngineDeadError,
     Shutdown,
+    cleanup_begins,
     exit_with_parent,
     name_this_process,
     new_ipc_dir,
+    parent_gone,
     unwind_on_sigterm,
 )
 from fastdeploy_r3.sampling_params import InvalidRequestError
@@ -229,7 +232,8 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
         name_this_process("fdr3-engine")
         _serve(config, addresses, parent_pid)
     finally:
-        if os.getppid() != parent_pid:
+        # a signal (SIGTERM when the API server died) may come before the server has quite exited
+        if parent_gone(parent_pid, wait_s=2.0 if isinstance(sys.exc_info()[1], SystemExit) else 0.0):
             addresses.remove()  # its owner is gone and will not remove it
 
 
@@ -273,6 +277,7 @@ def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) ->
         traceback.print_exc()
         raise
     finally:
+        cleanup_begins()
         try:
             svc.shutdown()
         finally:

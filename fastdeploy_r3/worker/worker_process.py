@@ -27,7 +27,13 @@ import torch
 
 from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.lifecycle import exit_with_parent, name_this_process, pid_alive, unwind_on_sigterm
+from fastdeploy_r3.lifecycle import (
+    cleanup_begins,
+    exit_with_parent,
+    name_this_process,
+    parent_gone,
+    unwind_on_sigterm,
+)
 from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
     DestroyWeightUpdateGroup,
@@ -61,6 +67,8 @@ def worker_main(
     engine = multiprocessing.parent_process()
     engine_pid = engine.pid if engine is not None else os.getppid()
     runner = None
+    engine_gone = False
+    told_to_stop = False
     try:
         exit_with_parent(engine_pid)
         name_this_process(f"fdr3-worker{rank}")
@@ -75,8 +83,12 @@ def worker_main(
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                break  # the engine is gone: the finally below unlinks its segments
+                # The engine is gone (its end of the pipe closes before the kernel reparents us, so
+                # neither getppid() nor its pid can tell yet): the finally below unlinks its segments.
+                engine_gone = True
+                break
             if isinstance(msg, Shutdown):
+                told_to_stop = True
                 break
             if isinstance(msg, AttachRoutingBuffer):
                 runner.attach_routing(msg.spec)
@@ -97,9 +109,10 @@ def worker_main(
         except Exception:
             pass
     finally:
+        cleanup_begins()
+        if engine_gone or parent_gone(engine_pid, wait_s=0.0 if told_to_stop else 3.0):
+            unlink_all(engine_suffix)  # the engine died without shutting us down: nobody else will
         if runner is not None:
             runner.close()
         destroy_distributed()
-        if not pid_alive(engine_pid) or os.getppid() != engine_pid:
-            unlink_all(engine_suffix)  # the engine died without shutting us down: nobody else will
 

@@ -38,7 +38,9 @@ DEADLINES = ("--worker-step-timeout-s", "60", "--engine-stall-timeout-s", "90", 
 SMALL_CACHE = ("--block-size", "4", "--num-gpu-blocks-override", "40", "--num-cpu-blocks-override", "16",
                "--max-model-len", "128")
 KINDS = ("plain", "stream", "n2")
-LONG_KINDS = ("long", "stream", "long", "n2")  # still running when a fatal fault comes
+# a fatal fault comes at the first token of a "held" stream, so the held streams and, on a loaded
+# machine, the others are still running when it hits
+HELD_KINDS = ("held", "long", "stream", "held", "n2", "long")
 
 
 def r3_config(**extra: object) -> str:
@@ -52,14 +54,19 @@ def model_dir(fake_model_dir: Callable[..., str]) -> str:
 
 def drive(target: Target, n: int, fault: Callable[[], object] | None = None, after_s: float = 0.5,
           seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[Outcome]:  # fmt: skip
-    """n requests at once (kinds in turn); `fault` runs `after_s` into the load, in a thread."""
+    """n requests at once (kinds in turn); `fault` runs in a thread `after_s` into the load, or, when
+    `kinds` has a "held" stream, as soon as one has its first token (a tiny model serves a short
+    request in a tenth of a second: a fixed delay missed them all)."""
 
     async def run() -> list[Outcome]:
         load = Load(seed, hang_after_s=HANG_S)
         async with httpx.AsyncClient(timeout=None) as client:
             tasks = [asyncio.create_task(load.one(client, target, kinds[i % len(kinds)])) for i in range(n)]
             if fault is not None:
-                await asyncio.sleep(after_s)
+                if "held" in kinds:
+                    await asyncio.wait_for(load.held_event().wait(), HANG_S)
+                else:
+                    await asyncio.sleep(after_s)
                 await asyncio.to_thread(fault)
             return list(await asyncio.gather(*tasks))
 
@@ -113,7 +120,7 @@ def test_a_lost_engine_fails_requests_clearly_and_the_server_exits_1_leaving_not
 
         target = Target(srv.url, server_alive=lambda: srv.proc.poll() is None)
         t0 = time.monotonic()
-        outcomes = drive(target, 6, fault, kinds=LONG_KINDS)
+        outcomes = drive(target, 6, fault, kinds=HELD_KINDS)
         assert time.monotonic() - t0 < HANG_S
         assert {o.outcome for o in outcomes} <= {OK, CLEAR, REFUSED}, outcomes
         failed = [o for o in outcomes if o.outcome == CLEAR]
@@ -132,7 +139,7 @@ def test_f4_sigkilled_api_server_under_load_leaves_no_process_segment_or_ipc_dir
                     "--kv-storage", f"file://{tmp_path}/kv", *DEADLINES) as srv:
         roles, pids = server_tree(srv)
         target = Target(srv.url, server_alive=lambda: srv.proc.poll() is None)
-        outcomes = drive(target, 6, lambda: os.kill(srv.proc.pid, signal.SIGKILL), kinds=LONG_KINDS)
+        outcomes = drive(target, 6, lambda: os.kill(srv.proc.pid, signal.SIGKILL), kinds=HELD_KINDS)
         assert {o.outcome for o in outcomes} <= {OK, CUT, REFUSED}, outcomes
         assert any(o.outcome == CUT for o in outcomes), "no request was in flight when the server died"
         assert_nothing_left(roles, pids, within_s=15)
