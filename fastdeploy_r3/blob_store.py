@@ -29,6 +29,7 @@ import secrets
 import shutil
 import struct
 from collections.abc import Sequence
+from typing import BinaryIO
 
 import xxhash
 
@@ -54,6 +55,11 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
+def open_new_private(path: str) -> BinaryIO:
+    """Create `path` (it must not exist) 0600, narrowed by the umask, for writing."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
+
+
 def write_atomic(path: str, data: bytes | memoryview) -> None:
     """Write to a private temp name and rename: a reader sees the old file, no file, or the whole new one.
 
@@ -61,7 +67,7 @@ def write_atomic(path: str, data: bytes | memoryview) -> None:
     os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
+        with open_new_private(tmp) as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
@@ -247,7 +253,7 @@ class LocalBlobStore(BlobStore):
             for key, value in group.items():
                 path = os.path.join(stage, key.partition("/")[2])
                 os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
-                with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
+                with open_new_private(path) as f:
                     f.write(value)
             if os.path.exists(target):
                 aside = os.path.join(self.root, f".{top}.old.{tag}")

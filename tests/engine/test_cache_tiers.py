@@ -38,6 +38,7 @@ def generate(model_dir: str, prompts: list[list[int]], **kw: object) -> tuple[li
     r3 = {"enable_routing_replay": True}
     with LLM(model_dir, block_size=4, max_num_seqs=2, routing_replay_config=r3, **kw) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.engine.kv.poll_transfers(block=True)  # write-through still in flight counts once acknowledged
         metrics = llm.engine.metrics()
         llm.engine.kv.check_integrity()
     for o in outs:

@@ -26,17 +26,16 @@ def rows(seed: int) -> np.ndarray:
 
 
 def disk_full_after(monkeypatch: pytest.MonkeyPatch, n_files: int) -> None:
-    """The blob store's file writes fail with ENOSPC from the (n_files + 1)-th on."""
-    real_open, opened = open, [0]
+    """The blob store's file creations fail with ENOSPC from the (n_files + 1)-th on."""
+    real_open, opened = blob_store.open_new_private, [0]
 
-    def fake_open(path, mode="r", *args, **kwargs):
-        if "w" in mode:
-            opened[0] += 1
-            if opened[0] > n_files:
-                raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real_open(path, mode, *args, **kwargs)
+    def fake_open(path: str):
+        opened[0] += 1
+        if opened[0] > n_files:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_open(path)
 
-    monkeypatch.setattr(blob_store, "open", fake_open, raising=False)
+    monkeypatch.setattr(blob_store, "open_new_private", fake_open)
 
 
 def test_a_per_layer_put_that_fails_halfway_leaves_nothing_a_reader_can_see(tmp_path, monkeypatch) -> None:

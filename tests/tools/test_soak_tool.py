@@ -20,7 +20,8 @@ def row(table: str, name: str) -> str:
 
 def test_short_soak_has_no_hang_no_wrong_row_and_no_leak() -> None:
     cmd = [sys.executable, os.path.join(REPO_ROOT, "tools", "soak.py"), "--requests", "70", "--concurrency", "6",
-           "--fault-every", "3", "--min-faults", "4", "--faults", "ctm-kill,redis-stop,storage-full,worker-kill", "--stop-seconds", "2",
+           "--fault-every", "3", "--min-faults", "4",
+           "--faults", "ctm-kill,redis-stop,storage-full,worker-kill", "--stop-seconds", "2",
            "--step-timeout", "20", "--stall-timeout", "30", "--hang-after", "90"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT))
