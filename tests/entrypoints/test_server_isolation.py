@@ -127,6 +127,17 @@ def test_f3_a_non_streaming_client_that_hangs_up_has_its_request_aborted(server:
     assert engine_metrics(server)["num_running"] == 0
 
 
+def test_f3_a_native_generate_client_that_hangs_up_has_its_rollout_aborted(server: ServerHandle) -> None:
+    """SGLang's /generate, non-streaming: the same as /v1/completions."""
+    wait_idle(server, 60)
+    body = {"text": "hang up on me too", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True,
+                                                              "temperature": 0}}
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, body, timeout=1.5, path="/generate")
+    assert wait_idle(server, within_s=8.0) < 8.0
+    assert engine_metrics(server)["num_running"] == 0
+
+
 def test_f3_a_streaming_client_that_hangs_up_has_its_request_aborted(server: ServerHandle) -> None:
     wait_idle(server, 60)
     with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "stream then leave", "stream": True,

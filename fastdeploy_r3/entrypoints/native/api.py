@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from fastdeploy_r3.engine.messages import (
     ContinueGeneration,
@@ -44,6 +44,7 @@ from fastdeploy_r3.entrypoints.native.protocol import (
     UpdateWeightsFromDistributedRequest,
 )
 from fastdeploy_r3.entrypoints.native.serving_generate import NativeServing
+from fastdeploy_r3.entrypoints.openai.disconnect import unless_gone
 from fastdeploy_r3.entrypoints.openai.serving_engine import ServingContext, bad_request, engine_unavailable
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup, UpdateWeights
@@ -65,8 +66,8 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(body, status_code=status)
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest):
-        return await serving.generate(body)
+    async def generate(body: GenerateRequest, raw: Request) -> Response:
+        return await unless_gone(raw, serving.generate(body))  # a client that hangs up aborts its rollout
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang takes both
     async def flush_cache() -> JSONResponse:

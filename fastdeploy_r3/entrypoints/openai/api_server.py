@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -40,7 +40,7 @@ from fastdeploy_r3.blob_store import redact_url
 from fastdeploy_r3.config import ConfigError, EngineConfig
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.native.api import add_native_routes
-from fastdeploy_r3.entrypoints.openai.disconnect import ClientDisconnected, unless_disconnected
+from fastdeploy_r3.entrypoints.openai.disconnect import unless_gone
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from fastdeploy_r3.entrypoints.openai.request_limits import BodySizeLimit, longest_token_chars
@@ -231,12 +231,6 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(ModelList(data=[_model_card(ctx, ctx.store, namespace)]).model_dump())
-
-    async def unless_gone(raw: Request, work: Awaitable[Response]) -> Response:
-        try:
-            return await unless_disconnected(raw, work)
-        except ClientDisconnected:
-            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:

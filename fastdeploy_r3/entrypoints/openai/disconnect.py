@@ -20,6 +20,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 logger = logging.getLogger(__name__)
 
@@ -57,3 +58,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+
+
+async def unless_gone(request: Request, work: Awaitable[Response]) -> Response:
+    """The response of `work`, or 499 (nginx's "client closed request"; nobody reads it) when the
+    client hung up first and its request was aborted. Every non-streaming generation endpoint uses it."""
+    try:
+        return await unless_disconnected(request, work)
+    except ClientDisconnected:
+        return Response(status_code=499)
