@@ -127,9 +127,9 @@ def main() -> None:
           f"R3: [{args.tokens}, {args.layers}, {args.top_k}] uint8 = {rows.nbytes / 2**20:.2f} MiB; "
           f"{args.rounds} rounds")  # fmt: skip
 
-    tmp = tempfile.mkdtemp(prefix="fdr3_bench_")
     table = []
-    with _servers(holder_bytes=kv_total + 512 * 2**20) as (redis_url, mc_url):
+    with tempfile.TemporaryDirectory(prefix="fdr3_bench_") as tmp, \
+            _servers(holder_bytes=kv_total + 512 * 2**20) as (redis_url, mc_url):
         from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore
 
         backends: dict[str, tuple[str, Callable[[bool], RoutingStore]]] = {

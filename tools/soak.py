@@ -7,7 +7,8 @@ It starts its own redis-server and, when no --model is given, a tiny fake checkp
 API server as a supervisor would (restarting it whenever it exits), alternating two configurations
 on each start so both R3 delivery paths see faults:
 
-    config A   KV storage tier on a file directory (a private tmpfs), R3 to the p2pstore (Redis)
+    config A   KV storage tier on a file directory (a private tmpfs, the tier bounded to 3/4 of it),
+               R3 to the p2pstore (Redis)
     config B   KV storage tier on Redis, R3 in the response
 
 Both have a CPU tier and a small GPU cache (swaps and preemption). The load mixes shared prefixes,
@@ -110,6 +111,9 @@ class Supervisor:
                "--worker-step-timeout-s", str(a.step_timeout), "--storage-timeout-s", str(a.store_timeout),
                "--transfer-timeout-s", str(a.transfer_timeout), "--engine-stall-timeout-s", str(a.stall_timeout)]
         if config == "A":
+            # the tier keeps to 3/4 of its tmpfs (least recently used blocks out), so only the
+            # storage faults fill the disk, not the soak's own blocks
+            cmd += ["--kv-storage-capacity-gib", f"{a.storage_bytes * 0.75 / 2**30:.6f}"]
             return faults.in_private_tmpfs(cmd, storage_dir, a.storage_bytes)
         return cmd
 
