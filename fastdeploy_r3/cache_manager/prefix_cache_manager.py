@@ -186,8 +186,10 @@ class PrefixCacheManager:
             found = self._found_in_storage(req.request_id, hashes)
             if found is None:
                 return None
+            # a degraded store answers "missing" without asking: do not send loads to it either
+            recent = self._recently_stored if self.lookup is None or self.lookup.health.degraded is None else {}
             for h, present in zip(hashes[i:], found[i:]):
-                if not present and h not in self._recently_stored:
+                if not present and h not in recent:
                     break
                 hit.storage_hashes.append(h)
         return hit

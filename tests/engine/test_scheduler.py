@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
@@ -150,11 +152,13 @@ class StoreThatAcksOnPoll:
         return self._acks.pop(task_id)
 
 
-def test_a_lookup_answered_before_a_put_landed_still_finds_the_stored_blocks():
+@pytest.mark.parametrize("store_degraded", [False, True])
+def test_a_lookup_answered_before_a_put_landed_still_finds_the_stored_blocks(store_degraded: bool):
     """Three GPU blocks, no CPU tier. a, c and b (b has a's prompt) all start their storage lookups at
     once, while the store is empty. a runs and writes its 2 full blocks through; c then evicts them.
     b's lookup said 'not stored' before a's put landed: b still loads both blocks instead of
-    recomputing them (before, it recomputed all 9 tokens and its put was refused as a conflict)."""
+    recomputing them (before, it recomputed all 9 tokens and its put was refused as a conflict).
+    Unless the store has since been marked degraded: then nothing is sent to it and b recomputes."""
     store = StoreThatAcksOnPoll()
     lookup = StorageLookup(store, deadline_s=30.0, health=StoreHealth("kv storage"))
     kv = PrefixCacheManager(3, block_size=4, enable_prefix_caching=True, root_hash=root_hash("t", "0"),
@@ -173,6 +177,11 @@ def test_a_lookup_answered_before_a_put_landed_still_finds_the_stored_blocks():
     assert step(s) == [("c", 9, True)]  # evicts a's cached blocks
     kv.poll_transfers()
     s.release(c, RequestStatus.FINISHED_LENGTH)
-    assert step(s) == [("b", 1, True)]
-    assert b.num_cached_tokens == 8 and kv.counters.storage_load_blocks == 2
+    if store_degraded:
+        lookup.health.failed("ConnectionError: refused")
+        assert step(s) == [("b", 9, True)]
+        assert b.num_cached_tokens == 0 and kv.counters.storage_load_blocks == 0
+    else:
+        assert step(s) == [("b", 1, True)]
+        assert b.num_cached_tokens == 8 and kv.counters.storage_load_blocks == 2
     lookup.close()
