@@ -24,6 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, up to `grace_s` to exit, then SIGKILL: how every server a test starts is stopped."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def server_command(model_dir: str, port: int, *args: str) -> list[str]:
     return [sys.executable, "-m", SERVER_MODULE, "--model", model_dir, "--port", str(port), "--device", "cpu", *args]
 
@@ -77,11 +89,5 @@ def api_server(
             time.sleep(0.2)
         yield handle
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 60)
         log.close()

@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from api_server_process import free_port
+from api_server_process import free_port, stop_process
 
 
 class MooncakeMissing(RuntimeError):
@@ -63,12 +63,7 @@ def _process(argv: list[str], port: int, what: str, timeout: float) -> Iterator[
         _wait_listening(port, proc, what, log, timeout)
         yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 5)
         with contextlib.suppress(OSError):
             os.unlink(log)
 

@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from api_server_process import free_port
+from api_server_process import free_port, stop_process
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
@@ -64,10 +64,5 @@ def redis_server(timeout: float = 10.0) -> Iterator[str]:
         _wait_ready(port, proc, timeout)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 5)
         shutil.rmtree(tmp, ignore_errors=True)
