@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,8 +43,11 @@ TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TOOLS_DIR)
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, TOOLS_DIR)
+sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the process launchers the tests use
 
 import faults  # noqa: E402
+from api_server_process import free_port  # noqa: E402
+from redis_server import redis_pid, redis_server  # noqa: E402
 from soak_load import MUST_BE_ZERO, OUTCOMES, REFUSED, Load, Target  # noqa: E402
 from soak_load import Stats as RequestStats  # noqa: E402
 
@@ -67,12 +69,6 @@ class Stats(RequestStats):
 
 
 # -- the supervised server -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -289,22 +285,6 @@ class Clients:
 # -- main ------------------------------------------------------------------------------------------
 
 
-def start_redis(work: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            if s.recv(16).startswith(b"+PONG"):
-                return proc, f"redis://127.0.0.1:{port}/0"
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
-
-
 def make_model(work: str) -> str:
     try:
         from fake_model import make_fake_model  # tools/fake_model.py
@@ -315,14 +295,18 @@ def make_model(work: str) -> str:
 
 async def soak(args: argparse.Namespace, work: str) -> Stats:
     stats = Stats()
-    redis, redis_url = start_redis(work)
+    with redis_server() as redis_url:
+        return await _soak(args, work, stats, redis_url, redis_pid(redis_url))
+
+
+async def _soak(args: argparse.Namespace, work: str, stats: Stats, redis_url: str, redis_server_pid: int) -> Stats:
     sup = Supervisor(args, args.model or make_model(work), redis_url, work, stats)
     t_end = time.monotonic() + args.minutes * 60 if args.minutes else None
     try:
         await sup.start()
         watcher = asyncio.create_task(sup.watch())
         names = [f for f in args.faults.split(",") if f]
-        injector = asyncio.create_task(FaultInjector(sup, redis.pid, args, stats).run(names)) if names else None
+        injector = asyncio.create_task(FaultInjector(sup, redis_server_pid, args, stats).run(names)) if names else None
         clients = Clients(sup, stats, args)
         issued = 0
 
@@ -350,9 +334,7 @@ async def soak(args: argparse.Namespace, work: str) -> Stats:
         if sup.server is not None and sup.server.proc.poll() is None:
             sup.server.proc.kill()
         with contextlib.suppress(ProcessLookupError):
-            os.kill(redis.pid, signal.SIGCONT)
-        redis.terminate()
-        redis.wait(10)
+            os.kill(redis_server_pid, signal.SIGCONT)  # a stopped redis-server could not take redis_server()'s SIGTERM
     return stats
 
 
