@@ -25,7 +25,6 @@ import re
 import shutil
 import signal
 import tempfile
-import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -90,21 +89,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def parent_gone(parent_pid: int, wait_s: float = 0.0) -> bool:
-    """Whether the process that started this one has exited, waiting up to `wait_s` to see it.
-
-    The parent-death signal comes when the parent's *thread* that started us exits; a SIGKILLed
-    parent's other threads may still be running then, and until the last one exits we stay its child
-    (getppid() unchanged, its pid alive). A child that got SIGTERM without a shutdown message waits a
-    moment to tell "my parent is dying" from "my parent is stopping me".
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        if os.getppid() != parent_pid or not pid_alive(parent_pid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
+def parent_gone(parent_pid: int) -> bool:
+    """Whether the process that started this one has exited (we were reparented, or its pid is gone)."""
+    return os.getppid() != parent_pid or not pid_alive(parent_pid)
 
 
 def new_ipc_dir() -> str:

@@ -232,8 +232,9 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
         name_this_process("fdr3-engine")
         _serve(config, addresses, parent_pid)
     finally:
-        # a signal (SIGTERM when the API server died) may come before the server has quite exited
-        if parent_gone(parent_pid, wait_s=2.0 if isinstance(sys.exc_info()[1], SystemExit) else 0.0):
+        # Terminated by a signal: the API server died (the parent-death signal may come before it has
+        # quite exited), or it is stopping this engine and removes the directory too (harmlessly twice).
+        if isinstance(sys.exc_info()[1], SystemExit) or parent_gone(parent_pid):
             addresses.remove()  # its owner is gone and will not remove it
 
 

@@ -67,7 +67,6 @@ def worker_main(
     engine = multiprocessing.parent_process()
     engine_pid = engine.pid if engine is not None else os.getppid()
     runner = None
-    engine_gone = False
     told_to_stop = False
     try:
         exit_with_parent(engine_pid)
@@ -83,10 +82,7 @@ def worker_main(
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                # The engine is gone (its end of the pipe closes before the kernel reparents us, so
-                # neither getppid() nor its pid can tell yet): the finally below unlinks its segments.
-                engine_gone = True
-                break
+                break  # the engine is gone: the finally below unlinks its segments
             if isinstance(msg, Shutdown):
                 told_to_stop = True
                 break
@@ -110,7 +106,10 @@ def worker_main(
             pass
     finally:
         cleanup_begins()
-        if engine_gone or parent_gone(engine_pid, wait_s=0.0 if told_to_stop else 3.0):
+        # Not told to stop: the engine died (neither its pid nor getppid() may show it yet: the
+        # parent-death signal comes when its thread exits, before the process is gone), or it is
+        # stopping a stuck rank and will unlink them too (a second unlink is harmless).
+        if not told_to_stop or parent_gone(engine_pid):
             unlink_all(engine_suffix)  # the engine died without shutting us down: nobody else will
         if runner is not None:
             runner.close()
