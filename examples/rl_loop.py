@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     torch.set_num_threads(1)  # the server's worker computes on this machine too
-    model = load_model(ModelConfig(model=args.model).finalize(), torch.device("cpu"))
+    model = load_model(ModelConfig(model=args.model), torch.device("cpu"))
     model.requires_grad_(True)
 
     t0 = time.perf_counter()

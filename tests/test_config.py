@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,9 @@ GLM45_LIKE = {
 
 
 def _model_config(tmp_path: Path, **overrides: Any) -> ModelConfig:
-    """A finalized ModelConfig read from <tmp_path>/config.json."""
+    """A ModelConfig read from <tmp_path>/config.json."""
     (tmp_path / "config.json").write_text(json.dumps({**GLM45_LIKE, **overrides}))
-    return ModelConfig(model=str(tmp_path)).finalize()
+    return ModelConfig(model=str(tmp_path))
 
 
 def test_parses_json_string_file_path_and_dict(tmp_path: Path) -> None:
@@ -75,8 +76,7 @@ def test_malformed_json_and_non_object_are_rejected() -> None:
 
 def test_glm45_like_model_has_45_moe_layers_after_the_dense_one(tmp_path: Path) -> None:
     """46 layers, first_k_dense_replace=1, 160 experts, top-8: L = 45 (layers 1..45), uint8, sentinel 255."""
-    cfg = RoutingReplayConfig.from_json({"enable_routing_replay": True})
-    cfg.postprocess(_model_config(tmp_path))
+    cfg = RoutingReplayConfig.from_json({"enable_routing_replay": True}).postprocess(_model_config(tmp_path))
     assert cfg.moe_layer_ids == list(range(1, 46))
     assert (cfg.num_moe_layers, cfg.moe_top_k, cfg.num_experts) == (45, 8, 160)
     assert cfg.routing_dtype == np.uint8 and cfg.sentinel == 255
@@ -89,20 +89,18 @@ def test_glm45_like_model_has_45_moe_layers_after_the_dense_one(tmp_path: Path) 
 def test_routing_dtype_keeps_the_sentinel_above_every_id(tmp_path: Path, num_experts: int, dtype: type) -> None:
     """The sentinel is the dtype's max, so ids 0..num_experts-1 never reach it."""
     assert routing_dtype_for(num_experts) == np.dtype(dtype)
-    cfg = RoutingReplayConfig()
-    cfg.postprocess(_model_config(tmp_path, n_routed_experts=num_experts))
+    cfg = RoutingReplayConfig().postprocess(_model_config(tmp_path, n_routed_experts=num_experts))
     assert cfg.routing_dtype == np.dtype(dtype)
     assert cfg.sentinel == np.iinfo(dtype).max and cfg.sentinel >= num_experts
 
 
-def test_postprocess_twice_is_an_error(tmp_path: Path) -> None:
-    cfg = RoutingReplayConfig()
-    model_config = _model_config(tmp_path)
-    cfg.postprocess(model_config)
+def test_postprocess_returns_a_new_frozen_config_once(tmp_path: Path) -> None:
+    """The asked-for config is left as it was; the derived one cannot be derived again or assigned to."""
+    asked = RoutingReplayConfig(enable_routing_replay=True)
+    derived = asked.postprocess(_model_config(tmp_path))
+    assert asked.moe_layer_ids is None and derived.moe_layer_ids == list(range(1, 46))
+    assert derived.to_json() == asked.to_json()
     with pytest.raises(ConfigError, match="called twice"):
-        cfg.postprocess(model_config)
-
-
-def test_postprocess_needs_a_finalized_model_config(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="finalized ModelConfig"):
-        RoutingReplayConfig().postprocess(ModelConfig(model=str(tmp_path)))
+        derived.postprocess(_model_config(tmp_path))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        derived.ttl_s = 1  # type: ignore[misc]

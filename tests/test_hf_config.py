@@ -100,13 +100,13 @@ def _write(tmp_path: Path, config: dict[str, Any], generation: dict[str, Any] | 
 @pytest.mark.parametrize(("config", "want"), [(QWEN3_V4, "bfloat16"), (QWEN3_V5, "bfloat16"),
                                               ({**QWEN3_V5, "dtype": "float16"}, "float16")])
 def test_dtype_auto_is_the_dtype_config_json_names(tmp_path: Path, config: dict[str, Any], want: str) -> None:
-    assert ModelConfig(model=_write(tmp_path, config), dtype="auto").finalize().dtype == want
+    assert ModelConfig(model=_write(tmp_path, config), dtype="auto").dtype == want
 
 
 def test_dtype_auto_without_a_dtype_key_says_what_to_pass(tmp_path: Path) -> None:
     config = {k: v for k, v in QWEN3_V5.items() if k != "dtype"}
     with pytest.raises(ConfigError, match="says the weights are None; pass one of float32, bfloat16, float16"):
-        ModelConfig(model=_write(tmp_path, config), dtype="auto").finalize()
+        ModelConfig(model=_write(tmp_path, config), dtype="auto")
 
 
 def test_generation_config_gives_eos_ids_and_sampling_defaults(tmp_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_generation_config_gives_eos_ids_and_sampling_defaults(tmp_path: Path) -
     max_new_tokens (as max_tokens) are defaults; do_sample, which vLLM ignores, is not."""
     gen = {"eos_token_id": [7, 5], "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
            "do_sample": True, "max_new_tokens": 100}
-    mc = ModelConfig(model=_write(tmp_path, {**QWEN3_V5, "eos_token_id": 5}, gen)).finalize()
+    mc = ModelConfig(model=_write(tmp_path, {**QWEN3_V5, "eos_token_id": 5}, gen))
     assert mc.eos_token_ids == [5, 7]
     assert mc.generation_defaults == {
         "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 100,
@@ -123,5 +123,5 @@ def test_generation_config_gives_eos_ids_and_sampling_defaults(tmp_path: Path) -
 
 def test_no_generation_config_means_no_defaults(tmp_path: Path) -> None:
     assert GenerationDefaults.read(str(tmp_path)) == GenerationDefaults([], {})
-    mc = ModelConfig(model=_write(tmp_path, {**QWEN3_V5, "eos_token_id": [3, 4]})).finalize()
+    mc = ModelConfig(model=_write(tmp_path, {**QWEN3_V5, "eos_token_id": [3, 4]}))
     assert (mc.eos_token_ids, mc.generation_defaults) == ([3, 4], {})

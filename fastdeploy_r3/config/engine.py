@@ -5,7 +5,12 @@ EngineConfig
   ├─ CacheConfig          block_size, GPU/CPU/storage tiers
   ├─ SchedulerConfig      token budget, batch size, chunked prefill
   ├─ ParallelConfig       tensor parallel size
-  └─ RoutingReplayConfig  R3 (DESIGN.md §6); derived fields filled by postprocess(model_config)
+  └─ RoutingReplayConfig  R3 (r3/config.py); its derived shape comes from postprocess(model_config)
+
+Every config is frozen: each is whole when constructed (ModelConfig reads config.json in __post_init__)
+and nothing assigns to it afterwards. What changes while an engine runs is the engine's state, not
+config: the max_model_len in force (lowered to what the KV cache holds) and the current weight version
+live on EngineService (engine/engine_service.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastdeploy_r3.config.dtypes import MODEL_DTYPES
@@ -44,7 +50,7 @@ def derived(**kwargs: Any) -> Any:
     return field(init=False, **kwargs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors)"})
     dtype: str = flag("float32", "weights and KV cache dtype ('auto': the dtype config.json names)",
@@ -57,7 +63,7 @@ class ModelConfig:
     weight_version: str = flag("0", "version of the weights; part of the prefix-cache and storage-tier keys")
     tokenizer: str | None = field(default=None, metadata={"cli": False})  # the model directory unless set
     enforce_eager: bool = flag(False, "CUDA: no decode graphs (every step eager; worker/cuda_graph_runner.py)")
-    # read from config.json by finalize()
+    # read from config.json at construction (__post_init__)
     hf_config: dict[str, Any] = derived(default_factory=dict, repr=False)
     architecture: str = derived(default="")
     num_hidden_layers: int = derived(default=0)
@@ -70,8 +76,10 @@ class ModelConfig:
     # the defaults of a request that leaves them unset, as vLLM applies them
     generation_defaults: dict[str, Any] = derived(default_factory=dict)
 
-    def finalize(self) -> ModelConfig:
-        """Read config.json (normalized by hf_config) and generation_config.json, and validate; idempotent."""
+    def __post_init__(self) -> None:
+        """Read config.json (normalized by hf_config) and generation_config.json, and validate: a ModelConfig
+        is whole once constructed, and frozen from then on."""
+        _set = partial(object.__setattr__, self)
         if self.dtype not in _DTYPE_CHOICES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPE_CHOICES)}")
         if self.load_format not in ("auto", "dummy"):
@@ -82,13 +90,13 @@ class ModelConfig:
                 "(config.json + *.safetensors), e.g. one written by tools/make_fake_model.py"
             )
         hf = read_hf_config(self.model)
-        self.hf_config = hf
-        self.architecture = hf["architectures"][0]
-        self.num_hidden_layers = int(hf["num_hidden_layers"])
-        self.vocab_size = int(hf["vocab_size"])
-        self.num_experts = num_routed_experts_from_hf_config(hf)
-        self.moe_top_k = int(hf.get("num_experts_per_tok", 0) or 0)
-        self.moe_layer_ids = moe_layer_ids_from_hf_config(hf)
+        _set("hf_config", hf)
+        _set("architecture", hf["architectures"][0])
+        _set("num_hidden_layers", int(hf["num_hidden_layers"]))
+        _set("vocab_size", int(hf["vocab_size"]))
+        _set("num_experts", num_routed_experts_from_hf_config(hf))
+        _set("moe_top_k", int(hf.get("num_experts_per_tok", 0) or 0))
+        _set("moe_layer_ids", moe_layer_ids_from_hf_config(hf))
         if self.num_experts <= 0 or self.moe_top_k <= 0 or not self.moe_layer_ids:
             raise ConfigError(
                 f"{self.model!r} is not a MoE model (no routed experts / experts per token / MoE layers); "
@@ -101,20 +109,19 @@ class ModelConfig:
                     f"dtype 'auto': config.json of {self.model!r} says the weights are {saved!r}; "
                     f"pass one of {', '.join(_DTYPES)} explicitly"
                 )
-            self.dtype = saved
+            _set("dtype", saved)
         generation = GenerationDefaults.read(self.model)
         # vLLM: generation stops at config.json's eos ids and generation_config.json's (the tokenizer's
         # eos is added by the engine)
-        self.eos_token_ids = list(dict.fromkeys(token_ids(hf.get("eos_token_id")) + generation.eos_token_ids))
-        self.generation_defaults = dict(generation.sampling)
+        _set("eos_token_ids", list(dict.fromkeys(token_ids(hf.get("eos_token_id")) + generation.eos_token_ids)))
+        _set("generation_defaults", dict(generation.sampling))
         limit = int(hf["max_position_embeddings"])
         if self.max_model_len is None:
-            self.max_model_len = limit
+            _set("max_model_len", limit)
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len} is too small; use at least 2")
         if self.tokenizer is None:
-            self.tokenizer = self.model
-        return self
+            _set("tokenizer", self.model)
 
     @property
     def model_identity(self) -> str:
@@ -126,7 +133,7 @@ class ModelConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = flag(16, "tokens per KV block")
     num_gpu_blocks_override: int | None = flag(None, "number of device KV blocks, instead of sizing from memory")
@@ -183,7 +190,7 @@ class CacheConfig:
         return bool(self.num_cpu_blocks_override) or (self.num_cpu_blocks_override is None and self.swap_space > 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = flag(64, "most requests running in one step")
     max_num_batched_tokens: int = flag(2048, "most tokens forwarded in one step")
@@ -207,7 +214,7 @@ class SchedulerConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = flag(1, "worker processes the model is sharded over (gloo on CPU, NCCL on CUDA)")
     worker_step_timeout_s: float = flag(120.0, "a step the workers have not answered this long (a stuck or stopped "
@@ -247,7 +254,7 @@ def tensor_parallel_split_sizes(hf: dict[str, Any]) -> dict[str, int]:
     return sizes
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -260,18 +267,21 @@ class EngineConfig:
     device: str = flag("auto", "where the workers run; auto picks cuda when available", ("auto", "cpu", "cuda"))
 
     def __post_init__(self) -> None:
-        self.model_config.finalize()
+        # each part's checks, those that span parts, and the two fields that depend on others (the R3
+        # shape, the device), settled here before anyone holds the config
+        mc = self.model_config
         self.cache_config.validate()
-        self.scheduler_config.validate(self.model_config.max_model_len)
+        self.scheduler_config.validate(self.max_model_len)
         self.parallel_config.validate()
-        self.parallel_config.validate_for_model(self.model_config.hf_config)
-        self.routing_replay_config.validate()
-        if self.routing_replay_config.moe_layer_ids is None:
-            self.routing_replay_config.postprocess(self.model_config)
+        self.parallel_config.validate_for_model(mc.hf_config)
+        rr = self.routing_replay_config
+        rr.validate()
+        if rr.moe_layer_ids is None:
+            object.__setattr__(self, "routing_replay_config", rr.postprocess(mc))
         if self.device == "auto":
             import torch
 
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}; use 'cpu', 'cuda' or 'auto'")
 
@@ -302,5 +312,7 @@ class EngineConfig:
 
     @property
     def max_model_len(self) -> int:
+        """What was asked for (or the model's limit). The engine may serve less when its KV cache holds
+        fewer tokens: EngineService.max_model_len is the limit in force."""
         assert self.model_config.max_model_len is not None
         return self.model_config.max_model_len

@@ -130,9 +130,8 @@ class EngineControl:
                 WeightVersionEvent(old, len(req.output_token_ids), req.num_computed_tokens)
             )
             req.weight_version = new
-        mc = svc.config.model_config
-        mc.weight_version = new
-        svc.kv.reset_root(root_hash(mc.model_identity, new))
+        svc.weight_version = new
+        svc.kv.reset_root(root_hash(svc.config.model_config.model_identity, new))
         self.weights_broken = None
         self.num_weight_updates += 1
         logger.info("weight version %s -> %s", old, new)

@@ -109,11 +109,11 @@ class EngineAddresses:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def _engine_info(config: EngineConfig) -> EngineInfo:
-    rr = config.routing_replay_config
+def _engine_info(svc: EngineService) -> EngineInfo:
+    rr = svc.config.routing_replay_config
     return EngineInfo(
         pid=os.getpid(),
-        max_model_len=config.max_model_len,
+        max_model_len=svc.max_model_len,
         moe_layer_ids=list(rr.moe_layer_ids or []),
         num_experts=rr.num_experts,
         moe_top_k=rr.moe_top_k,
@@ -263,7 +263,7 @@ def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) ->
         ctx.term()
         return
     try:
-        send_while_parent_lives(output_sock, EngineReady(_engine_info(config)), parent_pid)
+        send_while_parent_lives(output_sock, EngineReady(_engine_info(svc)), parent_pid)
         _EngineLoop(svc, input_sock, output_sock, parent_pid).run()
     except ParentGoneError:
         pass  # the API server died while this engine waited to hand it something

@@ -69,6 +69,10 @@ class EngineService:
         self._worker_known: set[str] = set()
         self._finished_since_step: list[str] = []
         self._pending_outputs: list[str] = []
+        # runtime state, not config (config is frozen): the limit in force, lowered in _start to what the
+        # KV cache holds, and the version of the weights the workers hold, advanced by EngineControl
+        self.max_model_len = config.max_model_len
+        self.weight_version = config.model_config.weight_version
         _live_engines.add(self)
         try:
             self._start()
@@ -102,12 +106,12 @@ class EngineService:
         num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
         self.num_gpu_blocks = num_gpu_blocks
         capacity = num_gpu_blocks * cc.block_size
-        if capacity < cfg.max_model_len:
+        if capacity < self.max_model_len:
             # A longer sequence could never fit even alone (preemption cannot help it), so the
             # engine's own limit, and the server's default max_tokens, follow the cache.
             logger.warning("max_model_len %d lowered to %d, what %d KV blocks of %d tokens hold",
-                           cfg.max_model_len, capacity, num_gpu_blocks, cc.block_size)
-            mc.max_model_len = capacity
+                           self.max_model_len, capacity, num_gpu_blocks, cc.block_size)
+            self.max_model_len = capacity
 
         routing_spec = None
         if rr.enable_routing_replay:
@@ -129,7 +133,7 @@ class EngineService:
                 else int(cc.swap_space * 2**30 // readies[0].kv_spec.block_nbytes)
             )
         storage = None
-        namespace = f"{mc.model_identity}|{mc.weight_version}"
+        namespace = f"{mc.model_identity}|{self.weight_version}"
         if cc.enable_prefix_caching and cc.kv_storage:
             from fastdeploy_r3.blobstore import open_blob_store
 
@@ -161,7 +165,7 @@ class EngineService:
             num_gpu_blocks=num_gpu_blocks,
             block_size=cc.block_size,
             enable_prefix_caching=cc.enable_prefix_caching,
-            root_hash=root_hash(mc.model_identity, mc.weight_version),
+            root_hash=root_hash(mc.model_identity, self.weight_version),
             num_cpu_blocks=num_cpu_blocks,
             transfer=transfer,
             lookup=self._lookup,
@@ -176,7 +180,7 @@ class EngineService:
             routing = RoutingCacheManager(
                 self._routing_host, cc.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
             )
-        self.token_processor = TokenProcessor(self.scheduler, self.tokenizer, eos, cfg.max_model_len, routing)
+        self.token_processor = TokenProcessor(self.scheduler, self.tokenizer, eos, self.max_model_len, routing)
         from fastdeploy_r3.engine.control import EngineControl
 
         self.control = EngineControl(self)
@@ -215,7 +219,7 @@ class EngineService:
         self._groups[request_id] = group
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
         if len(ids) >= max_len:
@@ -259,10 +263,6 @@ class EngineService:
     def has_work(self) -> bool:
         """A step would do something: outputs to send, or requests to advance and no pause."""
         return bool(self._pending_outputs) or (bool(self._groups) and self.control.paused is None)
-
-    @property
-    def weight_version(self) -> str:
-        return self.config.model_config.weight_version
 
     # -- the step -----------------------------------------------------------------------------------
 

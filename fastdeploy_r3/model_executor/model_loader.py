@@ -1,4 +1,4 @@
-"""Build a model from a finalized ModelConfig and fill it from *.safetensors (or random weights)."""
+"""Build a model from a ModelConfig and fill it from *.safetensors (or random weights)."""
 
 from __future__ import annotations
 
@@ -108,8 +108,6 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
     With tp_size > 1 the model holds tensor-parallel rank tp_rank's shard of every split weight.
     """
     hf = model_config.hf_config
-    if not hf:
-        raise ConfigError("load_model() needs a finalized ModelConfig (call model_config.finalize())")
     arch = (hf.get("architectures") or [None])[0]
     model_cls = get_model_class(arch)
     if num_routed_experts_from_hf_config(hf) <= 0 or int(hf.get("num_experts_per_tok", 0) or 0) <= 0:

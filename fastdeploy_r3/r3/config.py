@@ -1,7 +1,7 @@
 """The R3 settings of a deployment (`--routing-replay-config`, JSON) and the shape derived from the model.
 
 It lives with the rest of r3/ so that a trainer-side reader can load it without the engine's config;
-EngineConfig (config/engine.py) holds one and calls `postprocess(model_config)` once the model is read.
+EngineConfig (config/engine.py) holds the one `postprocess(model_config)` returns once the model is read.
 """
 
 from __future__ import annotations
@@ -12,14 +12,20 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from fastdeploy_r3.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fastdeploy_r3.config.engine import ModelConfig
+
+class ModelShape(Protocol):
+    """What R3 reads of a ModelConfig (config/engine.py), named here so r3/ needs no config class."""
+
+    num_hidden_layers: int
+    num_experts: int
+    moe_top_k: int
+    moe_layer_ids: list[int]
 
 
 def routing_dtype_for(num_experts: int) -> np.dtype:
@@ -37,7 +43,7 @@ _ROUTING_STORE_TYPES = ("response", "local", "p2pstore")
 ROUTING_LAYOUTS = ("moe", "all_layers")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoutingReplayConfig:
     enable_routing_replay: bool = False
     routing_store_type: str = "response"
@@ -50,7 +56,7 @@ class RoutingReplayConfig:
     routing_layout: str = "moe"
     store_timeout_s: float | int = 10.0  # deadline of one R3 store put: past it the request fails, the store degrades
     local_store_capacity_gib: float | int | None = None  # local store: least recently used rollouts go past it
-    # derived once by postprocess(model_config)
+    # derived by postprocess(model_config), which returns a new config
     moe_layer_ids: list[int] | None = field(init=False, default=None, repr=False)
     num_hidden_layers: int = field(init=False, default=0)  # layers of the all_layers layout (an MTP layer is not one)
     num_moe_layers: int = field(init=False, default=0)
@@ -129,18 +135,22 @@ class RoutingReplayConfig:
             raise ConfigError(f"local_store_capacity_gib={self.local_store_capacity_gib}; use a positive size or "
                               "leave it out (rollouts then go only after ttl_s)")
 
-    def postprocess(self, model_config: ModelConfig) -> None:
-        """Derive the R3 shape from the final model config; call once, after ModelConfig.finalize()."""
+    def postprocess(self, model_config: ModelShape) -> RoutingReplayConfig:
+        """This config with the R3 shape derived from the model's (a new frozen config); once only."""
         if self.moe_layer_ids is not None:
             raise ConfigError("RoutingReplayConfig.postprocess() was called twice")
-        if not model_config.architecture:
-            raise ConfigError("RoutingReplayConfig.postprocess() needs a finalized ModelConfig")
-        self.moe_layer_ids = list(model_config.moe_layer_ids)
-        self.num_moe_layers = len(self.moe_layer_ids)
-        self.num_hidden_layers = model_config.num_hidden_layers
-        self.moe_top_k = model_config.moe_top_k
-        self.num_experts = model_config.num_experts
-        self.routing_dtype = routing_dtype_for(self.num_experts)
+        out = dataclasses.replace(self)
+        derived = {
+            "moe_layer_ids": list(model_config.moe_layer_ids),
+            "num_moe_layers": len(model_config.moe_layer_ids),
+            "num_hidden_layers": model_config.num_hidden_layers,
+            "moe_top_k": model_config.moe_top_k,
+            "num_experts": model_config.num_experts,
+            "routing_dtype": routing_dtype_for(model_config.num_experts),
+        }
+        for name, value in derived.items():
+            object.__setattr__(out, name, value)  # the copy is not yet shared: it is finalised, then frozen
+        return out
 
     @property
     def sentinel(self) -> int:

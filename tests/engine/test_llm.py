@@ -167,7 +167,7 @@ def test_max_model_len_follows_a_cache_too_small_for_it(qwen3_dir: str) -> None:
     """8 blocks of 4 tokens hold 32 tokens: max_model_len 512 becomes 32, and a 30-token prompt asking
     for 100 tokens ends at 32 with 'length' and 31 rows instead of being refused."""
     with LLM(qwen3_dir, block_size=BLOCK, num_gpu_blocks_override=8, routing_replay_config=R3) as llm:
-        assert llm.engine.config.max_model_len == 32
+        assert (llm.engine.max_model_len, llm.engine.config.max_model_len) == (32, 512)  # in force, asked
         (out,) = llm.generate([list(range(100, 130))], SamplingParams(max_tokens=100, ignore_eos=True),
                               use_tqdm=False)
     comp = out.outputs[0]

@@ -60,7 +60,7 @@ class _RouterScores:
     """Direct forward of a whole sequence (no KV cache) with the router logits of every MoE layer."""
 
     def __init__(self, model_dir: str) -> None:
-        cfg = ModelConfig(model_dir, dtype="float32").finalize()
+        cfg = ModelConfig(model_dir, dtype="float32")
         self.model = load_model(cfg, torch.device("cpu"))
         self.moe = sorted((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), key=lambda m: m.moe_index)
 

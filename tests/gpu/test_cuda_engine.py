@@ -66,7 +66,7 @@ def cuda_reference(model_dir: str, prompts: list[list[int]]):
 def router_gaps(model_dir: str, token_ids: list[int]) -> np.ndarray:
     """[T, L]: per token and MoE layer, the smallest gap between adjacent router probabilities among the
     K + 1 best (CPU float32 forward without KV cache); a small gap means the top-k set or order is a near-tie."""
-    model = load_model(ModelConfig(model_dir, dtype="float32").finalize(), torch.device("cpu"))
+    model = load_model(ModelConfig(model_dir, dtype="float32"), torch.device("cpu"))
     moe = sorted((m for m in model.modules() if isinstance(m, SparseMoeBlock)), key=lambda m: m.moe_index)
     logits: dict[int, torch.Tensor] = {}
     hooks = [m.gate.register_forward_hook(lambda _m, _i, out, i=m.moe_index: logits.__setitem__(i, out)) for m in moe]

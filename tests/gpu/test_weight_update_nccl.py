@@ -43,7 +43,7 @@ def _engine_rank(old_dir: str, new_dir: str, port: int, q) -> None:
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
-    model = load_model(ModelConfig(model=old_dir).finalize(), dev)
+    model = load_model(ModelConfig(model=old_dir), dev)
     updater = WeightUpdater(model, dev, 0)
     updater.init_group("127.0.0.1", port, 1, 2, "wug", "nccl")
     shapes = safetensors_shapes(safetensors_files(new_dir))
@@ -51,7 +51,7 @@ def _engine_rank(old_dir: str, new_dir: str, port: int, q) -> None:
     n = updater.from_distributed(names, ["float32"] * len(names), [list(shapes[k]) for k in names], "wug")
     torch.cuda.synchronize()
     updater.close()
-    want = load_model(ModelConfig(model=new_dir).finalize(), dev).state_dict()
+    want = load_model(ModelConfig(model=new_dir), dev).state_dict()
     got = model.state_dict()
     q.put((n, all(torch.equal(got[k], want[k]) for k in want)))
 

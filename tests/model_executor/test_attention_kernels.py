@@ -222,7 +222,7 @@ def test_tiny_model_through_interpreted_kernels_matches_the_torch_path(fake_mode
         from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
         from fastdeploy_r3.model_executor.layers import attention, norm, rotary
         from fastdeploy_r3.model_executor.model_loader import load_model
-        model = load_model(ModelConfig({model_dir!r}, dtype="float32").finalize(), torch.device("cpu"))
+        model = load_model(ModelConfig({model_dir!r}, dtype="float32"), torch.device("cpu"))
         table = torch.tensor([[5, 2, 7, 0]])
         tokens = torch.randint(3, 400, (15,))
 

@@ -38,7 +38,7 @@ def test_v5_configs_use_the_aliases_the_engine_must_read(hf_checkpoint_dir) -> N
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_config_reads_every_fact(hf_checkpoint_dir, family: str) -> None:
-    mc = ModelConfig(model=hf_checkpoint_dir(family), dtype="auto").finalize()
+    mc = ModelConfig(model=hf_checkpoint_dir(family), dtype="auto")
     assert (mc.num_experts, mc.moe_top_k, mc.hf_config["head_dim"]) == SHAPES[family]
     assert mc.moe_layer_ids == MOE_LAYER_IDS[family]
     assert mc.dtype == "float32"  # from config.json's `dtype`
@@ -52,7 +52,7 @@ class _Pair:
     """Our model and transformers' from the same directory, float32."""
 
     def __init__(self, model_dir: str) -> None:
-        self.mc = ModelConfig(model=model_dir, dtype="float32").finalize()
+        self.mc = ModelConfig(model=model_dir, dtype="float32")
         self.ours = load_model(self.mc, torch.device("cpu"))
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -102,7 +102,7 @@ def test_glm_draft_layer_weights_are_skipped_and_a_layer_past_them_is_not(hf_che
     src = hf_checkpoint_dir("glm4_moe")
     index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
     assert "model.layers.4.eh_proj.weight" in index["weight_map"]
-    model = load_model(ModelConfig(model=src).finalize(), torch.device("cpu"))
+    model = load_model(ModelConfig(model=src), torch.device("cpu"))
     assert not any(".layers.4." in name for name in model.state_dict())
 
     bad = str(tmp_path / "glm")
@@ -112,4 +112,4 @@ def test_glm_draft_layer_weights_are_skipped_and_a_layer_past_them_is_not(hf_che
     with open(os.path.join(bad, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
     with pytest.raises(WeightLoadingError, match=r"unexpected weight 'model\.layers\.5\.enorm\.weight'"):
-        load_model(ModelConfig(model=bad).finalize(), torch.device("cpu"))
+        load_model(ModelConfig(model=bad), torch.device("cpu"))

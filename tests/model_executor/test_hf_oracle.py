@@ -23,7 +23,7 @@ PROMPT_B = "def main():\n    return 42"
 
 class _Pair:
     def __init__(self, model_dir: str) -> None:
-        mc = ModelConfig(model=model_dir, dtype="float32").finalize()
+        mc = ModelConfig(model=model_dir, dtype="float32")
         self.ours = load_model(mc, torch.device("cpu"))
         self.moe_layer_ids = mc.moe_layer_ids
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def test_loaded_model_is_eval_without_grad_and_has_r3_shape(fake_model_dir) -> None:
-    mc = ModelConfig(model=fake_model_dir("glm4_moe")).finalize()
+    mc = ModelConfig(model=fake_model_dir("glm4_moe"))
     model = load_model(mc, CPU)
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert model.moe_layer_ids == mc.moe_layer_ids == [1, 2, 3]  # first_k_dense_replace=1
@@ -62,16 +63,16 @@ def test_sharded_checkpoint_loads_like_single_file(fake_model_dir, tmp_path) -> 
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    single = load_model(ModelConfig(model=src).finalize(), CPU)
-    sharded = load_model(ModelConfig(model=dst).finalize(), CPU)
+    single = load_model(ModelConfig(model=src), CPU)
+    sharded = load_model(ModelConfig(model=dst), CPU)
     assert torch.equal(_logits(single, [1, 2, 3]), _logits(sharded, [1, 2, 3]))
 
 
 def test_dummy_weights_are_seeded(fake_model_dir) -> None:
     d = fake_model_dir("qwen3_moe")
-    m1 = load_model(ModelConfig(model=d, load_format="dummy", seed=1).finalize(), CPU)
-    m1b = load_model(ModelConfig(model=d, load_format="dummy", seed=1).finalize(), CPU)
-    m2 = load_model(ModelConfig(model=d, load_format="dummy", seed=2).finalize(), CPU)
+    m1 = load_model(ModelConfig(model=d, load_format="dummy", seed=1), CPU)
+    m1b = load_model(ModelConfig(model=d, load_format="dummy", seed=1), CPU)
+    m2 = load_model(ModelConfig(model=d, load_format="dummy", seed=2), CPU)
     assert torch.equal(_logits(m1, [5, 6]), _logits(m1b, [5, 6]))
     assert not torch.equal(_logits(m1, [5, 6]), _logits(m2, [5, 6]))
 
@@ -86,7 +87,7 @@ def test_tied_embeddings_load_without_lm_head(fake_model_dir, tmp_path) -> None:
     tensors = load_file(os.path.join(d, "model.safetensors"))
     del tensors["lm_head.weight"]
     save_file(tensors, os.path.join(d, "model.safetensors"))
-    model = load_model(ModelConfig(model=d).finalize(), CPU)
+    model = load_model(ModelConfig(model=d), CPU)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
 
@@ -97,7 +98,7 @@ def test_missing_expert_weight_is_named(fake_model_dir, tmp_path) -> None:
     del tensors["model.layers.2.block_sparse_moe.experts.5.w3.weight"]
     save_file(tensors, os.path.join(d, "model.safetensors"))
     with pytest.raises(WeightLoadingError, match=r"model\.layers\.2\.block_sparse_moe\.experts\.5\.w3\.weight"):
-        load_model(ModelConfig(model=d).finalize(), CPU)
+        load_model(ModelConfig(model=d), CPU)
 
 
 def test_unexpected_weight_is_named(fake_model_dir, tmp_path) -> None:
@@ -106,7 +107,7 @@ def test_unexpected_weight_is_named(fake_model_dir, tmp_path) -> None:
     tensors["model.layers.0.mlp.experts.99.up_proj.weight"] = torch.zeros(32, 64)
     save_file(tensors, os.path.join(d, "model.safetensors"))
     with pytest.raises(WeightLoadingError, match=r"unexpected weight 'model\.layers\.0\.mlp\.experts\.99\.up_proj"):
-        load_model(ModelConfig(model=d).finalize(), CPU)
+        load_model(ModelConfig(model=d), CPU)
 
 
 def test_wrong_shape_is_named(fake_model_dir, tmp_path) -> None:
@@ -115,14 +116,14 @@ def test_wrong_shape_is_named(fake_model_dir, tmp_path) -> None:
     tensors["model.layers.1.mlp.gate.weight"] = torch.zeros(8, 64)
     save_file(tensors, os.path.join(d, "model.safetensors"))
     with pytest.raises(WeightLoadingError, match=r"'model\.layers\.1\.mlp\.gate\.weight' has shape \(8, 64\)"):
-        load_model(ModelConfig(model=d).finalize(), CPU)
+        load_model(ModelConfig(model=d), CPU)
 
 
 def test_no_safetensors_says_what_to_do(fake_model_dir, tmp_path) -> None:
     d = _copy(fake_model_dir("qwen3_moe"), str(tmp_path / "empty"))
     os.remove(os.path.join(d, "model.safetensors"))
     with pytest.raises(WeightLoadingError, match="no \\*.safetensors"):
-        load_model(ModelConfig(model=d).finalize(), CPU)
+        load_model(ModelConfig(model=d), CPU)
 
 
 def test_unknown_architecture_is_rejected() -> None:
@@ -130,21 +131,17 @@ def test_unknown_architecture_is_rejected() -> None:
         get_model_class("LlamaForCausalLM")
 
 
-def test_non_moe_config_is_rejected(fake_model_dir) -> None:
-    """A Qwen3-MoE config with num_experts=0 is a dense model: load_model refuses it."""
-    mc = ModelConfig(model=fake_model_dir("qwen3_moe")).finalize()
-    mc.hf_config = {**mc.hf_config, "num_experts": 0}
-    with pytest.raises(ConfigError, match="not a MoE model"):
-        load_model(mc, CPU)
-
-
-def test_unfinalized_config_is_rejected(fake_model_dir) -> None:
-    with pytest.raises(ConfigError, match="finalize"):
-        load_model(ModelConfig(model=fake_model_dir("qwen3_moe")), CPU)
+def test_a_config_is_whole_and_frozen_once_built(fake_model_dir) -> None:
+    """config.json is read at construction (no half-built ModelConfig reaches load_model), and nothing
+    can be assigned to it afterwards."""
+    mc = ModelConfig(model=fake_model_dir("qwen3_moe"))
+    assert mc.architecture == "Qwen3MoeForCausalLM" and mc.num_experts > 0 and mc.hf_config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mc.hf_config = {**mc.hf_config, "num_experts": 0}  # type: ignore[misc]
 
 
 def test_bfloat16_model_keeps_glm_router_in_float32(fake_model_dir) -> None:
-    model = load_model(ModelConfig(model=fake_model_dir("glm4_moe"), dtype="bfloat16").finalize(), CPU)
+    model = load_model(ModelConfig(model=fake_model_dir("glm4_moe"), dtype="bfloat16"), CPU)
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.bfloat16

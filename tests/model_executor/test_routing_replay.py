@@ -35,7 +35,7 @@ def _forward(model, replay: RoutingReplay | None = None) -> tuple[torch.Tensor, 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request, fake_model_dir):
-    mc = ModelConfig(model=fake_model_dir(request.param), dtype="float32").finalize()
+    mc = ModelConfig(model=fake_model_dir(request.param), dtype="float32")
     return load_model(mc, torch.device("cpu"))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -15,9 +17,8 @@ from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore
 
 def _config() -> RoutingReplayConfig:
     """2 MoE layers (ids 1 and 3), K=2, uint8 rows."""
-    rr = RoutingReplayConfig(enable_routing_replay=True)
-    rr.moe_layer_ids, rr.num_moe_layers, rr.moe_top_k, rr.routing_dtype = [1, 3], 2, 2, np.dtype(np.uint8)
-    return rr
+    model = SimpleNamespace(num_hidden_layers=4, num_experts=8, moe_top_k=2, moe_layer_ids=[1, 3])
+    return RoutingReplayConfig(enable_routing_replay=True).postprocess(model)
 
 
 def _final(rows: list[np.ndarray | None], start: int = 0) -> RequestOutput:

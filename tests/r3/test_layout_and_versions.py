@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -19,10 +21,8 @@ ROWS = (np.arange(24, dtype=np.uint8).reshape(6, 2, 2) % 8)  # [6 rows, 2 MoE la
 
 
 def _config(layout: str = "moe") -> RoutingReplayConfig:
-    rr = RoutingReplayConfig(enable_routing_replay=True, routing_layout=layout)
-    rr.moe_layer_ids, rr.num_moe_layers, rr.moe_top_k, rr.routing_dtype = [1, 3], 2, 2, np.dtype(np.uint8)
-    rr.num_hidden_layers = 4
-    return rr
+    model = SimpleNamespace(num_hidden_layers=4, num_experts=8, moe_top_k=2, moe_layer_ids=[1, 3])
+    return RoutingReplayConfig(enable_routing_replay=True, routing_layout=layout).postprocess(model)
 
 
 def _final(spans: list[WeightVersionSpan] | None = None) -> RequestOutput:

@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -74,10 +75,10 @@ def _final() -> RequestOutput:
 
 
 def test_a_stopped_p2pstore_fails_puts_clearly_within_the_deadline_then_at_once() -> None:
-    rr = RoutingReplayConfig(enable_routing_replay=True, routing_store_type="p2pstore", store_timeout_s=0.5)
-    rr.moe_layer_ids, rr.num_moe_layers, rr.moe_top_k, rr.routing_dtype = LAYERS, 3, 2, np.dtype(np.uint8)
+    model = SimpleNamespace(num_hidden_layers=max(LAYERS) + 1, num_experts=8, moe_top_k=2, moe_layer_ids=LAYERS)
     with redis_server() as url:
-        rr.p2pstore_url = url
+        rr = RoutingReplayConfig(enable_routing_replay=True, routing_store_type="p2pstore", p2pstore_url=url,
+                                 store_timeout_s=0.5).postprocess(model)
         delivery = R3Delivery(rr, RedisRoutingStore(url, "ns", timeout_s=5.0))
         delivery.health.retry_after_s = 0.3  # probe again after 0.3 s rather than 5 s
         delivery.deliver(_final(), "before")

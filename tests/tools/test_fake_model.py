@@ -21,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_tokenizer_matches_config_and_encodes_any_text(fake_model_dir, arch: str) -> None:
     d = fake_model_dir(arch)
     tok = transformers.AutoTokenizer.from_pretrained(d)
-    mc = ModelConfig(model=d).finalize()
+    mc = ModelConfig(model=d)
     assert len(tok) == mc.vocab_size == 512
     assert mc.eos_token_ids == [tok.convert_tokens_to_ids(EOS_TOKEN)] == [tok.eos_token_id]
     text = "naïve café ✓ 日本語 🙂 \t\n <|im_start|> \x00"
@@ -43,4 +43,4 @@ def test_cli_writes_a_loadable_checkpoint(tmp_path) -> None:
     subprocess.run(cmd, check=True, capture_output=True, cwd=str(tmp_path))
     with open(out / "config.json") as f:
         assert json.load(f)["architectures"] == ["MixtralForCausalLM"]
-    assert ModelConfig(model=str(out)).finalize().moe_layer_ids == [0, 1, 2, 3]
+    assert ModelConfig(model=str(out)).moe_layer_ids == [0, 1, 2, 3]

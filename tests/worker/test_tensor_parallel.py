@@ -105,7 +105,7 @@ def test_tp2_swaps_through_the_cpu_tier_and_still_matches(fake_model_dir, tp1) -
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_rank_loads_its_half_of_the_full_checkpoint(fake_model_dir, family: str) -> None:
     """A rank's model expects the full HF tensors, holds half of every split one, and half the kv heads."""
-    mc = ModelConfig(model=fake_model_dir(family)).finalize()
+    mc = ModelConfig(model=fake_model_dir(family))
     full = load_model(mc, torch.device("cpu"))
     ranks = [load_model(mc, torch.device("cpu"), tp_rank=r, tp_size=2) for r in range(2)]
     assert [m.checkpoint_weight_shapes() for m in ranks] == [full.checkpoint_weight_shapes()] * 2

@@ -16,7 +16,7 @@ from fastdeploy_r3.worker.weight_updater import WeightUpdateError, WeightUpdater
 
 
 def _model(model_dir: str, tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
-    return load_model(ModelConfig(model=model_dir).finalize(), torch.device("cpu"), tp_rank, tp_size)
+    return load_model(ModelConfig(model=model_dir), torch.device("cpu"), tp_rank, tp_size)
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
