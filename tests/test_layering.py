@@ -4,7 +4,11 @@ counts: top level, inside functions, and under TYPE_CHECKING).
     model_executor/  imports neither cache_manager/ nor engine/
     worker/          does not import engine/
     cache_manager/   imports neither engine/ nor entrypoints/
-    r3/, client/     import none of cache_manager/, engine/, entrypoints/ (a trainer loads them alone)
+    r3/, client/     import none of model_executor/, cache_manager/, engine/, entrypoints/ (a trainer
+                     loads them alone, without torch models or the KV cache)
+    blobstore/,      import no other room: the storage and process-group rooms sit under everyone
+    distributed/
+    config/          imports only r3/ (its RoutingReplayConfig) and the leaf errors.py
 """
 
 from __future__ import annotations
@@ -15,16 +19,25 @@ import os
 PACKAGE = "fastdeploy_r3"
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
 
+ROOMS = ("blobstore", "cache_manager", "client", "config", "distributed", "engine", "entrypoints",
+         "model_executor", "r3", "worker")
+
+
+def _all_but(*allowed: str) -> tuple[str, ...]:
+    return tuple(room for room in ROOMS if room not in allowed)
+
+
 FORBIDDEN = {
     "model_executor": ("cache_manager", "engine"),
     "worker": ("engine",),
     "cache_manager": ("engine", "entrypoints"),
-    "r3": ("cache_manager", "engine", "entrypoints"),
-    "client": ("cache_manager", "engine", "entrypoints"),
+    "r3": ("model_executor", "cache_manager", "engine", "entrypoints"),
+    "client": ("model_executor", "cache_manager", "engine", "entrypoints"),
+    "blobstore": _all_but("blobstore"),
+    "distributed": _all_but("distributed"),
+    "config": _all_but("config", "r3"),
 }
 
-# Known breaks that the other half of issue 8 removes; the lead deletes each line at merge, and
-# the test then holds the rule for them too.
 ALLOWED: set[tuple[str, str]] = set()  # (file, room) pairs exempted, each with a reason; none today
 
 
@@ -88,4 +101,16 @@ def test_the_checker_sees_relative_function_local_and_type_checking_imports(tmp_
         "worker/bad.py imports fastdeploy_r3.engine",
         "worker/bad.py imports fastdeploy_r3.engine.scheduler",
         "worker/bad.py imports fastdeploy_r3.engine.llm",
+    ]
+
+
+def test_r3_and_client_may_not_import_model_executor(tmp_path) -> None:
+    """The rule that keeps a trainer's reader free of torch models: a client module importing the
+    weight-update group from model_executor/ (where it lived before distributed/) is a violation."""
+    pkg = tmp_path / PACKAGE / "client"
+    pkg.mkdir(parents=True)
+    (pkg / "sync.py").write_text("from fastdeploy_r3.model_executor.weight_update_group import init\n"
+                                 "from fastdeploy_r3.distributed.weight_update_group import init\n")
+    assert violations(str(tmp_path / PACKAGE)) == [
+        "client/sync.py imports fastdeploy_r3.model_executor.weight_update_group",
     ]
