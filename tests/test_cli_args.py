@@ -20,9 +20,10 @@ def parser() -> argparse.ArgumentParser:
 def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
     flags = [a.option_strings[0] for a in parser()._actions if a.dest != "help"]
     assert flags == [
-        "--model", "--dtype", "--load-format", "--max-model-len", "--seed", "--weight-version", "--enforce-eager",
-        "--block-size", "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-space-gib",
-        "--enable-prefix-caching", "--swap-space", "--num-cpu-blocks-override", "--kv-storage",
+        "--model", "--dtype", "--quantization", "--load-format", "--max-model-len", "--seed", "--weight-version",
+        "--enforce-eager", "--block-size", "--num-gpu-blocks-override", "--gpu-memory-utilization",
+        "--kv-cache-space-gib", "--kv-cache-dtype", "--enable-prefix-caching", "--swap-space",
+        "--num-cpu-blocks-override", "--kv-storage",
         "--kv-storage-ttl-s", "--kv-storage-capacity-gib", "--storage-timeout-s", "--transfer-timeout-s",
         "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--max-waiting-requests",
         "--tensor-parallel-size", "--worker-step-timeout-s", "--routing-replay-config", "--device",
@@ -33,6 +34,9 @@ def test_defaults_types_and_choices_follow_the_fields() -> None:
     args = parser().parse_args(["--model", "m", "--block-size", "8", "--swap-space", "0.5",
                                 "--no-enable-prefix-caching"])
     assert (args.block_size, args.swap_space, args.enable_prefix_caching) == (8, 0.5, False)
+    assert (args.quantization, args.kv_cache_dtype) == ("none", "auto")
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        parser().parse_args(["--model", "m", "--quantization", "fp8"])
     assert (args.max_model_len, args.dtype, args.max_num_seqs) == (None, "float32", 64)
     assert args.routing_replay_config is None
     with pytest.raises(SystemExit):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -32,6 +32,7 @@ from fastdeploy_r3.config.hf_config import (
     read_hf_config,
     token_ids,
 )
+from fastdeploy_r3.config.quantization import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
 from fastdeploy_r3.errors import ConfigError
 from fastdeploy_r3.r3.config import RoutingReplayConfig
 
@@ -53,8 +54,10 @@ def derived(**kwargs: Any) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors)"})
-    dtype: str = flag("float32", "weights and KV cache dtype ('auto': the dtype config.json names)",
-                      _DTYPE_CHOICES)
+    dtype: str = flag("float32", "dtype of the weights and activations ('auto': the dtype config.json names); "
+                      "the KV cache follows it unless --kv-cache-dtype says otherwise", _DTYPE_CHOICES)
+    quantization: str = flag("none", "how the weights are quantized (config/quantization.py): 'none' only, so "
+                                     "far; a checkpoint saved quantized (fp8, ...) is refused", QUANTIZATION_METHODS)
     load_format: str = flag("auto", "'auto' reads *.safetensors; 'dummy' draws random weights from config.json",
                             ("auto", "dummy"))
     max_model_len: int | None = flag(None, "longest prompt + output in tokens (default: the model's "
@@ -75,6 +78,8 @@ class ModelConfig:
     # generation_config.json's sampling fields under SamplingParams names (hf_config.GENERATION_DEFAULT_KEYS):
     # the defaults of a request that leaves them unset, as vLLM applies them
     generation_defaults: dict[str, Any] = derived(default_factory=dict)
+    # config.json's quantization_config (method "none" when absent)
+    quantization_config: QuantizationConfig = derived(default_factory=QuantizationConfig)
 
     def __post_init__(self) -> None:
         """Read config.json (normalized by hf_config) and generation_config.json, and validate: a ModelConfig
@@ -97,6 +102,8 @@ class ModelConfig:
         _set("num_experts", num_routed_experts_from_hf_config(hf))
         _set("moe_top_k", int(hf.get("num_experts_per_tok", 0) or 0))
         _set("moe_layer_ids", moe_layer_ids_from_hf_config(hf))
+        _set("quantization_config", QuantizationConfig.from_hf(hf))
+        resolve_quantization(self.quantization, self.quantization_config, self.model)
         if self.num_experts <= 0 or self.moe_top_k <= 0 or not self.moe_layer_ids:
             raise ConfigError(
                 f"{self.model!r} is not a MoE model (no routed experts / experts per token / MoE layers); "
@@ -139,6 +146,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = flag(None, "number of device KV blocks, instead of sizing from memory")
     gpu_memory_utilization: float = flag(0.9, "fraction of GPU memory the worker may use (weights + KV)")
     kv_cache_space_gib: float = flag(0.25, "GiB of KV cache on a CPU-only machine")
+    kv_cache_dtype: str = flag("auto", "dtype of the KV cache ('auto': the model's dtype, the only one supported "
+                                       "so far)", ("auto", *MODEL_DTYPES))
     enable_prefix_caching: bool = flag(True, "reuse the KV (and R3 rows) of shared prompt prefixes")
     swap_space: float = flag(0.0, "GiB of CPU tier for swapped-out KV blocks, per worker rank")
     num_cpu_blocks_override: int | None = flag(None, "number of CPU-tier blocks, instead of --swap-space")
@@ -274,6 +283,11 @@ class EngineConfig:
         self.scheduler_config.validate(self.max_model_len)
         self.parallel_config.validate()
         self.parallel_config.validate_for_model(mc.hf_config)
+        kv_dtype = mc.dtype if self.cache_config.kv_cache_dtype == "auto" else self.cache_config.kv_cache_dtype
+        if kv_dtype != mc.dtype:
+            raise ConfigError(f"kv_cache_dtype={kv_dtype!r} differs from the model dtype {mc.dtype!r}; a KV cache "
+                              "in another dtype needs a KV quantization method this engine lacks: use 'auto'")
+        object.__setattr__(self, "cache_config", replace(self.cache_config, kv_cache_dtype=kv_dtype))
         rr = self.routing_replay_config
         rr.validate()
         if rr.moe_layer_ids is None:

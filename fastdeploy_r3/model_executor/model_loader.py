@@ -14,6 +14,7 @@ from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
+from fastdeploy_r3.model_executor.quantization import check_checkpoint_tensors, process_weights_after_loading
 
 
 def random_weight(
@@ -92,6 +93,17 @@ def safetensors_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def safetensors_names(files: list[str]) -> list[str]:
+    """Every tensor name in the files, read from their headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def iter_safetensors(files: list[str], device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """One checkpoint tensor at a time, read straight onto `device` (the host holds no full copy)."""
     from safetensors import safe_open
@@ -127,7 +139,10 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
         draw_dtype = dtype if device.type == "cuda" else torch.float32
         model.load_weights(iter_random_weights(model, model_config.seed, device=device, dtype=draw_dtype))
     else:
-        model.load_weights(iter_safetensors(safetensors_files(model_config.model), device))
+        files = safetensors_files(model_config.model)
+        check_checkpoint_tensors(safetensors_names(files), model_config.quantization)
+        model.load_weights(iter_safetensors(files, device))
+    process_weights_after_loading(model)
     model.eval()
     model.requires_grad_(False)
     return model

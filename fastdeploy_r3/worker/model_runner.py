@@ -44,6 +44,7 @@ class ModelRunner:
         self.engine_suffix = engine_suffix
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.dtype = torch_dtype(config.model_config.dtype)
+        self.kv_dtype = torch_dtype(config.cache_config.kv_cache_dtype)  # the model dtype today (config/engine.py)
         self.block_size = config.cache_config.block_size
         self.model: torch.nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, NB, BS, KVH, D]
@@ -96,7 +97,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         m = self.model
         assert m is not None
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def determine_num_gpu_blocks(self) -> int:
@@ -121,27 +122,27 @@ class ModelRunner:
         m = self.model
         assert m is not None
         shape = (m.num_layers, 2, num_gpu_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        dtype_name = self.config.model_config.dtype
+        dtype_name = self.config.cache_config.kv_cache_dtype  # a dtype name: EngineConfig resolved 'auto'
         name = shm_name(self.engine_suffix, f"kv_rank{self.rank}")
         if self.device.type == "cuda":
             # On GPU the cache lives in device memory; the CTM maps it through a CUDA IPC handle, valid
             # while self.kv_cache lives (until close()).
             from torch.multiprocessing.reductions import reduce_tensor
 
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             # Export a handle only for a CTM to map: an exported tensor nobody imports makes torch warn
             # at exit that the producer died before its consumers released it.
             ipc = reduce_tensor(self.kv_cache) if self.config.cache_config.uses_transfer_manager else None
             return KVCacheSpec(name, shape, dtype_name, device="cuda", cuda_ipc=ipc)
         else:
-            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
+            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.kv_dtype).element_size()
             if nbytes > shm_free_bytes():
                 raise RuntimeError(
                     f"/dev/shm has {shm_free_bytes() / 2**20:.0f} MiB free, the KV cache needs "
                     f"{nbytes / 2**20:.0f} MiB; lower num_gpu_blocks_override / kv_cache_space_gib"
                 )
             self._kv_segment = ShmSegment.create(name, nbytes)
-            self.kv_cache = self._kv_segment.torch(shape, self.dtype)
+            self.kv_cache = self._kv_segment.torch(shape, self.kv_dtype)
             self.kv_cache.zero_()
         return KVCacheSpec(name=name, shape=shape, dtype=dtype_name, device=self.device.type)
 

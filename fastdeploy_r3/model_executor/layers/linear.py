@@ -11,11 +11,11 @@ all-reduce and no gather: the slice y_r is exactly the x_r the next layer's shar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.config import ConfigError
 from fastdeploy_r3.distributed.parallel_state import all_reduce
+from fastdeploy_r3.model_executor.quantization import LinearMethod, linear_method
 
 
 def divide(total: int, tp_size: int, what: str) -> int:
@@ -25,16 +25,19 @@ def divide(total: int, tp_size: int, what: str) -> int:
 
 
 class ShardedLinear(nn.Module):
-    """A linear layer holding one rank's shard: weight on `shard_dim`, bias as `bias_shard_dim` says."""
+    """A linear layer holding one rank's shard: weight on `shard_dim`, bias as `bias_shard_dim` says.
+
+    Its parameters are created, and its GEMM run, by `quant_method` (model_executor/quantization/)."""
 
     shard_dim: int  # of the weight [O, I]: 0 = column-parallel, 1 = row-parallel
     bias_shard_dim: int | None  # None: the bias is replicated
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int,
+                 quant_method: LinearMethod | None = None) -> None:  # fmt: skip
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [O_local, I_local]
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O_local]
+        self.quant_method = quant_method or linear_method()
+        self.quant_method.create_weights(self, in_features, out_features, bias)  # weight [O_local, I_local]
 
     def _param_shard_dim(self, param_name: str) -> int | None:
         return self.shard_dim if param_name == "weight" else self.bias_shard_dim
@@ -65,12 +68,14 @@ class ColumnParallelLinear(ShardedLinear):
     bias_shard_dim = 0
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
+        quant_method: LinearMethod | None = None,
     ) -> None:
-        super().__init__(in_features, divide(out_features, tp_size, "output features"), bias, tp_rank, tp_size)
+        super().__init__(in_features, divide(out_features, tp_size, "output features"), bias, tp_rank, tp_size,
+                         quant_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, O / N]
+        return self.quant_method.apply(self, x, self.bias)  # [T, O / N]
 
 
 class RowParallelLinear(ShardedLinear):
@@ -91,16 +96,18 @@ class RowParallelLinear(ShardedLinear):
         tp_rank: int = 0,
         tp_size: int = 1,
         reduce_results: bool = True,
+        quant_method: LinearMethod | None = None,
     ) -> None:
         if bias and not reduce_results:
             raise ValueError("a row-parallel bias needs reduce_results=True (it must be added exactly once)")
-        super().__init__(divide(in_features, tp_size, "input features"), out_features, bias, tp_rank, tp_size)
+        super().__init__(divide(in_features, tp_size, "input features"), out_features, bias, tp_rank, tp_size,
+                         quant_method)
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # [T, O], the exact kernel nn.Linear runs
-        y = F.linear(x, self.weight)  # [T, O], this rank's partial sum
+            return self.quant_method.apply(self, x, self.bias)  # [T, O], unquantized: nn.Linear's kernel
+        y = self.quant_method.apply(self, x, None)  # [T, O], this rank's partial sum
         if not self.reduce_results:
             return y
         y = all_reduce(y)  # [T, O]

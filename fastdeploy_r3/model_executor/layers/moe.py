@@ -24,6 +24,7 @@ from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, groupe
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
+from fastdeploy_r3.model_executor.quantization import MoEMethod, moe_method
 
 
 def softmax_topk(
@@ -102,16 +103,17 @@ class StackedExperts(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1,
+        quant_method: MoEMethod | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.tp_rank = tp_rank
         self.full_intermediate_size = intermediate_size
         self.intermediate_size = divide(intermediate_size, tp_size, "expert intermediate size")
-        inter = self.intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))  # [E, 2I, H]
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))  # [E, H, I]
+        self.quant_method = quant_method or moe_method()
+        # w13 [E, 2I, H], w2 [E, H, I] (in the method's format: model_executor/quantization/)
+        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size)
         self.backend = "auto"
 
     def load_expert(self, expert: int, proj: str, full: torch.Tensor) -> None:
@@ -127,13 +129,18 @@ class StackedExperts(nn.Module):
             self.w2[expert].copy_(full[:, start : start + inter])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H] (fused_moe.py picks how)."""
+        """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H], through the quantization method."""
+        return self.quant_method.apply(self, x, topk_weights, topk_ids)
+
+    def run_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The experts on plain weights, by the backend fused_moe.py picks for this batch."""
         backend = choose_backend(self.backend, x)
         if backend == "triton":
-            return triton_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+            return triton_experts(x, w13, w2, topk_weights, topk_ids)
         if backend == "grouped_mm":
-            return grouped_mm_experts(x, self.w13, self.w2, topk_weights, topk_ids)
-        return loop_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+            return grouped_mm_experts(x, w13, w2, topk_weights, topk_ids)
+        return loop_experts(x, w13, w2, topk_weights, topk_ids)
 
 
 def _capture_routing(moe_index: int, topk_ids: torch.Tensor) -> None:

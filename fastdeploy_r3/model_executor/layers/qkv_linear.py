@@ -14,10 +14,10 @@ the same layout.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.model_executor.layers.linear import divide
+from fastdeploy_r3.model_executor.quantization import LinearMethod, linear_method
 
 QKV_SHARDS = ("q", "k", "v")
 
@@ -34,6 +34,7 @@ class QKVParallelLinear(nn.Module):
         bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quant_method: LinearMethod | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -41,8 +42,8 @@ class QKVParallelLinear(nn.Module):
         self.q_size = divide(num_heads, tp_size, "num_attention_heads") * head_dim
         self.kv_size = divide(num_kv_heads, tp_size, "num_key_value_heads") * head_dim
         out_features = self.q_size + 2 * self.kv_size
-        self.weight = nn.Parameter(torch.empty(out_features, hidden_size))  # [(NH + 2 KVH) / N * D, H]
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.quant_method = quant_method or linear_method()
+        self.quant_method.create_weights(self, hidden_size, out_features, bias)  # weight [(NH + 2 KVH) / N * D, H]
 
     @property
     def split_sizes(self) -> list[int]:
@@ -77,4 +78,4 @@ class QKVParallelLinear(nn.Module):
         dst.copy_(full.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, (NH + 2 KVH) / N * D]
+        return self.quant_method.apply(self, x, self.bias)  # [T, (NH + 2 KVH) / N * D]
