@@ -1,4 +1,4 @@
-"""RoutingReplayConfig (DESIGN.md §6): parsing, validation, and the R3 shape derived from the model."""
+"""RoutingReplayConfig (r3/config.py): parsing, validation, and the R3 shape derived from the model."""
 
 from __future__ import annotations
 

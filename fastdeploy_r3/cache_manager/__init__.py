@@ -1,1 +1,14 @@
+"""The KV cache room: which blocks a request's tokens live in, across the GPU pool, the CPU tier and the
+storage tier, and the process that moves blocks (with their R3 rows) between tiers.
 
+    block_pool.py, block_hash.py, slots.py   the GPU pool, content hashes of full blocks, slot arithmetic
+    prefix_cache_manager.py                  block tables and prefix hits over the tiers
+    routing_buffer.py, routing_cache_manager.py   R3 rows addressed by KV slot, gathered per request
+    cache_transfer_manager.py, cache_transfer_client.py, transfer.py, kv_tiers.py   the CTM subprocess
+                                             and its typed messages (swap out / in, storage load / put)
+    storage.py, storage_lookup.py            the stored block's codec; storage lookups off the engine loop
+    shm.py                                   named shared-memory segments
+
+It may import blobstore/, config/, r3/ (errors, layouts), worker/messages.py and lifecycle.py; never
+engine/ or entrypoints/ (tests/test_layering.py).
+"""

@@ -1,4 +1,13 @@
-"""Trainer-side helpers for Rollout Routing Replay (see docs/r3_client.md and docs/rl_control.md)."""
+"""The trainer's room: what an RL trainer imports to read R3 and push weights (docs/r3_client.md,
+docs/rl_control.md).
+
+    routed_experts.py, mooncake_rollouts.py   read stored rollouts (local, Redis, Mooncake) into arrays
+    tensors.py       numpy / torch / Paddle at the boundary
+    weight_sync.py   join the engine's weight-update group and broadcast new weights
+
+It imports r3/ and distributed/ (never model_executor/, cache_manager/, engine/ or entrypoints/), so a
+trainer never loads the serving stack.
+"""
 
 from fastdeploy_r3.client.mooncake_rollouts import (
     decode_fastdeploy_routing,

@@ -1,4 +1,4 @@
-"""R3 delivery of one finished request, for the API server, offline `LLM` and nothing else (DESIGN.md §7).
+"""R3 delivery of one finished request, for the API server, offline `LLM` and nothing else (docs/architecture.md).
 
     response mode   payload per choice = base64(.npy [rows, L, K]) (or the arrays as they are, offline)
     local/p2pstore  store.put(rollout_id, [choice arrays]) before the request is answered

@@ -1,4 +1,4 @@
-"""What every R3 room shares: the fail-closed error and debug mode's stand-in rows (DESIGN.md §5.5, §5.9).
+"""What every R3 room shares: the fail-closed error and debug mode's stand-in rows (docs/architecture.md).
 
 Numpy only, so that models, workers, the engine and the server may all import it.
 """

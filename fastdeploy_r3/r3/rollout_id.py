@@ -1,4 +1,4 @@
-"""Rollout ids: the keys R3 is stored under (DESIGN.md §7), and the one rule that picks them.
+"""Rollout ids: the keys R3 is stored under (docs/architecture.md), and the one rule that picks them.
 
     rollout_id of the request  >  its `user` field (as FastDeploy keys it)  >  its request id
 

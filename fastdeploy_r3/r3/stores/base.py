@@ -1,4 +1,4 @@
-"""Routing stores: where R3 goes when it is not returned in the response (DESIGN.md §7).
+"""Routing stores: where R3 goes when it is not returned in the response (docs/architecture.md, R3 data path).
 
 One put per finished request, with one `[T, L, K]` array per choice, on a BlobStore
 (blobstore/base.py):
