@@ -30,6 +30,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from fastdeploy_r3.blobstore import open_blob_store
+from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError, validate_key
 from fastdeploy_r3.cache_manager.block_copy import BlockCopier, BlockData
 from fastdeploy_r3.cache_manager.kv_tiers import make_kv_tiers
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
@@ -38,12 +40,8 @@ from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
     CorruptBlockError,
-    KVStorageBackend,
-    StorageError,
     decode_block,
     encode_block,
-    make_storage_backend,
-    validate_key,
 )
 from fastdeploy_r3.cache_manager.transfer import (
     CacheTransferConfig,
@@ -117,7 +115,7 @@ class CacheTransferManager:
             rows_dtype=rows_dtype,
         )
         if cfg.storage_url:
-            self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace, cfg.storage_timeout_s,
+            self.storage = open_blob_store(cfg.storage_url, cfg.storage_namespace, cfg.storage_timeout_s,
                                                 cfg.storage_must_answer, cfg.storage_ttl_s, cfg.storage_capacity_bytes)
 
     # ---- tasks -------------------------------------------------------------------------------------
