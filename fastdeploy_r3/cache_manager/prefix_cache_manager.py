@@ -4,17 +4,14 @@
                             hit  hit  load new          (hit: GPU prefix hit, load: from a connector,
                                                           the CPU tier or storage; new: computed now)
 
-This is the bookkeeping only: block tables, the hash chain, the GPU pool with its hits and eviction
-choices, and the routing_tag of every GPU block (the provenance of its R3 rows: a block computed
-here gets a fresh tag; a loaded block the tag its connector says its rows carry). What lies behind
-the GPU pool (the CPU tier, the storage tier, a prefill/decode transfer) is a KVConnector
-(kv_connector.py), called in a fixed order and waited for before the blocks it touches are used:
-evictions are copied out before anything is written into the evicted block, loads finish before
-the step that reads them, and a block a connector saves in the background stays pinned (a
-reference) until the connector says it is done with it.
-
-Faults cost recomputation, never a request: a load that fails truncates the hit there, and the
-blocks from it on are computed instead.
+The bookkeeping only: block tables, the hash chain, the GPU pool's hits and eviction choices, and
+every GPU block's routing_tag (the provenance of its R3 rows: fresh for a block computed here; for a
+loaded block, the tag its connector says the rows carry). What lies behind the GPU pool (CPU tier,
+storage tier, a prefill/decode transfer) is a KVConnector (kv_connector.py), asked in a fixed order
+and waited for before the blocks it touches are used: evictions are copied out before the evicted
+block is rewritten, loads finish before the step that reads them, and a block saved in the
+background stays pinned (a reference) until its connector is done with it. A failed load costs
+recomputation from that block on, never the request.
 """
 
 from __future__ import annotations
@@ -84,10 +81,7 @@ class PrefixCacheManager:
 
     @property
     def counters(self) -> CacheCounters:
-        total = self._counters
-        for c in self.connectors:
-            total = total + c.counters
-        return total
+        return sum((c.counters for c in self.connectors), self._counters)
 
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
@@ -112,11 +106,9 @@ class PrefixCacheManager:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:
-        """The longest run of leading full blocks found in some tier; None while a connector cannot say
-        yet (a storage lookup still running: the first call starts it; try again next step).
-
-        Capped so that at least the last token is computed (its logits sample the next token).
-        """
+        """The longest run of leading full blocks found in some tier, capped so that at least the last
+        token is computed (its logits sample the next token); None while a connector cannot say yet (a
+        storage lookup still running: the first call starts it; try again next step)."""
         hit = PrefixHit()
         if not self.enable_prefix_caching:
             return hit
@@ -159,9 +151,7 @@ class PrefixCacheManager:
         """Give a waiting request its block table; returns its num_computed_tokens (the usable hit).
 
         A block that fails to load truncates the hit there (later tiers are not asked to load); the
-        blocks from it on are computed instead (they were allocated anyway), so the caller schedules
-        from the returned cursor.
-        """
+        blocks from it on are computed instead, so the caller schedules from the returned cursor."""
         assert req.request_id not in self._blocks, f"{req.request_id} admitted twice"
         self.gpu.touch(hit.gpu_blocks)
         for tier_hit in hit.tiers:
@@ -301,9 +291,8 @@ class PrefixCacheManager:
         for connector in self.connectors:
             connector.check_integrity()
         owners: dict[int, int] = {}
-        for blocks in [*self._blocks.values(), *self._pinned.values()]:
-            for b in blocks:
-                owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        for b in [b for blocks in [*self._blocks.values(), *self._pinned.values()] for b in blocks]:
+            owners[b.block_id] = owners.get(b.block_id, 0) + 1
         for b in self.gpu.blocks:
             owned = owners.get(b.block_id, 0)
             assert b.ref_cnt == owned, f"{b} has ref_cnt {b.ref_cnt} but {owned} owners"
