@@ -145,3 +145,23 @@ def test_a_lost_ctm_unpins_the_write_through_and_the_tiers_step_aside():
     kv.check_integrity()
     kv.close()
     assert store.closed
+
+
+def test_the_engine_side_of_the_cache_names_ctm_errors_without_the_subprocess_module_or_torch():
+    """The manager, its tiers and the CTM's supervisor and client import only the boundary module
+    (transfer.py) of the CTM: neither the subprocess module nor torch is loaded by them."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    code = (
+        "import sys\n"
+        "from fastdeploy_r3.cache_manager import cpu_tier, prefix_cache_manager, storage_tier, transfer_supervisor\n"
+        "from fastdeploy_r3.cache_manager.transfer import CacheTransferError, CacheTransferTimeout\n"
+        "banned = ('torch', 'fastdeploy_r3.cache_manager.cache_transfer_manager')\n"
+        "print(sorted(m for m in banned if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
