@@ -5,7 +5,7 @@ under their hash, and a prefix found there is loaded into fresh GPU blocks.
     find_cached_prefix ─────lookup()──────► StorageLookup (off the loop, deadline; storage_lookup.py)
     admit ──────────────────start_load()──► STORAGE2GPU   rows stamped with the manager's fresh tags
 
-Stored blobs carry no token ids: this tier trusts the 128-bit chain hash (DESIGN.md §4), and keys
+Stored blobs carry no token ids: this tier trusts the 128-bit chain hash (block_hash.py), and keys
 are rooted at the weight version, so a flush leaves the store alone. The CacheTransferManager
 writes and reads the blobs; this side only asks which keys exist, through the lookup, which owns
 the engine's lookup-only store connection and closes it in close().
