@@ -67,10 +67,11 @@ class BlockCopier:
     def write(self, gpu_ids: list[int], blocks: list[BlockData], tags: list[int]) -> None:
         """BlockData into GPU blocks: the KV, and the rows stamped with tags[i] (the engine's fresh tag:
         rows from elsewhere are data only under a tag this engine handed out)."""
-        for block_id, data, tag in zip(gpu_ids, blocks, tags, strict=True):
-            if self.routing_host is not None:
+        if self.routing_host is not None:
+            for block_id, data in zip(gpu_ids, blocks, strict=True):  # all checked before any is written
                 if data.rows is None:
                     raise ValueError(f"block for GPU block {block_id} carries no routing rows but R3 is on")
+            for block_id, data, tag in zip(gpu_ids, blocks, tags, strict=True):
                 slots = self._slots(block_id)
                 self.routing_host.rows[slots] = data.rows  # [block_size, L, K]
                 self.routing_host.tags[slots] = tag
