@@ -1,5 +1,6 @@
 """Engine-side handle of the CacheTransferManager subprocess: start it, submit tasks, collect acks,
-notice its death. The subprocess itself is in cache_transfer_manager.py.
+notice its death. The subprocess itself is in cache_transfer_manager.py, imported only when a CTM is
+started (it brings torch); the messages and errors of the boundary are in transfer.py.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from fastdeploy_r3.cache_manager.cache_transfer_manager import (
+from fastdeploy_r3.cache_manager.shm import unlink_quietly
+from fastdeploy_r3.cache_manager.transfer import (
+    CacheTransferConfig,
     CacheTransferError,
     CacheTransferTimeout,
-    CTMShutdown,
-    run_cache_transfer_manager,
-    unlink_ctm_segments,
+    CTMReady,
+    TransferAck,
+    TransferKind,
+    TransferTask,
 )
-from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig, TransferAck, TransferKind, TransferTask
+from fastdeploy_r3.lifecycle import Shutdown
 from fastdeploy_r3.spawn import spawn_context, start_process
 
 __all__ = ["CacheTransferClient", "CacheTransferError", "CacheTransferTimeout", "TransferStats"]
@@ -64,6 +68,8 @@ class CacheTransferClient:
         """Spawn the CTM without waiting for it; `ready()` says when it is up."""
         if self._proc is not None:
             raise CacheTransferError("CacheTransferClient.start() called twice; call shutdown() first")
+        from fastdeploy_r3.cache_manager.cache_transfer_manager import run_cache_transfer_manager
+
         parent_conn, child_conn = spawn_context().Pipe(duplex=True)
         self._config = config
         self._proc = start_process(run_cache_transfer_manager, (config, child_conn), name="CacheTransferManager")
@@ -80,7 +86,7 @@ class CacheTransferClient:
         if not parent_conn.poll(timeout):
             return False
         try:
-            ready = parent_conn.recv()
+            ready: CTMReady = parent_conn.recv()
         except EOFError:
             code = self._exit_code()
             self.shutdown()
@@ -194,7 +200,7 @@ class CacheTransferClient:
         if proc is not None:
             if proc.is_alive() and conn is not None:
                 try:
-                    conn.send(CTMShutdown())
+                    conn.send(Shutdown())
                 except (BrokenPipeError, OSError):
                     pass
                 proc.join(timeout)
@@ -207,6 +213,7 @@ class CacheTransferClient:
         if conn is not None:
             conn.close()
         if self._config is not None:
-            unlink_ctm_segments(self._config)
+            for name in self._config.segment_names():
+                unlink_quietly(name)
         self._proc = self._conn = None
         self._pending.clear()

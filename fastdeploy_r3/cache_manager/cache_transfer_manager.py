@@ -6,14 +6,14 @@
     CPU tier  (per rank KV, routing_swap_buffer)   created and owned by the CTM
     storage   (file:// or redis://)                one blob per block: KV of all ranks + its rows
 
-The KV copies are the device's KVTiers (kv_tiers.py: CpuKVTiers over SHM, CudaKVTiers over CUDA IPC
-and pinned memory); this class validates tasks, moves routing rows (SHM on every device, numpy) and
-talks to the storage tier, the same way whatever the device.
+Every copy goes through BlockCopier (block_copy.py), which moves a block's KV (the device's KVTiers:
+CpuKVTiers over SHM, CudaKVTiers over CUDA IPC and pinned memory) together with its routing rows;
+this class validates tasks and talks to the storage tier, the same way whatever the device. The
+messages and errors of this boundary are in transfer.py.
 
 Tasks run one at a time in submission order, so a later task sees the effects of an earlier one
 (e.g. SWAP2CPU of block 3 then GPU2STORAGE of the block reusing GPU id 3 is safe only after the
-first ack; but the CTM itself never reorders). A block's routing rows always move in the same task
-as its KV (DESIGN.md §5.3).
+first ack; but the CTM itself never reorders).
 """
 
 from __future__ import annotations
@@ -26,17 +26,16 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
 
 from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError, validate_key
-from fastdeploy_r3.cache_manager.kv_tiers import KVTiers, cpu_kv_name, make_kv_tiers
+from fastdeploy_r3.cache_manager.block_copy import BlockCopier, BlockData
+from fastdeploy_r3.cache_manager.kv_tiers import make_kv_tiers
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import pid_alive, unlink_quietly
-from fastdeploy_r3.cache_manager.slots import block_slots
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
@@ -46,34 +45,17 @@ from fastdeploy_r3.cache_manager.storage import (
 )
 from fastdeploy_r3.cache_manager.transfer import (
     CacheTransferConfig,
+    CacheTransferError,
+    CTMReady,
     TransferAck,
     TransferKind,
     TransferTask,
 )
-from fastdeploy_r3.lifecycle import cleanup_begins, exit_with_parent, name_this_process, unwind_on_sigterm
+from fastdeploy_r3.lifecycle import Shutdown, cleanup_begins, exit_with_parent, name_this_process, unwind_on_sigterm
 
 logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 0.5
-
-
-class CacheTransferError(RuntimeError):
-    """The CTM is gone or never came up; every in-flight transfer is lost."""
-
-
-class CacheTransferTimeout(CacheTransferError, TimeoutError):
-    """No ack in time; the CTM is alive but busy or stuck."""
-
-
-@dataclass(frozen=True)
-class CTMReady:
-    pid: int
-    error: str | None = None  # set when setup failed; the CTM exits right after
-
-
-@dataclass(frozen=True)
-class CTMShutdown:
-    pass
 
 
 class CacheTransferManager:
@@ -82,9 +64,7 @@ class CacheTransferManager:
     def __init__(self, config: CacheTransferConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.kv: KVTiers | None = None
-        self.routing_host: RoutingBuffer | None = None
-        self.routing_swap: RoutingBuffer | None = None
+        self.copier: BlockCopier | None = None
         self.storage: KVStorageBackend | None = None
         try:
             self._setup()
@@ -107,18 +87,19 @@ class CacheTransferManager:
                                  "rank on 'cuda'")  # fmt: skip
         self.num_gpu_blocks = cfg.kv_specs[0].num_blocks
         self.num_cpu_blocks = cfg.num_cpu_blocks if cfg.kv_cpu_name else 0
-        self.kv = make_kv_tiers(list(cfg.kv_specs), self.num_cpu_blocks, cfg.kv_cpu_name)
-
+        # each piece is handed to the copier as soon as it exists, so that close() releases it on a failure
+        self.copier = BlockCopier(make_kv_tiers(list(cfg.kv_specs), self.num_cpu_blocks, cfg.kv_cpu_name),
+                                  self.block_size, None, None)
         rows_shape = rows_dtype = None
         if cfg.routing_host is not None:
             host = cfg.routing_host
-            self.routing_host = RoutingBuffer.attach(host)
+            self.copier.routing_host = RoutingBuffer.attach(host)
             if host.num_slots != self.num_gpu_blocks * self.block_size:
                 raise ValueError(f"routing_host_buffer has {host.num_slots} slots, KV has {self.num_gpu_blocks} blocks")
             if self.num_cpu_blocks and cfg.routing_swap_name:
                 swap = RoutingBufferSpec(cfg.routing_swap_name, self.num_cpu_blocks * self.block_size,
                                          host.num_layers, host.top_k, host.dtype)  # fmt: skip
-                self.routing_swap = RoutingBuffer.create(swap)
+                self.copier.routing_swap = RoutingBuffer.create(swap)
             elif self.num_cpu_blocks:
                 raise ValueError("R3 is on and the CPU tier exists but routing_swap_name is None")
             rows_shape, rows_dtype = (self.block_size, host.num_layers, host.top_k), host.dtype
@@ -185,46 +166,26 @@ class CacheTransferManager:
             raise ValueError(f"task {task.task_id}: {n} gpu_block_ids but {len(task.storage_keys)} storage_keys")
         for k in task.storage_keys:
             validate_key(k)
-        need_tags = task.kind == TransferKind.STORAGE2GPU and self.routing_host is not None
+        need_tags = task.kind == TransferKind.STORAGE2GPU and self.copier.routing_host is not None
         if (need_tags or task.routing_tags) and len(task.routing_tags) != n:
             raise ValueError(f"task {task.task_id}: {n} blocks need {n} routing_tags, got {len(task.routing_tags)}")
         if need_tags and NO_TAG in task.routing_tags:
             raise ValueError(f"task {task.task_id}: routing tag {NO_TAG} means 'never written'; stamp real tags")
 
-    def _swap_rows(self, src_ids: list[int], dst_ids: list[int], src: RoutingBuffer | None,
-                   dst: RoutingBuffer | None) -> int:  # fmt: skip
-        """The routing rows and tags of the same blocks, in the same task as their KV (DESIGN.md §5.3)."""
-        if src is None or dst is None:
-            return 0
-        s_slots, d_slots = block_slots(src_ids, self.block_size), block_slots(dst_ids, self.block_size)
-        dst.rows[d_slots] = src.rows[s_slots]  # [n * block_size, L, K]
-        dst.tags[d_slots] = src.tags[s_slots]
-        return len(s_slots) * (src.rows[0].nbytes + 8)
-
     def _swap_to_cpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
-        assert self.kv is not None
-        nbytes = self.kv.swap_to_cpu(task.gpu_block_ids, task.cpu_block_ids)
-        nbytes += self._swap_rows(task.gpu_block_ids, task.cpu_block_ids, self.routing_host, self.routing_swap)
-        return nbytes, [], None
+        assert self.copier is not None
+        return self.copier.swap_out(task.gpu_block_ids, task.cpu_block_ids), [], None
 
     def _swap_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
-        assert self.kv is not None
-        nbytes = self.kv.swap_to_gpu(task.cpu_block_ids, task.gpu_block_ids)
-        nbytes += self._swap_rows(task.cpu_block_ids, task.gpu_block_ids, self.routing_swap, self.routing_host)
-        return nbytes, [], None
-
-    def _block_rows(self, block_id: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
-        if self.routing_host is None:
-            return None, None
-        lo = block_id * self.block_size
-        return self.routing_host.rows[lo : lo + self.block_size], self.routing_host.tags[lo : lo + self.block_size]
+        assert self.copier is not None
+        return self.copier.swap_in(task.cpu_block_ids, task.gpu_block_ids), [], None
 
     def _gpu_to_storage(self, task: TransferTask) -> tuple[int, list[int], str | None]:
-        assert self.storage is not None and self.kv is not None
+        assert self.storage is not None and self.copier is not None
         nbytes, failed, reasons = 0, [], []
-        host_kv = self.kv.blocks_to_host(task.gpu_block_ids)  # [i][rank]
-        for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys, strict=True)):
-            rows, tags = self._block_rows(block_id)
+        blocks = self.copier.read(task.gpu_block_ids)
+        for i, (block_id, key, data) in enumerate(zip(task.gpu_block_ids, task.storage_keys, blocks, strict=True)):
+            tags = data.tags
             if tags is not None:
                 # Fail closed: rows that are unwritten or from two computations would be served as data by
                 # every engine that loads this key, so such a block is not stored at all.
@@ -233,7 +194,7 @@ class CacheTransferManager:
                     failed.append(i)
                     reasons.append(f"{i}: routing rows of GPU block {block_id} are not all tagged {want}")
                     continue
-            blob = encode_block(self.layout, host_kv[i], rows)
+            blob = encode_block(self.layout, data.kv_parts, data.rows)
             try:
                 self.storage.put(key, blob)
             except StorageError as e:
@@ -244,10 +205,11 @@ class CacheTransferManager:
         return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "not stored", reasons)
 
     def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
-        assert self.storage is not None and self.kv is not None
+        assert self.storage is not None and self.copier is not None
         nbytes, failed, reasons = 0, [], []
         ok_ids: list[int] = []  # verified blocks, written to the GPU tier in one batch below
-        ok_parts: list[list[np.ndarray]] = []
+        ok_blocks: list[BlockData] = []
+        ok_tags: list[int] = []
         for i, (block_id, key) in enumerate(zip(task.gpu_block_ids, task.storage_keys, strict=True)):
             blob = self.storage.get(key)
             if blob is None:
@@ -266,23 +228,16 @@ class CacheTransferManager:
                 continue
             # Only a fully verified blob reaches the GPU slots; a failed block leaves them untouched.
             ok_ids.append(block_id)
-            ok_parts.append(kv_parts)
-            dst_rows, dst_tags = self._block_rows(block_id)
-            if dst_rows is not None:
-                dst_rows[:] = rows
-                dst_tags[:] = task.routing_tags[i]  # rows are data only under this engine's fresh tag
+            ok_blocks.append(BlockData(kv_parts, rows, None))
+            ok_tags.append(task.routing_tags[i] if task.routing_tags else NO_TAG)
             nbytes += len(blob)
-        self.kv.host_to_blocks(ok_ids, ok_parts)
+        self.copier.write(ok_ids, ok_blocks, ok_tags)
         return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "missing or corrupt in storage", reasons)
 
     def close(self) -> None:
-        for buf in (self.routing_swap, self.routing_host):
-            if buf is not None:
-                buf.close()
-        self.routing_swap = self.routing_host = None
-        if self.kv is not None:
-            self.kv.close()
-            self.kv = None
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
         if self.storage is not None:
             self.storage.close()
             self.storage = None
@@ -346,22 +301,15 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
                     logger.warning("engine (pid %d) is gone; CTM exits", config.parent_pid)
                     return
                 continue
-            if item is _EOF or isinstance(item, CTMShutdown):
+            if item is _EOF or isinstance(item, Shutdown):
                 return
             conn.send(ctm.run_task(item))
     except (BrokenPipeError, EOFError):
         return
     finally:
         cleanup_begins()
-        unlink_ctm_segments(config)
+        for name in config.segment_names():  # by name: covers what a failed setup left half made
+            unlink_quietly(name)
         if ctm is not None:
             ctm.close()
 
-
-def unlink_ctm_segments(config: CacheTransferConfig) -> None:
-    """Names the CTM creates; unlinking by name also covers a CTM that was killed before close()."""
-    if config.kv_cpu_name:
-        for rank in range(len(config.kv_specs)):
-            unlink_quietly(cpu_kv_name(config.kv_cpu_name, rank))
-    if config.routing_swap_name:
-        unlink_quietly(config.routing_swap_name)

@@ -22,12 +22,7 @@ import numpy as np
 import torch
 
 from fastdeploy_r3.cache_manager.shm import ShmSegment
-from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
-
-
-def cpu_kv_name(kv_cpu_name: str, rank: int) -> str:
-    """SHM name of rank's CPU tier (CPU device only)."""
-    return f"{kv_cpu_name}_rank{rank}"
+from fastdeploy_r3.cache_manager.transfer import KVCacheSpec, cpu_kv_name
 
 
 class KVTiers(abc.ABC):

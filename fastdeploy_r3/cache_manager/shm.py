@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 import secrets
 from multiprocessing import resource_tracker, shared_memory
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fastdeploy_r3.lifecycle import pid_alive
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_PREFIX = "fdr3_"
 
@@ -97,6 +100,8 @@ class ShmSegment:
         return np.ndarray(shape, dtype=dtype, buffer=self._shm.buf, offset=offset)
 
     def torch(self, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        import torch  # the workers' view; the engine and the CTM read segments through numpy
+
         numel = int(np.prod(shape)) if shape else 1
         t = torch.frombuffer(self._shm.buf, dtype=dtype, count=numel, offset=offset)
         return t.view(shape)

@@ -11,6 +11,13 @@ the meantime, so a slow or stopped store (Redis under SIGSTOP, a hung mount) cos
 wanted it at most `deadline_s` and costs nobody else anything. A lookup that misses its deadline
 marks the store degraded (blobstore/health.py): later lookups answer "all missing" at once, except one
 probe every `retry_after_s`, until the store answers again.
+
+It also keeps what the storage tier (storage_tier.py) knows between steps: each request's answer,
+until the request frees its blocks, and the keys this engine's own puts stored recently. A lookup
+runs off the loop and may answer from before a put landed, so a key stored since counts as found
+(a load that then misses, the block expired or evicted since, is recomputed like any failed load).
+
+The lookup owns its store: close() stops the thread and closes the store.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 class ExistsStore(Protocol):
     def exists(self, keys: list[str]) -> list[bool]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -46,6 +56,7 @@ class StorageLookup:
         deadline_s: float,
         health: StoreHealth,
         clock: Callable[[], float] = time.monotonic,
+        remember_stored: int = 4096,
     ) -> None:
         self.storage = storage
         self.deadline_s = deadline_s
@@ -55,8 +66,36 @@ class StorageLookup:
         self._answered = threading.Condition(self._lock)
         self._lookups: dict[str, _Lookup] = {}
         self._queue: queue.SimpleQueue[tuple[str, _Lookup] | None] = queue.SimpleQueue()
+        self._found: dict[str, list[bool]] = {}  # request -> its lookup's answer, per full block
+        self._recently_stored: OrderedDict[str, None] = OrderedDict()  # keys our puts stored, newest last
+        self._remember_stored = remember_stored
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="fdr3-storage-lookup", daemon=True)
         self._thread.start()
+
+    def found(self, request_id: str, keys: list[str]) -> list[bool] | None:
+        """Per key (a request's full blocks, in order), whether storage holds it or one of our puts stored
+        it since; None while the lookup runs (the first call starts it). The answer is kept until
+        forget(request_id), and asked again only for a request that grew past it."""
+        found = self._found.get(request_id)
+        if found is None or len(found) < len(keys):
+            if not self.has(request_id):
+                self.start(request_id, keys)
+            found = self.answer(request_id)
+            if found is None:
+                return None
+            self._found[request_id] = found
+        # a degraded store answers "missing" without asking: do not send loads to it either
+        recent = self._recently_stored if self.health.degraded is None else {}
+        return [present or key in recent for key, present in zip(keys, found)]
+
+    def stored(self, keys: list[str]) -> None:
+        """Our puts stored these keys (acknowledged by the CTM)."""
+        for key in keys:
+            self._recently_stored[key] = None
+            self._recently_stored.move_to_end(key)
+        while len(self._recently_stored) > self._remember_stored:
+            self._recently_stored.popitem(last=False)
 
     def start(self, request_id: str, keys: list[str]) -> None:
         """Look up `keys` for a request (replacing an earlier lookup of the same request)."""
@@ -97,6 +136,7 @@ class StorageLookup:
         return job.result
 
     def forget(self, request_id: str) -> None:
+        self._found.pop(request_id, None)
         with self._lock:
             self._lookups.pop(request_id, None)
 
@@ -107,8 +147,14 @@ class StorageLookup:
                 return
             self._answered.wait(timeout_s)
 
-    def close(self) -> None:
+    def close(self, join_s: float = 1.0) -> None:
+        """Stop the thread (waiting up to join_s for a call in flight) and close the store; once."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
+        self._thread.join(join_s)
+        self.storage.close()  # a Mooncake client takes the objects of its segment with it
 
     def _run(self) -> None:
         while True:

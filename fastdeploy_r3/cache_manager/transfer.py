@@ -1,7 +1,14 @@
-"""Typed messages between the engine and the CacheTransferManager subprocess.
+"""The boundary between the engine and the CacheTransferManager (CTM) subprocess: every message and
+error that crosses it, and nothing else, so that the engine names them without importing the
+subprocess module (or torch).
 
-A task names blocks by id in each tier; its acknowledgement comes only once the data is in place.
-Routing rows always travel in the same task as the KV of their block (DESIGN.md §5.3).
+    engine ── TransferTask ─► CTM             (run one at a time, in submission order)
+           ◄─ TransferAck ──────┘             (only once the data is in place)
+           ◄─ CTMReady (once, after setup)
+           ── lifecycle.Shutdown ─►           (the one stop message of every boundary)
+
+A task names blocks by id in each tier. Routing rows always travel in the same task as the KV of
+their block: the CTM moves both through one owner (block_copy.py).
 """
 
 from __future__ import annotations
@@ -11,9 +18,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
+
+
+class CacheTransferError(RuntimeError):
+    """The CTM is gone or never came up; every in-flight transfer is lost (its blocks count as misses)."""
+
+
+class CacheTransferTimeout(CacheTransferError, TimeoutError):
+    """No ack in time; the CTM is alive but busy or stuck (it is killed and replaced)."""
+
+
+@dataclass(frozen=True)
+class CTMReady:
+    """The CTM's first message: its CPU tier exists and its store answered (or why not)."""
+
+    pid: int
+    error: str | None = None  # set when setup failed; the CTM exits right after
 
 
 class TransferKind(enum.Enum):
@@ -64,6 +86,8 @@ class KVCacheSpec:
 
     @property
     def itemsize(self) -> int:
+        import torch  # only the processes that copy KV (workers, CTM) ask; the engine never does
+
         dt = getattr(torch, self.dtype, None)
         if not isinstance(dt, torch.dtype):
             raise TypeError(f"KV dtype {self.dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
@@ -101,3 +125,13 @@ class CacheTransferConfig:
     storage_must_answer: bool = True  # False: a store that is down at start is degraded, not an error
     storage_ttl_s: int | None = None  # stored blocks expire after it (where the store has expiry)
     storage_capacity_bytes: int | None = None  # a file tier's byte budget (least recently used go first)
+
+    def segment_names(self) -> list[str]:
+        """SHM names the CTM creates; unlinking them by name also covers a CTM killed before it cleaned up."""
+        names = [cpu_kv_name(self.kv_cpu_name, rank) for rank in range(len(self.kv_specs))] if self.kv_cpu_name else []
+        return names + ([self.routing_swap_name] if self.routing_swap_name else [])
+
+
+def cpu_kv_name(kv_cpu_name: str, rank: int) -> str:
+    """SHM name of rank's CPU tier (CPU device only)."""
+    return f"{kv_cpu_name}_rank{rank}"

@@ -2,7 +2,7 @@
 and supervises its children (workers, CacheTransferManager).
 
     EngineService
-      ├─ Scheduler ── PrefixCacheManager (GPU pool, CPU tier, storage lookups)
+      ├─ Scheduler ── PrefixCacheManager (GPU pool) ── KV connectors (CPU tier, storage tier)
       ├─ routing_host_buffer (SHM, created here once the KV cache is sized)
       ├─ TokenProcessor ── RoutingCacheManager (gather at finish)
       ├─ worker processes (one per TP rank)
@@ -18,16 +18,17 @@ import weakref
 from dataclasses import dataclass, field, fields, replace
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
+from fastdeploy_r3.cache_manager.kv_connector import KVConnector
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
+from fastdeploy_r3.cache_manager.transfer_supervisor import TransferSupervisor
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
 from fastdeploy_r3.engine.token_processor import TokenProcessor
-from fastdeploy_r3.engine.transfer_supervisor import TransferSupervisor
 from fastdeploy_r3.engine.worker_group import WorkerGroup
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, weight_version_spans
@@ -139,8 +140,9 @@ class EngineService:
 
             storage = open_blob_store(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s,
                                            lookup_only=True)  # the CTM writes
-            self._lookup = StorageLookup(storage, cc.storage_timeout_s, storage.health)
-        transfer = None
+            self._lookup = StorageLookup(storage, cc.storage_timeout_s, storage.health,
+                                         remember_stored=max(4096, 4 * num_gpu_blocks))
+        connectors: list[KVConnector] = []
         if num_cpu_blocks > 0 or storage is not None:
             from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig
 
@@ -158,18 +160,22 @@ class EngineService:
                 storage_ttl_s=cc.kv_storage_ttl_s,
                 storage_capacity_bytes=(None if cc.kv_storage_capacity_gib is None
                                         else int(cc.kv_storage_capacity_gib * 2**30)),
-            ))
-            transfer = self._transfers.start()
+            ), timeout_s=cc.transfer_timeout_s)
+            self._transfers.start()
+            from fastdeploy_r3.cache_manager.cpu_tier import CpuTier
+            from fastdeploy_r3.cache_manager.storage_tier import StorageTier
+
+            if num_cpu_blocks > 0:
+                connectors.append(CpuTier(num_cpu_blocks, self._transfers))
+            if self._lookup is not None:
+                connectors.append(StorageTier(self._lookup, self._transfers))
         self.num_cpu_blocks = num_cpu_blocks
         self.kv = PrefixCacheManager(
             num_gpu_blocks=num_gpu_blocks,
             block_size=cc.block_size,
             enable_prefix_caching=cc.enable_prefix_caching,
             root_hash=root_hash(mc.model_identity, self.weight_version),
-            num_cpu_blocks=num_cpu_blocks,
-            transfer=transfer,
-            lookup=self._lookup,
-            transfer_timeout_s=cc.transfer_timeout_s,
+            connectors=connectors,
         )
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
                                    max_waiting=sc.max_waiting_requests)
@@ -274,7 +280,7 @@ class EngineService:
             self._check_children()
             self.kv.poll_transfers()
             if self._transfers is not None:
-                self._transfers.tick(self.kv)  # a lost CTM is replaced without the loop waiting for it
+                self._transfers.tick()  # a lost CTM is replaced without the loop waiting for it
             # paused: nothing advances (in_place requests keep their blocks); aborts still go out
             out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
             if not out.chunks and self._lookup is not None and self.kv.has_pending_lookups():
@@ -507,15 +513,15 @@ class EngineService:
             return
         self._closed = True
         if self._lookup is not None:
-            self._lookup.close()
+            self._lookup.close()  # and its store, even when the engine failed before its tiers existed
         if self._dead is None and hasattr(self, "kv"):
             try:
                 self.kv.poll_transfers(block=True)
             except Exception:
                 logger.exception("waiting for write-through")
         self._stop_children()
-        if hasattr(self, "kv") and self.kv.storage is not None:
-            self.kv.storage.close()  # a Mooncake client takes the objects of its segment with it
+        if hasattr(self, "kv"):
+            self.kv.close()
         _live_engines.discard(self)
 
 

@@ -19,11 +19,15 @@ class HangingStore:
         self.released = threading.Event()
         self.released.set()
         self.calls = 0
+        self.closed = 0
 
     def exists(self, keys: list[str]) -> list[bool]:
         self.calls += 1
         self.released.wait()
         return [k in self.keys for k in keys]
+
+    def close(self) -> None:
+        self.closed += 1
 
 
 class FakeClock:
@@ -95,11 +99,36 @@ def test_a_call_that_fails_fast_degrades_the_store_but_the_next_call_still_tries
     caller.close()
 
 
-def test_lookups_answer_from_the_thread():
-    lookup = StorageLookup(HangingStore({"k1", "k2"}), deadline_s=5.0, health=StoreHealth("kv storage"))
+def test_lookups_answer_from_the_thread_and_the_lookup_closes_its_store_once():
+    store = HangingStore({"k1", "k2"})
+    lookup = StorageLookup(store, deadline_s=5.0, health=StoreHealth("kv storage"))
     lookup.start("r1", ["k1", "k2", "k3"])
     assert wait_answer(lookup, "r1") == [True, True, False]
     assert not lookup.has("r1")  # answered once, then forgotten
+    lookup.close()
+    lookup.close()
+    assert store.closed == 1 and not lookup._thread.is_alive()
+
+
+def test_found_keeps_a_requests_answer_and_counts_our_own_recent_puts():
+    """r1's lookup answers [k1 stored, k2 not]; then our put of k2 lands: r1's kept answer now finds
+    both, until the store is degraded (its answers, and our puts to it, are not trusted then)."""
+    store = HangingStore({"k1"})
+    health = StoreHealth("kv storage")
+    lookup = StorageLookup(store, deadline_s=5.0, health=health, remember_stored=1)
+    deadline = time.monotonic() + 5.0
+    while (found := lookup.found("r1", ["k1", "k2"])) is None and time.monotonic() < deadline:
+        lookup.wait(0.05)
+    assert found == [True, False] and store.calls == 1
+    lookup.stored(["k2"])
+    assert lookup.found("r1", ["k1", "k2"]) == [True, True] and store.calls == 1  # kept, not asked again
+    lookup.stored(["k3"])  # remembers one key: k2 is forgotten
+    assert lookup.found("r1", ["k1", "k2"]) == [True, False]
+    lookup.stored(["k2"])
+    health.failed("ConnectionError: refused")
+    assert lookup.found("r1", ["k1", "k2"]) == [True, False]
+    lookup.forget("r1")
+    assert lookup.found("r1", ["k1", "k2"]) == [False, False]  # asked again: degraded answers at once
     lookup.close()
 
 
@@ -128,6 +157,9 @@ def test_a_store_that_raises_is_a_miss_and_degraded():
     class Broken:
         def exists(self, keys: list[str]) -> list[bool]:
             raise TimeoutError("Timeout reading from socket")
+
+        def close(self) -> None:
+            pass
 
     health = StoreHealth("kv storage")
     lookup = StorageLookup(Broken(), deadline_s=5.0, health=health)

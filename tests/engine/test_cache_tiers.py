@@ -77,6 +77,27 @@ def test_storage_tier_without_cpu_tier(model_dir, prompts, reference, tmp_path, 
     assert m2["storage_load_blocks"] >= 3 * 6 - 3, m2  # each prompt's 6 full prefix blocks (one capped)
 
 
+def test_the_engines_store_connections_are_closed_at_shutdown(model_dir, prompts, redis_url) -> None:
+    """Redis db 7 is this test's alone: while the engine runs, its lookup connection and the CTM's are
+    there; once it has shut down, none is left (the engine's own used to stay open until exit)."""
+    import redis
+
+    observer = redis.Redis.from_url(redis_url)  # db 0: not counted
+
+    def clients() -> int:
+        return sum(1 for c in observer.client_list() if str(c.get("db")) == "7")
+
+    with LLM(model_dir, block_size=4, num_gpu_blocks_override=16, kv_storage=redis_url.replace("/0", "/7")) as llm:
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        assert clients() >= 2
+    for _ in range(100):  # the CTM's socket goes with its process; the server sees it a moment later
+        if clients() == 0:
+            break
+        time.sleep(0.05)
+    assert clients() == 0, observer.client_list()
+    observer.close()
+
+
 def test_mooncake_blocks_of_an_exited_engine_are_recomputed(model_dir, prompts, reference) -> None:
     """No holder: the engine's own segments keep its blocks, so once it exits a second engine on the same
     master finds none of them (no load, no stale data) and recomputes the same greedy tokens."""

@@ -193,7 +193,8 @@ def test_gpu_hit_and_cpu_swap_in_serve_the_rows_recorded_at_compute(tiered: LLM,
         _one(tiered, filler)
     hashes = _prefix_hashes(tiered, PREFIX)
     assert [tiered.engine.kv.gpu.cached_block(h) for h in hashes] == [None] * PREFIX_BLOCKS, "PREFIX is still on GPU"
-    assert all(tiered.engine.kv.cpu.cached_block(h) is not None for h in hashes), "PREFIX did not reach the CPU tier"
+    (cpu_tier,) = [c for c in tiered.engine.kv.connectors if c.name == "cpu"]
+    assert all(cpu_tier.pool.cached_block(h) is not None for h in hashes), "PREFIX did not reach the CPU tier"
 
     m1 = tiered.engine.metrics()
     c = _one(tiered, c_prompt)

@@ -6,7 +6,9 @@ from fastdeploy_r3.blobstore.health import StoreHealth
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
+from fastdeploy_r3.cache_manager.storage_tier import StorageTier
 from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind, TransferTask
+from fastdeploy_r3.cache_manager.transfer_supervisor import TransferSupervisor
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler
 from fastdeploy_r3.sampling_params import SamplingParams
@@ -151,6 +153,9 @@ class StoreThatAcksOnPoll:
     def wait(self, task_id: int, timeout: float | None = 60) -> TransferAck:
         return self._acks.pop(task_id)
 
+    def close(self) -> None:
+        pass
+
 
 @pytest.mark.parametrize("store_degraded", [False, True])
 def test_a_lookup_answered_before_a_put_landed_still_finds_the_stored_blocks(store_degraded: bool):
@@ -161,8 +166,9 @@ def test_a_lookup_answered_before_a_put_landed_still_finds_the_stored_blocks(sto
     Unless the store has since been marked degraded: then nothing is sent to it and b recomputes."""
     store = StoreThatAcksOnPoll()
     lookup = StorageLookup(store, deadline_s=30.0, health=StoreHealth("kv storage"))
+    tier = StorageTier(lookup, TransferSupervisor(None, client=store))
     kv = PrefixCacheManager(3, block_size=4, enable_prefix_caching=True, root_hash=root_hash("t", "0"),
-                            transfer=store, lookup=lookup)
+                            connectors=[tier])
     s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64, enable_chunked_prefill=True)
     a, c, b = req("a", list(range(9)), 1), req("c", list(range(100, 109)), 1), req("b", list(range(9)), 1)
     for r in (a, c, b):
