@@ -5,6 +5,8 @@
     prompt    PromptCharBound: a prompt of more characters than max_model_len tokens could cover is
               refused (400) before tokenization, which is the expensive part of a huge prompt
     tokenize  the server runs the tokenizer in a worker thread (asyncio.to_thread), never on the loop
+    choices   n <= --max-n per prompt, and a /generate call's prompts x n <= --max-batch-size: one
+              request's answer (tokens, logprobs, R3 for every choice) stays bounded in memory
 
 The character bound is exact, not a guess: a token covers at most `longest_token_chars` characters
 of text (its longest vocabulary entry; byte-level BPE spells each byte as one character, so the
@@ -23,6 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # When the tokenizer does not list its vocabulary: generous enough for every vocabulary we know of
 # (runs of spaces or of '=' are the longest entries, well under this), so no prompt that fits is refused.
 FALLBACK_LONGEST_TOKEN_CHARS = 256
+DEFAULT_MAX_N = 64
+DEFAULT_MAX_BATCH_SIZE = 256
 
 
 class BodySizeLimit:
