@@ -21,6 +21,7 @@ Validation admits only what the sampler can run, so that no request can make a s
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from fastdeploy_r3.logprobs import MAX_LOGPROBS
@@ -83,8 +84,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         for name in ("n", "max_tokens", "top_k", "min_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not _is_int(value):
                 raise InvalidRequestError(f"{name}={value!r}; use an integer")
+            setattr(self, name, int(value))  # numpy ints too, as plain ints for the wire
         if self.n < 1:
             raise InvalidRequestError(f"n={self.n}; use n >= 1")
         if self.max_tokens is None or self.max_tokens < 1:
@@ -114,8 +116,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"stop_token_ids has {len(self.stop_token_ids)} ids; send at most {MAX_STOP_TOKEN_IDS}"
             )
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids={self.stop_token_ids[:8]!r}...; token ids are integers >= 0")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.routing_layout not in (None, "moe", "all_layers"):
             raise InvalidRequestError(f"routing_layout={self.routing_layout!r}; use 'moe' or 'all_layers'")
         if self.routed_experts_start < 0:
@@ -160,3 +163,8 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _is_int(value: object) -> bool:
+    """An integer (Python's or numpy's), and not a bool: True is not a token count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -119,8 +119,9 @@ class NativeServing(OpenAIServing):
             raise bad_request("send exactly one of text or input_ids")
         for name, why in _REFUSED.items():
             if getattr(body, name) not in (None, False):
+                default = json.dumps(GenerateRequest.model_fields[name].default)
                 raise bad_request(f"{name}={getattr(body, name)!r} is not supported: {why}; leave it out or send "
-                                  f"{GenerateRequest.model_fields[name].default!r}", name)
+                                  f"{default}", name)
         wants_r3 = body.return_routed_experts
         if wants_r3 is None:  # not sent: the server's --enable-return-routed-experts decides
             return self.ctx.enable_return_routed_experts and self.ctx.r3_enabled
