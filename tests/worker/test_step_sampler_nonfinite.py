@@ -9,7 +9,7 @@ import torch
 
 from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.messages import ScheduledRequestData
-from fastdeploy_r3.worker.step_sampler import NonFiniteLogitsError, StepSampler
+from fastdeploy_r3.worker.sample.sampler import NonFiniteLogitsError, StepSampler
 
 V = 8
 

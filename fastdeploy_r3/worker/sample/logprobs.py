@@ -5,7 +5,7 @@ M = the most ids a row's truncation kept.
 
     processed logits [S, V] ─ / T ─ log_softmax ─► lp [S, V] ─► chosen [S], rank [S], top [S, N]
                                                             ├─► entropy [S]               (asked for)
-                        truncate (batch_sampler.py) ─► keep ─► kept ids [S, M], chosen renormalised [S]
+                        truncate (draw.py)          ─► keep ─► kept ids [S, M], chosen renormalised [S]
 
 Only `chosen`, `rank`, the top-N ids and values and the extras asked for leave the device.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy_r3.logprobs import TokenLogprob
-from fastdeploy_r3.worker.batch_sampler import SamplingBatch, truncate
+from fastdeploy_r3.worker.sample.draw import SamplingBatch, truncate
 
 
 @dataclass
