@@ -146,8 +146,8 @@ class NativeServing(OpenAIServing):
         n = len(texts)
         if n == 0:
             raise bad_request("the batch is empty; send at least one prompt")
-        if n > self.ctx.max_batch_size:
-            raise bad_request(f"the batch has {n} prompts; send at most {self.ctx.max_batch_size} per call "
+        if n > self.ctx.bounds.max_batch_size:
+            raise bad_request(f"the batch has {n} prompts; send at most {self.ctx.bounds.max_batch_size} per call "
                               "(--max-batch-size)", "text" if body.text is not None else "input_ids")
         if body.text is not None:
             if self.ctx.engine.tokenizer is None:
@@ -177,15 +177,15 @@ class NativeServing(OpenAIServing):
                         raise InvalidRequestError(f"top_logprobs_num={top_logprobs[i]}; use a value in "
                                                   f"[0, {MAX_LOGPROBS}]")
                     params = dataclasses.replace(params, logprobs=top_logprobs[i])
-                self.check_bounds(params)
+                self.ctx.bounds.check(params, self.ctx.engine.config.model_config.vocab_size)
             except InvalidRequestError as e:
                 raise bad_request(str(e), "sampling_params") from e
             items.append(_Item(rids[i], ids[i], texts[i], params, bool(logprob[i]), body.return_text_in_logprobs,
                                raw.stream_interval or 1))
         choices = sum(it.params.n for it in items)
-        if choices > self.ctx.max_batch_size:
+        if choices > self.ctx.bounds.max_batch_size:
             raise bad_request(f"the call asks for {choices} choices (prompts x n); send at most "
-                              f"{self.ctx.max_batch_size} per call (--max-batch-size)", "sampling_params")
+                              f"{self.ctx.bounds.max_batch_size} per call (--max-batch-size)", "sampling_params")
         return items, single
 
     # -- answers ------------------------------------------------------------------------------------
@@ -252,10 +252,9 @@ class NativeServing(OpenAIServing):
         encode = [asyncio.to_thread(sglang_routed_experts, a, self.ctx.moe_layer_ids, num_layers) for a in arrays]
         return list(await asyncio.gather(*encode))
 
-    def count(self, body: GenerateRequest, finals: list[RequestOutput]) -> None:
-        if body.log_metrics:
+    def count(self, body: GenerateRequest) -> None:
+        if body.log_metrics:  # SGLang's health probes send false to stay out of the numbers
             self.ctx.counters.generate_requests += 1
-            self.ctx.counters.generate_output_tokens += sum(len(c.token_ids) for f in finals for c in f.outputs)
 
     # -- the endpoint -------------------------------------------------------------------------------
 
@@ -283,7 +282,7 @@ class NativeServing(OpenAIServing):
             payloads = await self.routed_experts(item, final)
             for c in sorted(final.outputs, key=lambda c: c.index):
                 results.append(self.result(item, final, c, started, payloads[c.index]))
-        self.count(body, list(finals))
+        self.count(body)
         return JSONResponse(results[0] if single and len(results) == 1 else results)
 
     async def _deltas(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
@@ -313,7 +312,7 @@ class NativeServing(OpenAIServing):
             self.check_finished_ok(final)
             (payload,) = await self.routed_experts(item, final)
             answer = self.result(item, final, final.outputs[0], started, payload)
-            self.count(body, [final])
+            self.count(body)
             yield f"data: {json.dumps(answer, allow_nan=False)}\n\n"
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"

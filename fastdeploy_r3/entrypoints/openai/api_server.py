@@ -43,12 +43,7 @@ from fastdeploy_r3.entrypoints.native.api import add_native_routes
 from fastdeploy_r3.entrypoints.openai.disconnect import unless_gone
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from fastdeploy_r3.entrypoints.openai.request_limits import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MAX_N,
-    BodySizeLimit,
-    longest_token_chars,
-)
+from fastdeploy_r3.entrypoints.openai.request_limits import BodySizeLimit, RequestBounds, longest_token_chars
 from fastdeploy_r3.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy_r3.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy_r3.entrypoints.openai.serving_engine import (
@@ -83,10 +78,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     parser.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="a request not answered this many seconds after it arrived is aborted (504); a "
                         "request's own `timeout` field overrides it (default: %(default)s)")
-    parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+    parser.add_argument("--max-n", type=int, default=RequestBounds.max_n,
                         help="the most choices (n) one prompt may ask for (default: %(default)s; the OpenAI "
                         f"endpoints stop at {MAX_CHOICES} whatever this says, one R3 key per choice)")
-    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+    parser.add_argument("--max-batch-size", type=int, default=RequestBounds.max_batch_size,
                         help="the most prompts x n of one /generate call (default: %(default)s)")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="every /generate answer carries routed_experts unless the request sends "
@@ -306,8 +301,8 @@ async def run_server(args: argparse.Namespace) -> None:
                                                stall_timeout_s=args.engine_stall_timeout_s)
         ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store,
                              request_timeout_s=args.request_timeout_s,
-                             longest_token_chars=longest_token_chars(tokenizer), max_n=args.max_n,
-                             max_batch_size=args.max_batch_size,
+                             longest_token_chars=longest_token_chars(tokenizer),
+                             bounds=RequestBounds(args.max_n, args.max_batch_size),
                              enable_return_routed_experts=args.enable_return_routed_experts)
         app = build_app(ctx, args.api_key, namespace, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
                         enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key)
