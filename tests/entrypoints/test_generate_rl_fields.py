@@ -175,6 +175,8 @@ def test_sglang_router_fields_r3_without_asking_and_log_metrics(server: ServerHa
     assert "output_token_logprobs" not in meta  # return_logprob was not asked for
     post(server, {**body, "log_metrics": True})
     assert _counter(server, "generate_requests") == before + 1
+    info = httpx.get(f"{server.url}/get_server_info").json()
+    assert (info["enable_return_routed_experts"], info["max_n"], info["max_batch_size"]) == (True, 4, 6)
 
 
 def test_routed_experts_start_len_is_echoed_and_rows_start_there(server: ServerHandle) -> None:
@@ -226,6 +228,8 @@ def test_no_stop_trim_keeps_the_matched_stop_string_and_token(server: ServerHand
     ({"input_ids": [PROMPT] * 7}, "the batch has 7 prompts; send at most 6"),
     ({"input_ids": [PROMPT] * 3, "sampling_params": {"n": 3}}, "the call asks for 9 choices"),
     ({"input_ids": [True, False]}, "input_ids"),
+    ({"input_ids": [5, 10**9]}, "token id 1000000000 is outside the vocabulary [0, 512)"),
+    ({"input_ids": [[5], [-1]]}, "token id -1 is outside the vocabulary"),
     ({"return_logprob": "yes"}, "return_logprob"),
     ({"stream": "true"}, "stream: Input should be a valid boolean"),
     ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num=21; use a value in [0, 20]"),
