@@ -82,8 +82,9 @@ def completion_rows(server: ServerHandle, prompt: list[int], num_tokens: int) ->
     return text_ids, decode_routed_experts(choice["routed_experts"])
 
 
-@pytest.mark.parametrize("framework,name", [("slime", "default"), ("miles", "default_r3_on"),
-                                            ("slime", "partial_rollout_resume"), ("miles", "default_r3_off")])
+@pytest.mark.parametrize("framework,name", [("slime", "default"), ("slime", "deterministic_group_member"),
+                                            ("slime", "partial_rollout_resume"), ("miles", "default_r3_on"),
+                                            ("miles", "legacy_partial_rollout_resume"), ("miles", "default_r3_off")])
 def test_recorded_bodies_read_as_the_frameworks_read_them(server: ServerHandle, framework: str, name: str) -> None:
     prompt = PROMPT + [40, 41, 42] if "resume" in name else PROMPT  # a resumed rollout sends prompt + response
     r = post(server, recorded(framework, name, prompt, 6, temperature=0.0))
