@@ -169,8 +169,8 @@ class NativeServing(OpenAIServing):
         items = []
         for i in range(n):
             try:
-                raw = parse_sampling_params(sampling[i])
-                params = sglang_sampling_params(raw, wants_r3, body.routed_experts_start_len, defaults,
+                given = parse_sampling_params(sampling[i])
+                params = sglang_sampling_params(given, wants_r3, body.routed_experts_start_len, defaults,
                                                 return_entropy=body.return_entropy)
                 if logprob[i]:  # the engine's per-token logprobs (SGLang's definition: after temperature)
                     if not 0 <= top_logprobs[i] <= MAX_LOGPROBS:
@@ -181,7 +181,7 @@ class NativeServing(OpenAIServing):
             except InvalidRequestError as e:
                 raise bad_request(str(e), "sampling_params") from e
             items.append(_Item(rids[i], ids[i], texts[i], params, bool(logprob[i]), body.return_text_in_logprobs,
-                               raw.stream_interval or 1))
+                               given.stream_interval or 1))
         choices = sum(it.params.n for it in items)
         if choices > self.ctx.bounds.max_batch_size:
             raise bad_request(f"the call asks for {choices} choices (prompts x n); send at most "
