@@ -10,6 +10,15 @@ Definition (one for the whole project; README "Logprobs" says the same):
     prompt tokens    logprob = log_softmax(raw logits)[token] (no temperature, no penalties): they
                      score given text, as vLLM's prompt_logprobs do.
 
+Two extras a request may ask for (SamplingParams.return_entropy / return_top_p_token_ids):
+
+    entropy          -sum_v p[v] log p[v] of the same distribution (softmax(z / T)), in nats
+    kept_ids         the ids the sampler's top-k / top-p truncation kept for this draw, most likely
+                     first (greedy: the argmax alone), what slime's custom_params
+                     return_top_p_token_ids replays; the sampled token's logprob is then that of
+                     the truncated distribution, renormalised over kept_ids (the sampled token is
+                     always among them), so the trainer computes the same number over the same set
+
 For comparison: vLLM v1 returns raw logprobs by default (`logprobs_mode="raw_logprobs"`, before
 temperature and penalties; "processed_logprobs" is ours minus the truncation); SGLang returns
 log_softmax of the logits after temperature scaling (and penalties), also before top-k / top-p.
@@ -37,6 +46,8 @@ class TokenLogprob:
     logprob: float
     rank: int  # 1 = the most likely token of the distribution
     top: list[tuple[int, float]]  # [(token id, logprob)] * N
+    entropy: float | None = None  # only when asked for (SamplingParams.return_entropy)
+    kept_ids: list[int] | None = None  # only when asked for (SamplingParams.return_top_p_token_ids)
 
 
 # prompt logprobs of a request: entry i belongs to prompt token i; entry 0 is None (nothing predicts it)

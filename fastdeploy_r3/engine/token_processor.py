@@ -65,10 +65,16 @@ class TokenProcessor:
         at_length = len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
         if self.tokenizer is not None:
             if req.detokenizer is None:
-                req.detokenizer = IncrementalDetokenizer(_Decoding(self.tokenizer, params.skip_special_tokens))
-            new_text = req.detokenizer.push([token_id])
-            if status is not None or at_length:
-                new_text += req.detokenizer.flush()
+                req.detokenizer = IncrementalDetokenizer(
+                    _Decoding(self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens))
+            if status is not None and not params.include_stop_str_in_output:
+                # the stop token's own text is trimmed, as vLLM does and SGLang unless no_stop_trim
+                # (it stays in token_ids)
+                new_text = req.detokenizer.flush()
+            else:
+                new_text = req.detokenizer.push([token_id])
+                if status is not None or at_length:
+                    new_text += req.detokenizer.flush()
             searched = len(req.pending_text)
             req.pending_text += new_text
             if params.stop and status is None and new_text and may_stop:
@@ -135,14 +141,18 @@ class TokenProcessor:
 
 
 class _Decoding:
-    """The tokenizer's decode with the request's skip_special_tokens (what IncrementalDetokenizer calls)."""
+    """The tokenizer's decode with the request's skip_special_tokens and spaces_between_special_tokens
+    (what IncrementalDetokenizer calls)."""
 
-    def __init__(self, tokenizer: object, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: object, skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:  # the default needs no keyword: any decode(ids, skip_...) works
+            self.kwargs["spaces_between_special_tokens"] = False
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)  # type: ignore[attr-defined]
+        return self.tokenizer.decode(token_ids, **self.kwargs)  # type: ignore[attr-defined]
 
 
 def _find_stop(text: str, stops: list[str], searched: int) -> tuple[int, str] | None:

@@ -62,8 +62,14 @@ class Tokenizer:
         a rendered chat template (vLLM does the same for chat)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """transformers' decode; spaces_between_special_tokens is read by slow tokenizers only (fast ones
+        join special tokens as their decoder says), as in SGLang and vLLM."""
+        if spaces_between_special_tokens:
+            return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                spaces_between_special_tokens=False)
 
     def apply_chat_template(
         self,

@@ -117,3 +117,38 @@ def test_length_finish_flushes_the_held_back_text_and_token_ids_go_once() -> Non
     assert texts == ["", "a", "b", "cd"] and req.status is RequestStatus.FINISHED_LENGTH
     assert sent_ids == list(b"abcd")
     assert tp.take_delta(req) == ("", [])
+
+
+class RecordingTokenizer(ByteTokenizer):
+    """ByteTokenizer that keeps the keyword arguments of every decode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kwargs: list[dict] = []
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **kwargs) -> str:
+        self.kwargs.append({"skip_special_tokens": skip_special_tokens, **kwargs})
+        return super().decode(token_ids, skip_special_tokens)
+
+
+def test_a_stop_tokens_text_is_trimmed_unless_kept_and_it_stays_in_token_ids() -> None:
+    """stop_token_ids=['!'] on 'ok!': the text is 'ok' (vLLM's rule, SGLang's without no_stop_trim), and
+    'ok!' with include_stop_str_in_output (SGLang's no_stop_trim); '!' is the last token id either way."""
+    for keep, text in ((False, "ok"), (True, "ok!")):
+        tp = TokenProcessor(ReleasingScheduler(), ByteTokenizer(), eos_token_ids=[], max_model_len=1000, routing=None)  # type: ignore[arg-type]
+        params = SamplingParams(max_tokens=10, stop_token_ids=[ord("!")], include_stop_str_in_output=keep)
+        req = Request("r", [1], params)
+        assert "".join(feed(tp, req, "ok!more")) == text
+        assert req.output_token_ids == list(b"ok!") and req.stop_reason == ord("!")
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizers_decode() -> None:
+    """Sent only when false, so tokenizers whose decode lacks the keyword keep working by default."""
+    for flag, expected in ((True, {"skip_special_tokens": False}),
+                           (False, {"skip_special_tokens": False, "spaces_between_special_tokens": False})):
+        tok = RecordingTokenizer()
+        tp = TokenProcessor(ReleasingScheduler(), tok, eos_token_ids=[], max_model_len=1000, routing=None)  # type: ignore[arg-type]
+        req = Request("r", [1], SamplingParams(max_tokens=2, skip_special_tokens=False,
+                                               spaces_between_special_tokens=flag))
+        feed(tp, req, "ab")
+        assert tok.kwargs and all(k == expected for k in tok.kwargs)

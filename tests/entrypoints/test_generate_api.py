@@ -123,7 +123,8 @@ def test_bad_requests_are_refused_by_name(server: ServerHandle) -> None:
     assert "lora_path" in error(_generate(server, input_ids=PROMPT, lora_path="adapter"))
     assert "bogus" in error(_generate(server, input_ids=PROMPT, bogus=1))
     assert "text or input_ids" in error(_generate(server, text="x", input_ids=PROMPT))
-    assert "max_new_tokens=0" in error(_generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 0}))
+    zero = _generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 0})
+    assert "sampling_params.max_new_tokens" in error(zero)
     assert "logprob_start_len" in error(_generate(server, input_ids=PROMPT, return_logprob=True, logprob_start_len=0))
 
 

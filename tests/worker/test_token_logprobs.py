@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from fastdeploy_r3.worker.sample.draw import SamplingBatch, sample_batch
 from fastdeploy_r3.worker.sample.logprobs import token_logprobs
 
 
@@ -34,3 +35,35 @@ def test_no_temperature_is_log_softmax_and_zero_top_is_empty() -> None:
     torch.testing.assert_close(torch.tensor([o.logprob for o in out]), ref)
     ranks = [(torch.log_softmax(logits[i], -1) > ref[i]).sum().item() + 1 for i in range(4)]
     assert [o.rank for o in out] == ranks
+
+
+def test_entropy_and_the_kept_ids_of_top_p_and_top_k() -> None:
+    """Row 0 at T=1 over probs [0.5, 0.3, 0.15, 0.05] with top_p 0.7 keeps {0, 1} (0.5 ranks above
+    token 1, 0.8 above token 2): token 1's logprob renormalised over them is log(0.3 / 0.8). Row 1 with
+    top_k 3 keeps the three largest; row 2 is greedy: it keeps its token alone, logprob 0."""
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.4, 0.1]])
+    logits = probs.log()
+    ids = torch.tensor([1, 3, 2])
+    temps = torch.tensor([1.0, 1.0, 0.0])
+    batch = SamplingBatch.build([1.0, 1.0, 0.0], [0, 3, 0], [0.7, 1.0, 1.0], [0] * 3, [0] * 3, torch.device("cpu"))
+    out = token_logprobs(logits, ids, 0, temps, entropy=True, truncation=batch).to_host([0] * 3, [True] * 3,
+                                                                                        [True, True, True])
+    assert [o.kept_ids for o in out] == [[0, 1], [3, 2, 1], [2]]
+    assert math.isclose(out[0].logprob, math.log(0.3 / 0.8), rel_tol=1e-5)
+    assert math.isclose(out[1].logprob, math.log(0.4 / 0.9), rel_tol=1e-5)
+    assert out[2].logprob == 0.0
+    for o, p in zip(out, probs):
+        assert math.isclose(o.entropy, -(p * p.log()).sum().item(), rel_tol=1e-5)
+
+
+def test_the_kept_set_is_the_one_the_draw_uses() -> None:
+    """Every id sample_batch draws under top_p / top_k lies in the kept ids token_logprobs reports."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=gen) * 3
+    temps, top_k, top_p = [0.7, 1.0, 1.3, 1.0, 0.5, 2.0], [0, 5, 0, 2, 0, 7], [0.8, 1.0, 0.5, 1.0, 0.95, 0.9]
+    for seed in range(20):
+        batch = SamplingBatch.build(temps, top_k, top_p, [seed] * 6, list(range(6)), torch.device("cpu"))
+        ids = sample_batch(logits, batch)
+        out = token_logprobs(logits, ids, 0, batch.temperature, truncation=batch).to_host([0] * 6, None, [True] * 6)
+        assert all(o.token_id in o.kept_ids for o in out)
+        assert all(o.logprob <= 0.0 for o in out)

@@ -149,6 +149,8 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
             "routing_replay_config": json.loads(cfg.routing_replay_config.to_json()),
             "block_size": cfg.cache_config.block_size,
             "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+            "enable_return_routed_experts": ctx.enable_return_routed_experts,
+            "max_n": ctx.bounds.max_n, "max_batch_size": ctx.bounds.max_batch_size,
         })
 
 

@@ -1,25 +1,34 @@
-"""SGLang's native `POST /generate`, the endpoint slime and other RL frameworks sample rollouts with.
+"""SGLang's native `POST /generate`, the endpoint slime, miles and sglang-router sample rollouts with.
 
-    request    text | input_ids (one prompt or a batch), sampling_params (SGLang names), rid, stream,
-               return_logprob, return_routed_experts, routed_experts_start_len
+    request    text | input_ids (one prompt or a batch), sampling_params (SGLang names, protocol.py),
+               rid, stream, return_logprob, top_logprobs_num, return_routed_experts,
+               routed_experts_start_len, return_entropy; sglang-router's model, log_metrics, no_logs
     response   {"text", "output_ids", "meta_info"} per prompt and choice: a dict for one prompt with
                n == 1, else a list (prompt-major, then choices)
     meta_info  id, finish_reason ({"type": "stop"|"length"|"abort", ...}), prompt_tokens,
                completion_tokens, cached_tokens, e2e_latency, weight_version, weight_versions (spans
                of output tokens per version that sampled them), spans_weight_versions (tokens, KV or R3
                of more than one version: a request held in place across an update), and on request
-               output_token_logprobs ([logprob, token_id, text|None] per token; the engine's logprobs of the
-               distribution sampled from, after temperature, once it computes them) and routed_experts
+               output_token_logprobs ([logprob, token_id, text|None] per token, the logprob a float:
+               the engine's, fastdeploy_r3/logprobs.py), output_top_logprobs, output_token_entropy,
+               top_p_token_ids + top_p_token_offsets (slime's custom_params.return_top_p_token_ids:
+               base64 int32, token i kept ids[offsets[i]:offsets[i + 1]]; in the final answer),
+               routed_experts and routed_experts_start_len
 
-`routed_experts` is SGLang's encoding, what slime decodes: base64 of raw little-endian int32
+`routed_experts` is SGLang's encoding, what slime and miles decode: base64 of raw little-endian int32
 `[prompt_tokens + completion_tokens - 1 - routed_experts_start_len, num_hidden_layers, K]`, every hidden
-layer a row (dense layers hold the routing dtype's no-route sentinel). Streaming sends SGLang's
-cumulative chunks (`data: {...}`, text and output_ids so far), R3 in the last one, then `data: [DONE]`.
+layer a row (dense layers hold the routing dtype's no-route sentinel). With the server's
+--enable-return-routed-experts every answer carries it unless the request sends
+return_routed_experts: false. Streaming sends SGLang's cumulative chunks (`data: {...}`: text,
+output_ids and output_token_logprobs so far, every stream_interval tokens), R3 in the last one, then
+`data: [DONE]`.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import dataclasses
 import json
 import time
@@ -30,13 +39,28 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastdeploy_r3.entrypoints.native.protocol import GenerateRequest, sglang_sampling_params
+from fastdeploy_r3.entrypoints.native.protocol import GenerateRequest, parse_sampling_params, sglang_sampling_params
 from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, bad_request, engine_error
+from fastdeploy_r3.logprobs import MAX_LOGPROBS, TokenLogprob
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.codec import encode_sglang_routed_experts
 from fastdeploy_r3.r3.delivery import R3DeliveryError
 from fastdeploy_r3.r3.layouts import to_all_layers
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
+
+# a logprob of -inf (a token masked by min_tokens, among the top alternatives) as vLLM sends it:
+# JSON has no infinity
+LOGPROB_FLOOR = -9999.0
+# GenerateReqInput fields this server does not run; only their defaults pass, anything else is refused
+_REFUSED = {
+    "return_hidden_states": "hidden states are not returned by this server",
+    "return_indexer_topk": "this server runs no sparse-attention indexer (DeepSeek V3.2's) to report",
+    "return_bytes": "return_bytes is for image generation",
+    "background": "background requests belong to the OpenAI Responses API, which this server does not serve",
+    "lora_path": "this server serves no LoRA adapters",
+    "image_data": "this server is text-only",
+    "session_params": "this server keeps no sessions",
+}
 
 
 def sglang_routed_experts(moe_rows: np.ndarray, moe_layer_ids: list[int], num_hidden_layers: int) -> str:
@@ -44,13 +68,13 @@ def sglang_routed_experts(moe_rows: np.ndarray, moe_layer_ids: list[int], num_hi
     return encode_sglang_routed_experts(to_all_layers(moe_rows, moe_layer_ids, num_hidden_layers))
 
 
-# per-token logprobs computed by the engine (SamplingParams.logprobs, issue 10 part A), when it has them
-_ENGINE_LOGPROBS = "logprobs" in {f.name for f in dataclasses.fields(SamplingParams)}
+def b64_int32(values: list[int]) -> str:
+    """SGLang's encoding of an int32 array in meta_info (what slime's decode_int32_meta_array reads)."""
+    return base64.b64encode(array.array("i", values).tobytes()).decode("ascii")
 
 
-def _value(logprob: Any) -> float | None:
-    """A logprob entry as a number: the engine's record (TokenLogprob.logprob) or a plain float."""
-    return getattr(logprob, "logprob", logprob)
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
@@ -69,13 +93,14 @@ class _Item:
     """One prompt of a /generate call."""
 
     def __init__(self, rid: str, prompt_token_ids: list[int], text: str | None, params: SamplingParams,
-                 return_logprob: bool, return_text_in_logprobs: bool) -> None:
+                 return_logprob: bool, return_text_in_logprobs: bool, stream_interval: int) -> None:
         self.rid = rid
         self.prompt_token_ids = prompt_token_ids
         self.text = text
         self.params = params
         self.return_logprob = return_logprob
         self.return_text_in_logprobs = return_text_in_logprobs
+        self.stream_interval = stream_interval
 
 
 def _per_item(value: Any, n: int, what: str) -> list[Any]:
@@ -88,38 +113,49 @@ def _per_item(value: Any, n: int, what: str) -> list[Any]:
 
 
 class NativeServing(OpenAIServing):
-    async def items(self, body: GenerateRequest) -> tuple[list[_Item], bool]:
-        """The prompts of a request and whether it was a single one (answered with a dict)."""
+    def check_fields(self, body: GenerateRequest) -> bool:
+        """Refuse what this server does not run; return whether the request gets routed_experts."""
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("send exactly one of text or input_ids")
-        for name in ("lora_path", "image_data", "session_params"):
-            if getattr(body, name) is not None:
-                raise bad_request(f"{name} is not supported by this server (text-only, no LoRA, no sessions)", name)
+        for name, why in _REFUSED.items():
+            if getattr(body, name) not in (None, False):
+                default = json.dumps(GenerateRequest.model_fields[name].default)
+                raise bad_request(f"{name}={getattr(body, name)!r} is not supported: {why}; leave it out or send "
+                                  f"{default}", name)
+        wants_r3 = body.return_routed_experts
+        if wants_r3 is None:  # not sent: the server's --enable-return-routed-experts decides
+            return self.ctx.enable_return_routed_experts and self.ctx.r3_enabled
+        if wants_r3 and not self.ctx.r3_enabled:
+            raise bad_request("return_routed_experts is true but routing replay is off on this server; start it "
+                              "with --routing-replay-config '{\"enable_routing_replay\": true}'",
+                              "return_routed_experts")
+        return wants_r3
+
+    async def items(self, body: GenerateRequest) -> tuple[list[_Item], bool]:
+        """The prompts of a request and whether it was a single one (answered with a dict)."""
+        wants_r3 = self.check_fields(body)
         texts: list[str | None]
         if body.text is not None:
             single = isinstance(body.text, str)
             texts = [body.text] if isinstance(body.text, str) else list(body.text)
-            if self.ctx.engine.tokenizer is None:
-                raise bad_request("this model has no tokenizer; send input_ids", "text")
-            ids = [await self.tokenize(t, "text") for t in texts]  # type: ignore[arg-type]  # bounded, off the loop
         else:
             raw = body.input_ids or []
             single = not raw or isinstance(raw[0], int)
             ids = [list(raw)] if single else [list(x) for x in raw]  # type: ignore[arg-type]
             texts = [None] * len(ids)
-        n = len(ids)
+        n = len(texts)
         if n == 0:
             raise bad_request("the batch is empty; send at least one prompt")
+        if n > self.ctx.bounds.max_batch_size:
+            raise bad_request(f"the batch has {n} prompts; send at most {self.ctx.bounds.max_batch_size} per call "
+                              "(--max-batch-size)", "text" if body.text is not None else "input_ids")
+        if body.text is not None:
+            if self.ctx.engine.tokenizer is None:
+                raise bad_request("this model has no tokenizer; send input_ids", "text")
+            ids = [await self.tokenize(t, "text") for t in texts]  # type: ignore[arg-type]  # bounded, off the loop
         if any(x != -1 for x in _per_item(body.logprob_start_len, n, "logprob_start_len")):
-            raise bad_request("logprob_start_len: prompt logprobs are not computed by this server; send -1",
+            raise bad_request("logprob_start_len: prompt logprobs are not computed by /generate; send -1",
                               "logprob_start_len")
-        top_logprobs = _per_item(body.top_logprobs_num, n, "top_logprobs_num")
-        if any(x != 0 for x in top_logprobs) and not _ENGINE_LOGPROBS:
-            raise bad_request("top_logprobs_num: this engine computes no top logprobs; send 0", "top_logprobs_num")
-        if body.return_routed_experts and not self.ctx.r3_enabled:
-            raise bad_request("return_routed_experts is true but routing replay is off on this server; start it "
-                              "with --routing-replay-config '{\"enable_routing_replay\": true}'",
-                              "return_routed_experts")
         if body.rid is None:
             rids = [uuid.uuid4().hex for _ in range(n)]
         elif isinstance(body.rid, str):
@@ -128,15 +164,28 @@ class NativeServing(OpenAIServing):
             rids = _per_item(body.rid, n, "rid")
         sampling = _per_item(body.sampling_params, n, "sampling_params")
         logprob = _per_item(body.return_logprob, n, "return_logprob")
+        top_logprobs = _per_item(body.top_logprobs_num, n, "top_logprobs_num")
+        defaults = self.ctx.engine.config.model_config.generation_defaults
         items = []
         for i in range(n):
             try:
-                params = sglang_sampling_params(sampling[i], body.return_routed_experts, body.routed_experts_start_len)
-                if logprob[i] and _ENGINE_LOGPROBS:  # the engine's per-token logprobs (SGLang's definition)
-                    params = dataclasses.replace(params, logprobs=int(top_logprobs[i]))  # type: ignore[call-arg]
+                given = parse_sampling_params(sampling[i])
+                params = sglang_sampling_params(given, wants_r3, body.routed_experts_start_len, defaults,
+                                                return_entropy=body.return_entropy)
+                if logprob[i]:  # the engine's per-token logprobs (SGLang's definition: after temperature)
+                    if not 0 <= top_logprobs[i] <= MAX_LOGPROBS:
+                        raise InvalidRequestError(f"top_logprobs_num={top_logprobs[i]}; use a value in "
+                                                  f"[0, {MAX_LOGPROBS}]")
+                    params = dataclasses.replace(params, logprobs=top_logprobs[i])
+                self.ctx.bounds.check(params, self.ctx.engine.config.model_config.vocab_size)
             except InvalidRequestError as e:
                 raise bad_request(str(e), "sampling_params") from e
-            items.append(_Item(rids[i], ids[i], texts[i], params, bool(logprob[i]), body.return_text_in_logprobs))
+            items.append(_Item(rids[i], ids[i], texts[i], params, bool(logprob[i]), body.return_text_in_logprobs,
+                               given.stream_interval or 1))
+        choices = sum(it.params.n for it in items)
+        if choices > self.ctx.bounds.max_batch_size:
+            raise bad_request(f"the call asks for {choices} choices (prompts x n); send at most "
+                              f"{self.ctx.bounds.max_batch_size} per call (--max-batch-size)", "sampling_params")
         return items, single
 
     # -- answers ------------------------------------------------------------------------------------
@@ -155,12 +204,23 @@ class NativeServing(OpenAIServing):
             "weight_versions": spans,
             "spans_weight_versions": c.spans_weight_versions,
         }
+        records = c.logprobs or []
         if item.return_logprob:
             meta["output_token_logprobs"] = self._output_token_logprobs(c, item.return_text_in_logprobs)
-            if getattr(item.params, "logprobs", None):
-                meta["output_top_logprobs"] = self._output_top_logprobs(c, item.return_text_in_logprobs)
+            if item.params.logprobs:
+                meta["output_top_logprobs"] = self._output_top_logprobs(records, item.return_text_in_logprobs)
+        if item.params.return_entropy:
+            meta["output_token_entropy"] = [r.entropy for r in records]
+        if item.params.return_top_p_token_ids and c.finish_reason is not None:
+            kept: list[int] = []
+            offsets = [0]
+            for r in records:
+                kept.extend(r.kept_ids or [])
+                offsets.append(len(kept))
+            meta["top_p_token_ids"], meta["top_p_token_offsets"] = b64_int32(kept), b64_int32(offsets)
         if routed_experts is not None:
             meta["routed_experts"] = routed_experts
+            meta["routed_experts_start_len"] = item.params.routed_experts_start
         return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
     def _token_text(self, token_id: int, wanted: bool) -> str | None:
@@ -168,16 +228,16 @@ class NativeServing(OpenAIServing):
         return tokenizer.decode([token_id], skip_special_tokens=False) if wanted and tokenizer is not None else None
 
     def _output_token_logprobs(self, c: CompletionOutput, with_text: bool) -> list[list[Any]]:
-        """[logprob, token_id, text] per output token (text only with return_text_in_logprobs); the logprob
-        is None where the engine returned none."""
-        logprobs = getattr(c, "logprobs", None) or []
-        return [[_value(logprobs[i]) if i < len(logprobs) else None, t, self._token_text(t, with_text)]
-                for i, t in enumerate(c.token_ids)]
+        """[logprob, token_id, text] per output token (text only with return_text_in_logprobs). Every
+        token has its float: the engine sends one record per token of a request that asked."""
+        records = c.logprobs or []
+        if len(records) != len(c.token_ids):
+            raise engine_error(f"the engine sent {len(records)} logprobs for {len(c.token_ids)} tokens")
+        return [[_finite(r.logprob), t, self._token_text(t, with_text)] for r, t in zip(records, c.token_ids)]
 
-    def _output_top_logprobs(self, c: CompletionOutput, with_text: bool) -> list[list[list[Any]]]:
+    def _output_top_logprobs(self, records: list[TokenLogprob], with_text: bool) -> list[list[list[Any]]]:
         """SGLang's output_top_logprobs: per output token, [logprob, token_id, text] of the N most likely."""
-        return [[[lp, tid, self._token_text(tid, with_text)] for tid, lp in getattr(x, "top", [])]
-                for x in getattr(c, "logprobs", None) or []]
+        return [[[_finite(lp), tid, self._token_text(tid, with_text)] for tid, lp in r.top] for r in records]
 
     async def routed_experts(self, item: _Item, out: RequestOutput) -> list[str | None]:
         """Per choice (index order): the SGLang payload, when R3 was asked for and the request finished
@@ -192,6 +252,10 @@ class NativeServing(OpenAIServing):
         encode = [asyncio.to_thread(sglang_routed_experts, a, self.ctx.moe_layer_ids, num_layers) for a in arrays]
         return list(await asyncio.gather(*encode))
 
+    def count(self, body: GenerateRequest) -> None:
+        if body.log_metrics:  # SGLang's health probes send false to stay out of the numbers
+            self.ctx.counters.generate_requests += 1
+
     # -- the endpoint -------------------------------------------------------------------------------
 
     async def generate(self, body: GenerateRequest):
@@ -203,7 +267,7 @@ class NativeServing(OpenAIServing):
                 raise bad_request("stream takes one prompt with n = 1; send a batch without stream", "stream")
             item = items[0]
             first, gen = await self.start_generation(item.rid, item.prompt_token_ids, item.params, item.text, deadline)
-            return StreamingResponse(self._stream(item, first, gen, started), media_type="text/event-stream")
+            return StreamingResponse(self._stream(body, item, first, gen, started), media_type="text/event-stream")
         starts: list[tuple[RequestDelta, AsyncIterator[RequestDelta]]] = []
         try:
             for it in items:
@@ -218,6 +282,7 @@ class NativeServing(OpenAIServing):
             payloads = await self.routed_experts(item, final)
             for c in sorted(final.outputs, key=lambda c: c.index):
                 results.append(self.result(item, final, c, started, payloads[c.index]))
+        self.count(body)
         return JSONResponse(results[0] if single and len(results) == 1 else results)
 
     async def _deltas(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
@@ -226,30 +291,29 @@ class NativeServing(OpenAIServing):
             async for delta in self.iterate(gen):
                 yield delta
 
-    async def _stream(self, item: _Item, first: RequestDelta, gen: AsyncIterator[RequestDelta],
-                      started: float) -> AsyncIterator[str]:
-        """SGLang's cumulative chunks: text and output_ids so far, each step; R3 in the last one."""
+    async def _stream(self, body: GenerateRequest, item: _Item, first: RequestDelta,
+                      gen: AsyncIterator[RequestDelta], started: float) -> AsyncIterator[str]:
+        """SGLang's cumulative chunks: text, output_ids and logprobs so far, every stream_interval new
+        tokens; the last one is the whole answer (R3 included)."""
         assembler = OutputAssembler(first.request_id)
-        text, token_ids = "", []
+        sent = 0
         try:
             async for delta in self._deltas(first, gen):
                 assembler.add(delta)
                 if delta.finished:
                     break
-                for c in delta.outputs:  # one choice (n = 1)
-                    if not c.token_ids:
-                        continue
-                    text, token_ids = text + c.text, token_ids + c.token_ids
-                    partial = CompletionOutput(c.index, text, list(token_ids), None,
-                                               weight_versions=c.weight_versions,
-                                               spans_weight_versions=c.spans_weight_versions)
-                    so_far = RequestOutput(first.request_id, None, assembler.prompt_token_ids, [partial], False,
-                                           num_cached_tokens=assembler.num_cached_tokens)
-                    yield f"data: {json.dumps(self.result(item, so_far, partial, started, None))}\n\n"
+                so_far = assembler.output()
+                partial = so_far.outputs[0] if so_far.outputs else None  # one choice (n = 1)
+                if partial is None or len(partial.token_ids) - sent < item.stream_interval:
+                    continue
+                sent = len(partial.token_ids)
+                yield f"data: {json.dumps(self.result(item, so_far, partial, started, None), allow_nan=False)}\n\n"
             final = assembler.output()
             self.check_finished_ok(final)
             (payload,) = await self.routed_experts(item, final)
-            yield f"data: {json.dumps(self.result(item, final, final.outputs[0], started, payload))}\n\n"
+            answer = self.result(item, final, final.outputs[0], started, payload)
+            self.count(body)
+            yield f"data: {json.dumps(answer, allow_nan=False)}\n\n"
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:

@@ -37,13 +37,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy_r3.blobstore.base import redact_url
-from fastdeploy_r3.config import ConfigError, add_engine_args, engine_config_from_args
+from fastdeploy_r3.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.native.api import add_native_routes
 from fastdeploy_r3.entrypoints.openai.disconnect import unless_gone
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from fastdeploy_r3.entrypoints.openai.request_limits import BodySizeLimit, longest_token_chars
+from fastdeploy_r3.entrypoints.openai.request_limits import BodySizeLimit, RequestBounds, longest_token_chars
 from fastdeploy_r3.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy_r3.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy_r3.entrypoints.openai.serving_engine import (
@@ -53,7 +53,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     engine_unavailable,
 )
 from fastdeploy_r3.lifecycle import EngineDeadError
-from fastdeploy_r3.r3.rollout_id import validate_namespace
+from fastdeploy_r3.r3.rollout_id import MAX_CHOICES, validate_namespace
 from fastdeploy_r3.r3.stores import RedisRoutingStore, RoutingStore, RoutingStoreError, make_routing_store
 
 logger = logging.getLogger("fastdeploy_r3.api_server")
@@ -78,6 +78,15 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     parser.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="a request not answered this many seconds after it arrived is aborted (504); a "
                         "request's own `timeout` field overrides it (default: %(default)s)")
+    parser.add_argument("--max-n", type=int, default=RequestBounds.max_n,
+                        help="the most choices (n) one prompt may ask for (default: %(default)s; the OpenAI "
+                        f"endpoints stop at {MAX_CHOICES} whatever this says, one R3 key per choice)")
+    parser.add_argument("--max-batch-size", type=int, default=RequestBounds.max_batch_size,
+                        help="the most prompts x n of one /generate call (default: %(default)s)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="every /generate answer carries routed_experts unless the request sends "
+                        "return_routed_experts: false (SGLang's flag; a router that drops unknown fields, as "
+                        "sglang-router does, drops the per-request field); needs routing replay on")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     parser.add_argument(
         "--r3-namespace", default="fdr3",
@@ -262,8 +271,19 @@ class EngineLostError(RuntimeError):
     """The engine died or stalled while serving; the server exits non-zero so a supervisor restarts it."""
 
 
+def check_serving_flags(args: argparse.Namespace, config: EngineConfig) -> None:
+    """The request-bound flags, refused with a message before anything starts."""
+    for name in ("max_n", "max_batch_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}; use a positive integer")
+    if args.enable_return_routed_experts and not config.routing_replay_config.enable_routing_replay:
+        raise ConfigError("--enable-return-routed-experts needs routing replay: add --routing-replay-config "
+                          "'{\"enable_routing_replay\": true}'")
+
+
 async def run_server(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)  # ConfigError: bad flags, before anything starts
+    check_serving_flags(args, config)
     namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
     store = make_routing_store(config.routing_replay_config, namespace)
     if isinstance(store, RedisRoutingStore):
@@ -281,7 +301,9 @@ async def run_server(args: argparse.Namespace) -> None:
                                                stall_timeout_s=args.engine_stall_timeout_s)
         ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store,
                              request_timeout_s=args.request_timeout_s,
-                             longest_token_chars=longest_token_chars(tokenizer))
+                             longest_token_chars=longest_token_chars(tokenizer),
+                             bounds=RequestBounds(args.max_n, args.max_batch_size),
+                             enable_return_routed_experts=args.enable_return_routed_experts)
         app = build_app(ctx, args.api_key, namespace, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
                         enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))

@@ -5,6 +5,8 @@
     prompt    PromptCharBound: a prompt of more characters than max_model_len tokens could cover is
               refused (400) before tokenization, which is the expensive part of a huge prompt
     tokenize  the server runs the tokenizer in a worker thread (asyncio.to_thread), never on the loop
+    choices   n <= --max-n per prompt, and a /generate call's prompts x n <= --max-batch-size: one
+              request's answer (tokens, logprobs, R3 for every choice) stays bounded in memory
 
 The character bound is exact, not a guess: a token covers at most `longest_token_chars` characters
 of text (its longest vocabulary entry; byte-level BPE spells each byte as one character, so the
@@ -15,14 +17,33 @@ entry is at least as long as the text it stands for), so a prompt of more than
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
+
 # When the tokenizer does not list its vocabulary: generous enough for every vocabulary we know of
 # (runs of spaces or of '=' are the longest entries, well under this), so no prompt that fits is refused.
 FALLBACK_LONGEST_TOKEN_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """The choices a request may ask for: n per prompt (--max-n) and prompts x n of one /generate call
+    (--max-batch-size), so that one answer (tokens, logprobs, R3 of every choice) stays bounded."""
+
+    max_n: int = 64
+    max_batch_size: int = 256
+
+    def check(self, params: SamplingParams, vocab_size: int) -> None:
+        """What depends on the model and these bounds (SamplingParams checks the rest)."""
+        params.check_vocab(vocab_size)
+        if params.n > self.max_n:
+            raise InvalidRequestError(f"n={params.n}; this server serves at most {self.max_n} choices per prompt "
+                                      "(--max-n)")
 
 
 class BodySizeLimit:

@@ -29,7 +29,7 @@ from typing import Any
 
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineOverloadedError, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
-from fastdeploy_r3.entrypoints.openai.request_limits import FALLBACK_LONGEST_TOKEN_CHARS, PromptCharBound
+from fastdeploy_r3.entrypoints.openai.request_limits import FALLBACK_LONGEST_TOKEN_CHARS, PromptCharBound, RequestBounds
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3Result, R3StoreFailedError
@@ -94,6 +94,7 @@ class ServerCounters:
     request_errors: int = 0
     r3_store_evicted: int = 0  # local store: rollouts dropped for capacity (least recently used first)
     r3_store_expired: int = 0  # local store: rollouts dropped for age (ttl_s)
+    generate_requests: int = 0  # /generate answers, but for those sent with log_metrics: false (SGLang's)
 
 
 @dataclass
@@ -104,6 +105,8 @@ class ServingContext:
     counters: ServerCounters = field(default_factory=ServerCounters)
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     longest_token_chars: int = FALLBACK_LONGEST_TOKEN_CHARS
+    bounds: RequestBounds = field(default_factory=RequestBounds)
+    enable_return_routed_experts: bool = False  # /generate answers carry R3 unless a request says false
     delivery: R3Delivery = field(init=False)
     prompt_bound: PromptCharBound = field(init=False)
     rollouts_in_flight: set[str] = field(init=False, default_factory=set)
@@ -202,11 +205,12 @@ class OpenAIServing:
 
     def sampling_params(self, request, default_max_tokens: int) -> SamplingParams:
         try:
-            return request.to_sampling_params(
-                default_max_tokens, self.ctx.engine.config.model_config.generation_defaults
-            )
+            mc = self.ctx.engine.config.model_config
+            params = request.to_sampling_params(default_max_tokens, mc.generation_defaults)
+            self.ctx.bounds.check(params, mc.vocab_size)
         except InvalidRequestError as e:
             raise bad_request(str(e)) from e
+        return params
 
     @staticmethod
     def new_request_id(prefix: str) -> str:

@@ -80,6 +80,28 @@ class SamplingBatch:
         )
 
 
+def truncate(scaled: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scaled logits [S, V] (after temperature) -> the distribution the draw uses, most likely first:
+    sorted_probs [S, V] (0 where truncated), order [S, V] (the vocabulary id of each sorted entry) and
+    keep [S, V] bool. Kept entries form a prefix of each row, so row i keeps order[i, :keep[i].sum()]."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V]
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)  # [S, V]
+    if batch.any_top_k:
+        # keep logits >= the k-th largest (ties at the k-th kept); k = 0 keeps all
+        k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)  # [S]
+        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [S, 1]
+        keep = sorted_logits >= kth
+        sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [S, V]
+    if batch.any_top_p:
+        # the smallest prefix whose mass reaches top_p (always the top token)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [S, V] mass ranked above each
+        keep = keep & (before < batch.top_p[:, None])
+        sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
+    return sorted_probs, order, keep
+
+
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [S, V] float32 -> sampled ids [S] int64, on the logits' device (no host sync)."""
     greedy_ids = logits.argmax(dim=-1)  # [S]
@@ -90,17 +112,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)  # [S]
     scaled = logits / temp[:, None]  # [S, V]
     if batch.any_top_k or batch.any_top_p:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V]
-        if batch.any_top_k:
-            # keep logits >= the k-th largest (ties at the k-th kept); k = 0 keeps all
-            k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)  # [S]
-            kth = sorted_logits.gather(1, (k - 1)[:, None])  # [S, 1]
-            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [S, V]
-        if batch.any_top_p:
-            # the smallest prefix whose mass reaches top_p (always the top token)
-            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [S, V] mass ranked above each
-            sorted_probs = sorted_probs.masked_fill(before >= batch.top_p[:, None], 0.0)
+        sorted_probs, order, _ = truncate(scaled, batch)  # [S, V] each
         probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)  # [S, V]
     else:
         probs = torch.softmax(scaled, dim=-1)  # [S, V]

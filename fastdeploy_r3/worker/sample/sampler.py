@@ -5,6 +5,7 @@ Shape legend: S = rows that sample this step, V = vocabulary, Q = prompt positio
     logits [S, V] float32
       └─ penalties (rows with any) ─ min_tokens mask (rows still short) ─► processed [S, V]
            ├─ draw one id per row (draw.py, on the device)               ─► ids [S]
+           │    (a row with NaN / +inf logits raises NonFiniteLogitsError instead: its request fails alone)
            └─ logprobs of the rows that asked (logprobs.py)               ─► TokenLogprob per row
     hidden of prompt positions [Q, H] ─ logits ─ log_softmax (raw)        ─► prompt TokenLogprobs
 
@@ -27,6 +28,10 @@ from fastdeploy_r3.worker.messages import ScheduledRequestData
 from fastdeploy_r3.worker.sample.draw import SampledIds, SamplingBatch, sample_batch
 from fastdeploy_r3.worker.sample.logprobs import token_logprobs
 from fastdeploy_r3.worker.sample.penalties import TokenStats, apply_penalties, mask_tokens
+
+
+class NonFiniteLogitsError(ValueError):
+    """A request's next-token logits hold NaN or inf: it fails alone (engine/step_isolation.py)."""
 
 
 @dataclass
@@ -106,19 +111,44 @@ class StepSampler:
         """Count the drawn ids [S] for the penalties, take the logprob records the rows asked for
         (from processed [S, V]), and hand both to the host."""
         states = [self._requests[r.request_id] for r in rows]
-        self.stats.record([r.request_id for r in rows], ids)
+        # a row whose logits hold a NaN or +inf, or no finite value at all, has no distribution to
+        # draw from: its id comes back as -1 with the ids (no extra wait) and fails its request
+        bad = torch.isnan(processed).any(dim=-1) | ~torch.isfinite(processed.max(dim=-1).values)  # [S]
         # the step's one wait: the ids land in pinned memory (after the R3 scatter on the same stream)
-        sampled = {r.request_id: tok for r, tok in zip(rows, self._sampled_ids.fetch(ids))}
+        fetched = self._sampled_ids.fetch(torch.where(bad, -1, ids))
+        culprits = [r.request_id for r, tok in zip(rows, fetched) if tok < 0]
+        if culprits:
+            # raised before the penalty counts move, so the engine's re-run of the other rows
+            # (engine/step_isolation.py) counts their tokens once
+            raise NonFiniteLogitsError(
+                f"the model produced non-finite logits (NaN or inf) for the next token of request(s) "
+                f"{', '.join(culprits)}; nothing can be sampled from them (check the weights and the input)"
+            )
+        self.stats.record([r.request_id for r in rows], ids)
+        sampled = {r.request_id: tok for r, tok in zip(rows, fetched)}
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         records: dict[str, TokenLogprob] = {}
         if want:
-            idx = torch.tensor(want, dtype=torch.int64, device=processed.device)  # [S']
-            nums = [states[i].params.logprobs or 0 for i in want]
-            temps = torch.tensor([states[i].params.temperature for i in want], dtype=torch.float32,
-                                 device=processed.device)  # [S']
-            res = token_logprobs(processed[idx], ids[idx], max(nums), temps).to_host(nums)
-            records = {rows[i].request_id: rec for i, rec in zip(want, res)}
+            records = self._logprob_records(processed, rows, states, ids, want)
         return sampled, records
+
+    def _logprob_records(self, processed: torch.Tensor, rows: list[ScheduledRequestData],
+                         states: list[_RequestState], ids: torch.Tensor, want: list[int]) -> dict[str, TokenLogprob]:
+        """TokenLogprob of rows `want` (indices into rows), with the extras their params ask for."""
+        device = processed.device
+        idx = torch.tensor(want, dtype=torch.int64, device=device)  # [S']
+        params = [states[i].params for i in want]
+        nums = [p.logprobs or 0 for p in params]
+        temps = [0.0 if p.greedy else p.temperature for p in params]  # greedy counts as T = 1
+        entropy = [p.return_entropy for p in params]
+        kept = [p.return_top_p_token_ids for p in params]
+        truncation = None
+        if any(kept):
+            truncation = SamplingBatch.build(temps, [p.top_k for p in params], [p.top_p for p in params],
+                                             [0] * len(want), [0] * len(want), device)
+        res = token_logprobs(processed[idx], ids[idx], max(nums), torch.tensor(temps, device=device),
+                             entropy=any(entropy), truncation=truncation).to_host(nums, entropy, kept)
+        return {rows[i].request_id: rec for i, rec in zip(want, res)}
 
     def _process(self, logits: torch.Tensor, rows: list[ScheduledRequestData],
                  states: list[_RequestState]) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""A request whose logits hold NaN or inf cannot be sampled: the step raises, naming it, before anything of
+the step is counted, so the engine's bisection (engine/step_isolation.py) re-runs its neighbours as if it
+had never been there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.messages import ScheduledRequestData
+from fastdeploy_r3.worker.sample.sampler import NonFiniteLogitsError, StepSampler
+
+V = 8
+
+
+def _row(rid: str, params: SamplingParams) -> ScheduledRequestData:
+    return ScheduledRequestData(rid, [1, 2], 0, [0], [0], True, params, sampling_seed=7, num_prompt_tokens=2,
+                                prompt_token_ids=[1, 2])
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_row_of_non_finite_logits_fails_alone_and_counts_nothing(poison: float) -> None:
+    sampler = StepSampler(V, 4, torch.device("cpu"))
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=0)
+    rows = [_row("good", penalised), _row("bad", SamplingParams(temperature=1.0))]
+    for r in rows:
+        sampler.remember(r)
+    logits = torch.arange(2 * V, dtype=torch.float32).reshape(2, V)
+    logits[1, 3] = poison
+    with pytest.raises(NonFiniteLogitsError, match="request\\(s\\) bad;"):
+        sampler.sample(logits.clone(), rows)
+    assert int(sampler.stats.stack(["good"])[1].sum()) == 0  # the failed step counted no token
+    sampled, records = sampler.sample(logits[:1].clone(), rows[:1])  # the re-run without it
+    assert sampled == {"good": V - 1} and records["good"].token_id == V - 1
+    assert int(sampler.stats.stack(["good"])[1].sum()) == 1
+
+
+def test_a_row_with_every_token_masked_has_nothing_to_draw() -> None:
+    sampler = StepSampler(V, 4, torch.device("cpu"))
+    row = _row("masked", SamplingParams(temperature=0.0))
+    sampler.remember(row)
+    with pytest.raises(NonFiniteLogitsError, match="masked"):
+        sampler.sample(torch.full((1, V), float("-inf")), [row])
