@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, mma, tl, triton, triton_jit
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, mma, tl, triton
 
 LOG2E = 1.4426950408889634
 # shortest split: on the H200 (2026-11-30, 32:4 heads, D 128, context 1024) batch 1 took 12.4 µs a layer with 4
@@ -36,7 +36,7 @@ MIN_PARTITION = 64
 MAX_SPLITS = 16
 
 
-@triton_jit
+@jit
 def _decode_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [NB, BS, KVH, D]
@@ -117,7 +117,7 @@ def _decode_kernel(
             tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
 
 
-@triton_jit
+@jit
 def _reduce_splits_kernel(
     part_out_ptr,  # [B, H, NUM_SPLITS, D] f32
     part_lse_ptr,  # [B, H, NUM_SPLITS] f32

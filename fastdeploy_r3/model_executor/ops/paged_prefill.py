@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 
 from fastdeploy_r3.model_executor.ops.paged_decode import LOG2E
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, mma, tl, triton, triton_jit
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, mma, tl, triton
 
 
-@triton_jit
+@jit
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [NB, BS, KVH, D]
