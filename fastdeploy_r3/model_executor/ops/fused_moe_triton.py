@@ -43,13 +43,13 @@ def _expert_gemm_kernel(
     a_ptr,  # GATED: x [T, H]; else act [N, I]
     w_ptr,  # GATED: w13 [E, 2I, H]; else w2 [E, H, I]
     out_ptr,  # GATED: act [N, I]; else part [N, H] float32
-    topk_weights_ptr,  # [N] float32, read only when ROUTED_WEIGHT
+    topk_weights_ptr,  # [N] float32 when ROUTED_WEIGHT, else None (then not a kernel parameter at all)
     sorted_ids_ptr,  # [P] int32
     block_expert_ptr,  # [NB] int32
     num_padded_ptr,  # [1] int32
     num_rows,  # N
-    out_cols,  # columns of one expert's output: I (GATED) or H
-    red_dim,  # the reduced dimension: H (GATED) or I
+    hidden,  # H
+    inter,  # I
     stride_a,
     stride_we,
     stride_wn,
@@ -70,6 +70,12 @@ def _expert_gemm_kernel(
     row_ok = rows < num_rows
     a_rows = rows // A_ROW_DIV  # [BM]
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if GATED:  # x [T, H] @ w13[e].T -> act [N, I]
+        out_cols = inter
+        red_dim = hidden
+    else:  # act [N, I] @ w2[e].T -> part [N, H]
+        out_cols = hidden
+        red_dim = inter
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     n_ok = n < out_cols
     w_base = w_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn  # [1, BN] (the gate half if GATED)
@@ -88,7 +94,6 @@ def _expert_gemm_kernel(
             acc_up = _dot(a, wu, acc_up, IEEE)
         else:
             acc = _dot(a, w, acc, IEEE)
-    out_mask = row_ok[:, None] & n_ok[None, :]
     # round like the reference's linear output, in the activations' dtype (x's for GATED, act's otherwise)
     y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # [BM, BN]
     if GATED:
@@ -96,8 +101,11 @@ def _expert_gemm_kernel(
         y = y * tl.sigmoid(y) * up  # [BM, BN] silu(gate) * up
     if ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + rows, mask=row_ok, other=0.0)  # [BM]
-        y = y * weight[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y * weight[:, None],
+                 mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -147,14 +155,14 @@ def triton_experts(
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # [N, I]
-    weights = topk_weights.reshape(-1).float().contiguous()  # [N]
     # gate_up: act[n] = silu(x[n // K] @ w13[e, :I].T) * (x[n // K] @ w13[e, I:].T)
     _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13, act, weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
-        num_rows, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        x, w13, act, None, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
+        num_rows, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         A_ROW_DIV=top_k, GATED=True, ROUTED_WEIGHT=False, **tiles,
     )
     part = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)  # [N, H]
+    weights = topk_weights.reshape(-1).float().contiguous()  # [N]
     # down: part[n] = topk_weight[n] * (act[n] @ w2[e].T)
     _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(hidden, cfg.block_n))](
         act, w2, part, weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
