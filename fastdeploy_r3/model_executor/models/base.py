@@ -18,6 +18,9 @@ Tensor parallel (N ranks, this one r): checkpoint names and shapes stay the full
                        gate_proj, up_proj (dense + shared experts)
     row-parallel:      o_proj, down_proj (+ all-reduce)
     split on I:        routed experts (w13 rows, w2 columns; one all-reduce per MoE block)
+
+Which routed experts a rank holds at all is the model's ExpertPlacement (layers/expert_placement.py;
+the identity today): load_weights skips, and the loader never reads, the experts of other ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.model_executor.layers.attention import Attention
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.linear import RowParallelLinear, ShardedLinear, divide
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExperts
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
@@ -202,6 +206,18 @@ class MoeCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------------------------------
 
+    @property
+    def expert_placement(self) -> ExpertPlacement:
+        """The expert -> rank map every MoE layer of this model shares."""
+        experts = next(m for m in self.modules() if isinstance(m, StackedExperts))
+        return experts.placement
+
+    def holds_checkpoint_weight(self, ckpt_name: str) -> bool:
+        """False for a routed expert's tensor that the placement gives another rank: the loader skips
+        it without reading it. Every other name is this rank's (shards are cut from full tensors)."""
+        m = _EXPERT_KEY.match(self._from_checkpoint_name(ckpt_name))
+        return m is None or self.expert_placement.local_slot(int(m["expert"])) is not None
+
     def _to_checkpoint_name(self, name: str) -> str:
         if self.checkpoint_mlp_name != "mlp":
             name = name.replace(".mlp.", f".{self.checkpoint_mlp_name}.")
@@ -244,6 +260,8 @@ class MoeCausalLM(nn.Module):
         them to a server. Views, not copies; a tensor-parallel shard has no full tensors to give."""
         if any(isinstance(m, ShardedLinear) and m.tp_size > 1 for m in self.modules()):
             raise WeightLoadingError("checkpoint_weights() needs the whole model (tensor_parallel_size 1)")
+        if not self.expert_placement.is_identity:
+            raise WeightLoadingError("checkpoint_weights() needs the whole model (every expert on this rank)")
         gate_name, up_name, down_name = self.expert_proj_names
         split_back = (StackedExperts, QKVParallelLinear)
         for mod_name, module in self.named_modules():
@@ -296,7 +314,9 @@ class MoeCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Load HF checkpoint tensors by name; raise WeightLoadingError naming any bad or missing key.
 
-        strict=False loads a subset (a weight update that sends some tensors): nothing is required.
+        Routed experts the placement gives other ranks are checked and skipped (holds_checkpoint_weight),
+        and not required. strict=False loads a subset (a weight update that sends some tensors): nothing
+        is required.
         """
         expected = self.checkpoint_weight_shapes()
         tensors = dict(self._loadable_tensors())
@@ -316,6 +336,8 @@ class MoeCausalLM(nn.Module):
                 raise WeightLoadingError(
                     f"weight {ckpt_name!r} has shape {tuple(w.shape)}, the model expects {expected[ckpt_name]}"
                 )
+            if not self.holds_checkpoint_weight(ckpt_name):
+                continue
             name = self._from_checkpoint_name(ckpt_name)
             m = _EXPERT_KEY.match(name)
             qkv = _QKV_KEY.match(name)
@@ -332,7 +354,7 @@ class MoeCausalLM(nn.Module):
                 else:
                     tensors[name].copy_(w)
             loaded.add(ckpt_name)
-        missing = sorted(set(expected) - loaded)
+        missing = sorted(n for n in set(expected) - loaded if self.holds_checkpoint_weight(n))
         if missing and strict:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
