@@ -148,6 +148,7 @@ class MoeCausalLM(nn.Module):
     checkpoint_mlp_name: str = "mlp"
 
     moe_layer_ids: list[int]
+    expert_placement: ExpertPlacement  # the expert -> rank map every MoE layer of this model shares
     num_experts: int
     top_k: int
     num_layers: int
@@ -175,6 +176,10 @@ class MoeCausalLM(nn.Module):
         self.num_kv_heads = layers[0].self_attn.num_kv_heads  # this rank's share
         if any(layer.self_attn.rotary is not layers[0].self_attn.rotary for layer in layers):
             raise ValueError("every layer must share one RotaryEmbedding: forward computes cos/sin once")
+        placements = {layer.mlp.experts.placement for layer in layers if isinstance(layer.mlp, SparseMoeBlock)}
+        if len(placements) != 1:
+            raise ValueError(f"every MoE layer must share one expert placement, got {len(placements)}")
+        self.expert_placement = placements.pop()
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.model = _Backbone(vocab, hidden, layers, rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -206,17 +211,14 @@ class MoeCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------------------------------
 
-    @property
-    def expert_placement(self) -> ExpertPlacement:
-        """The expert -> rank map every MoE layer of this model shares."""
-        experts = next(m for m in self.modules() if isinstance(m, StackedExperts))
-        return experts.placement
-
     def holds_checkpoint_weight(self, ckpt_name: str) -> bool:
         """False for a routed expert's tensor that the placement gives another rank: the loader skips
         it without reading it. Every other name is this rank's (shards are cut from full tensors)."""
         m = _EXPERT_KEY.match(self._from_checkpoint_name(ckpt_name))
-        return m is None or self.expert_placement.local_slot(int(m["expert"])) is not None
+        placement = self.expert_placement
+        if m is None or not 0 <= int(m["expert"]) < placement.num_experts:
+            return True  # load_weights names what is wrong with an expert this model does not have
+        return placement.local_slot(int(m["expert"])) is not None
 
     def _to_checkpoint_name(self, name: str) -> str:
         if self.checkpoint_mlp_name != "mlp":
