@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from torch import nn
 from fastdeploy_r3.config import ConfigError, ModelConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
 from fastdeploy_r3.model_executor.quantization import check_checkpoint_tensors, process_weights_after_loading
@@ -104,20 +105,34 @@ def safetensors_names(files: list[str]) -> list[str]:
     return names
 
 
-def iter_safetensors(files: list[str], device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """One checkpoint tensor at a time, read straight onto `device` (the host holds no full copy)."""
+def iter_safetensors(
+    files: list[str], device: torch.device | str = "cpu", keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One checkpoint tensor at a time, read straight onto `device` (the host holds no full copy).
+
+    keep(name) False: the tensor is not read at all (another rank's experts).
+    """
     from safetensors import safe_open
 
     for path in files:
         with safe_open(path, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    expert_placement: ExpertPlacement | None = None,
+) -> nn.Module:
     """Model of model_config's architecture on `device`, weights loaded, eval mode, grads off.
 
     With tp_size > 1 the model holds tensor-parallel rank tp_rank's shard of every split weight.
+    expert_placement (the identity when None) says which routed experts this rank holds; the
+    checkpoint's tensors of the others are never read.
     """
     hf = model_config.hf_config
     arch = (hf.get("architectures") or [None])[0]
@@ -130,7 +145,7 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf, dtype, tp_rank, tp_size)
+            model = model_cls(hf, dtype, tp_rank, tp_size, expert_placement)
     finally:
         torch.set_default_dtype(prev_dtype)
     if model_config.load_format == "dummy":
@@ -141,7 +156,7 @@ def load_model(model_config: ModelConfig, device: torch.device, tp_rank: int = 0
     else:
         files = safetensors_files(model_config.model)
         check_checkpoint_tensors(safetensors_names(files), model_config.quantization)
-        model.load_weights(iter_safetensors(files, device))
+        model.load_weights(iter_safetensors(files, device, keep=model.holds_checkpoint_weight))
     process_weights_after_loading(model)
     model.eval()
     model.requires_grad_(False)

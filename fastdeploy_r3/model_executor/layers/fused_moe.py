@@ -4,7 +4,7 @@ Shape legend: T = tokens, H = hidden, I = expert intermediate (this rank's), E =
 token, N = T * K routed rows.
 
     backend       what runs
-    "triton"      align_to_blocks + two Triton kernels (ops/fused_moe_triton.py)
+    "triton"      align_to_blocks + one expert-GEMM Triton kernel, launched twice (ops/fused_moe_triton.py)
     "grouped_mm"  sort_by_expert + two torch._grouped_mm (CUTLASS on sm90; bf16 only on CUDA)
     "loop"        moe.loop_experts: a Python loop over the experts hit (CPU, and the oracle)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from fastdeploy_r3.distributed.parallel_state import all_reduce
 from fastdeploy_r3.model_executor.forward_context import get_forward_context
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
@@ -94,7 +95,8 @@ def loop_experts(
 
 
 class StackedExperts(nn.Module):
-    """E SwiGLU experts stored stacked (the layout the fused kernels read): w13 = [gate; up].
+    """The SwiGLU experts `placement` gives this rank, stored stacked (the layout the fused kernels read):
+    w13[slot] = [gate; up], w2[slot] = down, slot = placement.local_slot(expert).
 
     `backend` ("auto" by default; see fused_moe.BACKENDS) says how forward() computes them.
 
@@ -103,33 +105,55 @@ class StackedExperts(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1,
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        placement: ExpertPlacement | None = None,
         quant_method: MoEMethod | None = None,
     ) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.placement = placement or ExpertPlacement.identity(num_experts)
+        if self.placement.num_experts != num_experts:
+            raise ExpertPlacementError(
+                f"the placement maps {self.placement.num_experts} experts, the layer has {num_experts}"
+            )
+        self.num_experts = num_experts  # logical E, what the router picks from
         self.tp_rank = tp_rank
         self.full_intermediate_size = intermediate_size
         self.intermediate_size = divide(intermediate_size, tp_size, "expert intermediate size")
         self.quant_method = quant_method or moe_method()
-        # w13 [E, 2I, H], w2 [E, H, I] (in the method's format: model_executor/quantization/)
-        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size)
+        # w13 [E_local, 2I, H], w2 [E_local, H, I]: one slot per expert this rank holds, in the
+        # method's format (model_executor/quantization/)
+        self.quant_method.create_weights(self, self.placement.num_local_experts, hidden_size, self.intermediate_size)
         self.backend = "auto"
 
     def load_expert(self, expert: int, proj: str, full: torch.Tensor) -> None:
-        """Copy this rank's slice of one checkpoint tensor: proj "gate"/"up" [I_full, H], "down" [H, I_full]."""
+        """Copy this rank's slice of logical `expert`'s checkpoint tensor into its slot:
+        proj "gate"/"up" [I_full, H], "down" [H, I_full]."""
+        slot = self.placement.local_slot(expert)
+        if slot is None:
+            raise ExpertPlacementError(f"expert {expert} is held by rank {self.placement.expert_rank[expert]}, "
+                                       f"not by rank {self.placement.ep_rank}: skip its weights")
         inter = self.intermediate_size
         start = self.tp_rank * inter
         if proj == "gate":
-            self.w13[expert, :inter].copy_(full[start : start + inter])
+            self.w13[slot, :inter].copy_(full[start : start + inter])
         elif proj == "up":
-            self.w13[expert, inter:].copy_(full[start : start + inter])
+            self.w13[slot, inter:].copy_(full[start : start + inter])
         else:
             assert proj == "down", proj
-            self.w2[expert].copy_(full[:, start : start + inter])
+            self.w2[slot].copy_(full[:, start : start + inter])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H], through the quantization method."""
+        """x [T, H], topk_weights [T, K], topk_ids [T, K] logical ids -> [T, H], through the quantization method."""
+        if not self.placement.is_identity:
+            # the backends index w13 / w2 by logical id; another placement needs the EP token dispatch
+            raise ExpertPlacementError(f"rank {self.placement.ep_rank} holds {self.placement.num_local_experts} of "
+                                       f"{self.num_experts} experts: expert parallelism needs a token dispatch, which "
+                                       "is not built; run with the identity placement")
         return self.quant_method.apply(self, x, topk_weights, topk_ids)
 
     def run_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -183,6 +207,7 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate_size: int = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
+        placement: ExpertPlacement | None = None,
     ) -> None:
         super().__init__()
         if router not in ("softmax", "sigmoid_grouped"):
@@ -201,7 +226,7 @@ class SparseMoeBlock(nn.Module):
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size, placement)
         self.shared_experts = (
             # partial sums: forward() reduces routed + shared in one all-reduce
             GatedMLP(hidden_size, shared_intermediate_size, tp_rank, tp_size, reduce_results=False)
@@ -246,6 +271,8 @@ class SparseMoeBlock(nn.Module):
         else:
             topk_ids = forced.to(device=x.device, dtype=torch.int64)  # [T, K]
             topk_weights = self.replay_weights(x, topk_ids)  # [T, K]
+        # R3 records the router's LOGICAL ids, here, before the experts map them to ranks and slots
+        # (expert_placement.py): a rank or slot number must never reach a routing row
         _capture_routing(self.moe_index, topk_ids)
         out = self.experts(x, topk_weights, topk_ids)  # [T, H], this rank's partial sum
         if self.shared_experts is not None:

@@ -18,6 +18,9 @@ Tensor parallel (N ranks, this one r): checkpoint names and shapes stay the full
                        gate_proj, up_proj (dense + shared experts)
     row-parallel:      o_proj, down_proj (+ all-reduce)
     split on I:        routed experts (w13 rows, w2 columns; one all-reduce per MoE block)
+
+Which routed experts a rank holds at all is the model's ExpertPlacement (layers/expert_placement.py;
+the identity today): load_weights skips, and the loader never reads, the experts of other ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.model_executor.layers.attention import Attention
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.linear import RowParallelLinear, ShardedLinear, divide
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExperts
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
@@ -144,6 +148,7 @@ class MoeCausalLM(nn.Module):
     checkpoint_mlp_name: str = "mlp"
 
     moe_layer_ids: list[int]
+    expert_placement: ExpertPlacement  # the expert -> rank map every MoE layer of this model shares
     num_experts: int
     top_k: int
     num_layers: int
@@ -171,6 +176,10 @@ class MoeCausalLM(nn.Module):
         self.num_kv_heads = layers[0].self_attn.num_kv_heads  # this rank's share
         if any(layer.self_attn.rotary is not layers[0].self_attn.rotary for layer in layers):
             raise ValueError("every layer must share one RotaryEmbedding: forward computes cos/sin once")
+        placements = {layer.mlp.experts.placement for layer in layers if isinstance(layer.mlp, SparseMoeBlock)}
+        if len(placements) != 1:
+            raise ValueError(f"every MoE layer must share one expert placement, got {len(placements)}")
+        self.expert_placement = placements.pop()
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.model = _Backbone(vocab, hidden, layers, rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -201,6 +210,15 @@ class MoeCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # -- weights ------------------------------------------------------------------------------------
+
+    def holds_checkpoint_weight(self, ckpt_name: str) -> bool:
+        """False for a routed expert's tensor that the placement gives another rank: the loader skips
+        it without reading it. Every other name is this rank's (shards are cut from full tensors)."""
+        m = _EXPERT_KEY.match(self._from_checkpoint_name(ckpt_name))
+        placement = self.expert_placement
+        if m is None or not 0 <= int(m["expert"]) < placement.num_experts:
+            return True  # load_weights names what is wrong with an expert this model does not have
+        return placement.local_slot(int(m["expert"])) is not None
 
     def _to_checkpoint_name(self, name: str) -> str:
         if self.checkpoint_mlp_name != "mlp":
@@ -244,6 +262,8 @@ class MoeCausalLM(nn.Module):
         them to a server. Views, not copies; a tensor-parallel shard has no full tensors to give."""
         if any(isinstance(m, ShardedLinear) and m.tp_size > 1 for m in self.modules()):
             raise WeightLoadingError("checkpoint_weights() needs the whole model (tensor_parallel_size 1)")
+        if not self.expert_placement.is_identity:
+            raise WeightLoadingError("checkpoint_weights() needs the whole model (every expert on this rank)")
         gate_name, up_name, down_name = self.expert_proj_names
         split_back = (StackedExperts, QKVParallelLinear)
         for mod_name, module in self.named_modules():
@@ -296,7 +316,9 @@ class MoeCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Load HF checkpoint tensors by name; raise WeightLoadingError naming any bad or missing key.
 
-        strict=False loads a subset (a weight update that sends some tensors): nothing is required.
+        Routed experts the placement gives other ranks are checked and skipped (holds_checkpoint_weight),
+        and not required. strict=False loads a subset (a weight update that sends some tensors): nothing
+        is required.
         """
         expected = self.checkpoint_weight_shapes()
         tensors = dict(self._loadable_tensors())
@@ -316,6 +338,8 @@ class MoeCausalLM(nn.Module):
                 raise WeightLoadingError(
                     f"weight {ckpt_name!r} has shape {tuple(w.shape)}, the model expects {expected[ckpt_name]}"
                 )
+            if not self.holds_checkpoint_weight(ckpt_name):
+                continue
             name = self._from_checkpoint_name(ckpt_name)
             m = _EXPERT_KEY.match(name)
             qkv = _QKV_KEY.match(name)
@@ -332,7 +356,7 @@ class MoeCausalLM(nn.Module):
                 else:
                     tensors[name].copy_(w)
             loaded.add(ckpt_name)
-        missing = sorted(set(expected) - loaded)
+        missing = sorted(n for n in set(expected) - loaded if self.holds_checkpoint_weight(n))
         if missing and strict:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fastdeploy_r3.config.hf_config import moe_layer_ids_from_hf_config, normalize_hf_config
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
@@ -18,7 +19,14 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Glm4MoeForCausalLM(MoeCausalLM):
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        dtype: torch.dtype,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        expert_placement: ExpertPlacement | None = None,
+    ) -> None:
         super().__init__()
         c = normalize_hf_config(hf_config)  # one key name per fact, transformers' defaults filled
         hidden = int(c["hidden_size"])
@@ -49,7 +57,7 @@ class Glm4MoeForCausalLM(MoeCausalLM):
                     renormalize=bool(c["norm_topk_prob"]),
                     n_group=int(c["n_group"]), topk_group=int(c["topk_group"]),
                     routed_scaling_factor=float(c["routed_scaling_factor"]),
-                    shared_intermediate_size=moe_inter * int(c["n_shared_experts"]), **tp,
+                    shared_intermediate_size=moe_inter * int(c["n_shared_experts"]), placement=expert_placement, **tp,
                 )
             else:
                 mlp = GatedMLP(hidden, int(c["intermediate_size"]), **tp)

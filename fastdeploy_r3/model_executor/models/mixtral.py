@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fastdeploy_r3.config.hf_config import moe_layer_ids_from_hf_config, normalize_hf_config
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
 from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, SelfAttention, rope_theta
@@ -17,7 +18,14 @@ class MixtralForCausalLM(MoeCausalLM):
     expert_proj_names = ("w1", "w3", "w2")
     checkpoint_mlp_name = "block_sparse_moe"
 
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        dtype: torch.dtype,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        expert_placement: ExpertPlacement | None = None,
+    ) -> None:
         super().__init__()
         c = normalize_hf_config(hf_config)  # one key name per fact, transformers' defaults filled
         window = c.get("sliding_window")
@@ -39,7 +47,7 @@ class MixtralForCausalLM(MoeCausalLM):
             attn = SelfAttention(hidden, num_heads, num_kv_heads, self.head_dim, rotary, i, rms_norm_eps=eps, **tp)
             mlp = SparseMoeBlock(
                 hidden, num_experts, top_k, int(c["intermediate_size"]),
-                moe_index=moe_layer_ids.index(i), router="softmax", renormalize=True, **tp,
+                moe_index=moe_layer_ids.index(i), router="softmax", renormalize=True, placement=expert_placement, **tp,
             )
             layers.append(DecoderLayer(attn, mlp, hidden, eps))
         self._build(c, layers, dtype, num_experts, top_k, moe_layer_ids, eps)

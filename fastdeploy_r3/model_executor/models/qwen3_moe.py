@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from fastdeploy_r3.config.hf_config import moe_layer_ids_from_hf_config, normalize_hf_config
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
@@ -14,7 +15,14 @@ from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, 
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        dtype: torch.dtype,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        expert_placement: ExpertPlacement | None = None,
+    ) -> None:
         super().__init__()
         c = normalize_hf_config(hf_config)  # one key name per fact, transformers' defaults filled
         if c["use_sliding_window"]:
@@ -40,7 +48,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
                 mlp = SparseMoeBlock(
                     hidden, num_experts, top_k, int(c["moe_intermediate_size"]),
                     moe_index=moe_layer_ids.index(i), router="softmax",
-                    renormalize=bool(c["norm_topk_prob"]), **tp,
+                    renormalize=bool(c["norm_topk_prob"]), placement=expert_placement, **tp,
                 )
             else:
                 mlp = GatedMLP(hidden, int(c["intermediate_size"]), **tp)

@@ -1,4 +1,4 @@
-"""Fused MoE experts in two Triton kernels over expert-aligned blocks (ops/moe_align.py).
+"""Fused MoE experts: one expert-GEMM Triton kernel over expert-aligned blocks (ops/moe_align.py), launched twice.
 
 Shape legend: T = tokens, H = hidden, I = expert intermediate (this rank's), E = experts, K = experts per
 token, N = T * K flat rows (n = t * K + k), BM/BN/BK = block sizes.
@@ -7,11 +7,13 @@ token, N = T * K flat rows (n = t * K + k), BM/BN/BK = block sizes.
     down:     part[n] = topk_weight[n] * (act[n] @ w2[e].T)                               [N, H] float32
     out[t]    = sum_k part[t * K + k]                                                     [T, H]
 
-Each program owns BM rows of ONE expert (align_to_blocks pads every expert's rows to BM) and BN output
-columns, so every weight tile it streams is reused by its BM rows; programs past `num_padded` return at
-once, which keeps the grid a function of the shape only (a CUDA graph can hold it). The final sum over
-K runs in a fixed order (no atomics): the same inputs give the same bits, which R3 needs because the
-next layer routes on this output.
+The two launches differ only in constexpr flags: GATED (two accumulators, silu(gate) * up) for gate_up,
+ROUTED_WEIGHT (scaled by the row's router weight, float32 out) for down; the prologue (which block,
+which expert, which rows) and the K loop are written once. Each program owns BM rows of ONE expert
+(align_to_blocks pads every expert's rows to BM) and BN output columns, so every weight tile it streams
+is reused by its BM rows; programs past `num_padded` return at once, which keeps the grid a function of
+the shape only (a CUDA graph can hold it). The final sum over K runs in a fixed order (no atomics): the
+same inputs give the same bits, which R3 needs because the next layer routes on this output.
 
 The weights stay in the checkpoint's layout, w13 [E, 2I, H] and w2 [E, H, I] (K-contiguous), so the
 loaded tiles are [BK, BN] read along K. float32 models multiply in IEEE float32 (not TF32), so that a
@@ -25,35 +27,36 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs may lack triton; the torch loop then serves
-    triton = None
-    tl = None
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
 
 
-def _jit(fn):  # noqa: ANN001, ANN202 (decorator)
-    return fn if triton is None else triton.jit(fn)
+@jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b in float32; IEEE keeps float32 operands at full precision (never TF32)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
-@_jit
-def _gate_up_kernel(
-    x_ptr,  # [T, H]
-    w13_ptr,  # [E, 2I, H]
-    act_ptr,  # [N, I]
+@jit
+def _expert_gemm_kernel(
+    a_ptr,  # GATED: x [T, H]; else act [N, I]
+    w_ptr,  # GATED: w13 [E, 2I, H]; else w2 [E, H, I]
+    out_ptr,  # GATED: act [N, I]; else part [N, H] float32
+    topk_weights_ptr,  # [N] float32 when ROUTED_WEIGHT, else None (then not a kernel parameter at all)
     sorted_ids_ptr,  # [P] int32
     block_expert_ptr,  # [NB] int32
     num_padded_ptr,  # [1] int32
     num_rows,  # N
     hidden,  # H
     inter,  # I
-    stride_xt,
+    stride_a,
     stride_we,
     stride_wn,
-    stride_at,
-    TOP_K: tl.constexpr,
+    stride_out,
+    A_ROW_DIV: tl.constexpr,  # a row of flat row n: n // K for x (GATED), n for act
+    GATED: tl.constexpr,  # silu(a @ w[:I].T) * (a @ w[I:].T), stored in out's dtype
+    ROUTED_WEIGHT: tl.constexpr,  # (a @ w.T) * topk_weight[n], stored as float32
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -63,81 +66,46 @@ def _gate_up_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM] flat rows
     row_ok = rows < num_rows
-    tok = rows // TOP_K  # [BM]
+    a_rows = rows // A_ROW_DIV  # [BM]
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_ok = n < inter
-    w_gate = w13_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn  # [1, BN]
-    w_up = w_gate + inter * stride_wn
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        k_ok = k < hidden
-        a = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(w_gate + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
-        wu = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
-        if IEEE:
-            acc_gate = tl.dot(a, wg, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
-        else:
-            acc_gate = tl.dot(a, wg, acc_gate)
-            acc_up = tl.dot(a, wu, acc_up)
-    gate = acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32)  # round like the reference's linear output
-    up = acc_up.to(act_ptr.dtype.element_ty).to(tl.float32)
-    act = gate * tl.sigmoid(gate) * up  # [BM, BN]
-    tl.store(act_ptr + rows[:, None] * stride_at + n[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
-
-
-@_jit
-def _down_kernel(
-    act_ptr,  # [N, I]
-    w2_ptr,  # [E, H, I]
-    part_ptr,  # [N, H] float32
-    topk_weights_ptr,  # [N] float32
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    num_rows,
-    hidden,
-    inter,
-    stride_at,
-    stride_we,
-    stride_wn,
-    stride_pt,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-    row_ok = rows < num_rows
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns
-    n_ok = n < hidden
-    w_base = w2_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn  # [1, BN]
+    if GATED:  # x [T, H] @ w13[e].T -> act [N, I]
+        out_cols = inter
+        red_dim = hidden
+    else:  # act [N, I] @ w2[e].T -> part [N, H]
+        out_cols = hidden
+        red_dim = inter
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
+    n_ok = n < out_cols
+    w_base = w_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn  # [1, BN] (the gate half if GATED)
+    w_up = w_base + out_cols * stride_wn  # [1, BN] the up half, used only when GATED
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, red_dim, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        k_ok = k < inter
-        a = tl.load(act_ptr + rows[:, None] * stride_at + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+        k_ok = k < red_dim
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_base + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+        if GATED:
+            wu = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+            acc = _dot(a, w, acc, IEEE)
+            acc_up = _dot(a, wu, acc_up, IEEE)
         else:
-            acc = tl.dot(a, w, acc)
-    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)  # [BM, BN] rounded like the reference's linear output
-    weight = tl.load(topk_weights_ptr + rows, mask=row_ok, other=0.0)  # [BM]
-    tl.store(part_ptr + rows[:, None] * stride_pt + n[None, :], y * weight[:, None],
-             mask=row_ok[:, None] & n_ok[None, :])
+            acc = _dot(a, w, acc, IEEE)
+    # round like the reference's linear output, in the activations' dtype (x's for GATED, act's otherwise)
+    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # [BM, BN]
+    if GATED:
+        up = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.sigmoid(y) * up  # [BM, BN] silu(gate) * up
+    if ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + rows, mask=row_ok, other=0.0)  # [BM]
+        tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y * weight[:, None],
+                 mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -172,8 +140,7 @@ def triton_experts(
 
     Same function as moe.loop_experts; no host sync (graph-safe).
     """
-    if triton is None:
-        raise RuntimeError("triton_experts needs triton; install fastdeploy_r3[triton]")
+    require_triton("triton_experts")
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -185,20 +152,21 @@ def triton_experts(
         raise ValueError("triton_experts: x, w13 and w2 must be contiguous in their last dimension")
     cfg = config or pick_config(num_tokens, top_k, num_experts)
     blocks = align_to_blocks(topk_ids, num_experts, cfg.block_m)
-    ieee = x.dtype == torch.float32
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # [N, I]
-    _gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13, act, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
+    # gate_up: act[n] = silu(x[n // K] @ w13[e, :I].T) * (x[n // K] @ w13[e, I:].T)
+    _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(inter, cfg.block_n))](
+        x, w13, act, None, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
         num_rows, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        A_ROW_DIV=top_k, GATED=True, ROUTED_WEIGHT=False, **tiles,
     )
     part = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)  # [N, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
-    _down_kernel[(blocks.max_blocks, triton.cdiv(hidden, cfg.block_n))](
+    # down: part[n] = topk_weight[n] * (act[n] @ w2[e].T)
+    _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(hidden, cfg.block_n))](
         act, w2, part, weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
         num_rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=True, **tiles,
     )
     return part.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.triton_setup import tl, triton, triton_jit
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, tl, triton
 
 
 def write_kv_cache_ref(
@@ -27,7 +27,7 @@ def write_kv_cache_ref(
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.to(v_cache.dtype)
 
 
-@triton_jit
+@jit
 def _write_kv_cache_kernel(
     k_ptr,  # [T, KVH, D]
     v_ptr,  # [T, KVH, D]

@@ -25,20 +25,13 @@ to run; the GEMMs compute each row on its own and write it back by flat row, so 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs may lack triton; the torch version then serves
-    triton = None
-    tl = None
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton, use_triton
 
 ALIGN_KERNEL_MAX_ROWS = 4096  # one program holds every row: decode batches, not prefill chunks
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -78,7 +71,7 @@ def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
 def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeBlocks:
     """topk_ids [T, K] -> MoeBlocks: rows grouped by expert, each group padded to a multiple of block_m."""
     num_rows = topk_ids.numel()
-    if triton is not None and (topk_ids.is_cuda or _INTERPRET) and 0 < num_rows <= ALIGN_KERNEL_MAX_ROWS:
+    if use_triton(topk_ids) and 0 < num_rows <= ALIGN_KERNEL_MAX_ROWS:
         return align_to_blocks_triton(topk_ids, num_experts, block_m)
     return align_to_blocks_torch(topk_ids, num_experts, block_m)
 
@@ -108,11 +101,7 @@ def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
     )
 
 
-def _jit(fn):  # noqa: ANN001, ANN202 (decorator)
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _align_kernel(
     topk_ids_ptr,  # [N] flat, contiguous
     sorted_ids_ptr,  # [P] int32
@@ -152,6 +141,7 @@ def _align_kernel(
 
 def align_to_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeBlocks:
     """align_to_blocks in one Triton launch (N <= ALIGN_KERNEL_MAX_ROWS); no host sync."""
+    require_triton("align_to_blocks_triton")
     num_rows = topk_ids.numel()
     if not 0 < num_rows <= ALIGN_KERNEL_MAX_ROWS:
         raise ValueError(f"align_to_blocks_triton: {num_rows} rows; the kernel takes 1..{ALIGN_KERNEL_MAX_ROWS}")

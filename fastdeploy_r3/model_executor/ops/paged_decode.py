@@ -27,16 +27,23 @@ import functools
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, mma, tl, triton, triton_jit
+from fastdeploy_r3.model_executor.ops.paged_tiles import (
+    LOG2E,
+    check_paged_attention_args,
+    kv_tile,
+    normalize,
+    online_softmax_step,
+    tile_scores,
+)
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, tl, triton
 
-LOG2E = 1.4426950408889634
 # shortest split: on the H200 (2026-11-30, 32:4 heads, D 128, context 1024) batch 1 took 12.4 µs a layer with 4
 # splits of 256 and 7.2 µs with 16 of 64; batch 64 41.8 µs with 2 splits, 44.4 with 1
 MIN_PARTITION = 64
 MAX_SPLITS = 16
 
 
-@triton_jit
+@jit
 def _decode_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [NB, BS, KVH, D]
@@ -89,23 +96,16 @@ def _decode_kernel(
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
             n_mask = pos < hi
-            block_id = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
-            row = block_id.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-            kv_offs = row[:, None] + d[None, :]  # [BLOCK_N, BLOCK_D]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * scale_log2  # [BLOCK_G, BLOCK_N]
+            kv_offs, kv_mask = kv_tile(
+                block_tables_ptr, b, stride_bt, pos, n_mask, kv_head, d, d_mask,
+                stride_c_block, stride_c_slot, stride_c_head, BLOCK_SIZE,
+            )  # fmt: skip
+            s = tile_scores(q, k_cache_ptr, kv_offs, kv_mask, scale_log2, UPCAST)  # [BLOCK_G, BLOCK_N]
             s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_G]
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
-            alpha = tl.exp2(m_i - m_new)  # [BLOCK_G]
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-            acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            # every tile of [lo, hi) holds a key for every head: no row of it is empty
+            m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v_cache_ptr, kv_offs, kv_mask, q.dtype, False, UPCAST)
 
-        has_ctx = l_i > 0.0  # an empty split (or a padded row) has no keys
-        out = tl.where(has_ctx[:, None], acc / tl.where(has_ctx, l_i, 1.0)[:, None], 0.0)  # [BLOCK_G, BLOCK_D]
+        out, has_ctx = normalize(acc, l_i)  # [BLOCK_G, BLOCK_D]; an empty split (or a padded row) has no keys
         out_mask = g_mask[:, None] & d_mask[None, :]
         if NUM_SPLITS == 1:
             o_offs = q_start * stride_o_t + heads[:, None] * stride_o_h + d[None, :]
@@ -117,7 +117,7 @@ def _decode_kernel(
             tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
 
 
-@triton_jit
+@jit
 def _reduce_splits_kernel(
     part_out_ptr,  # [B, H, NUM_SPLITS, D] f32
     part_lse_ptr,  # [B, H, NUM_SPLITS] f32
@@ -186,14 +186,8 @@ def paged_decode_attention(
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows = seq_lens.shape[0]
-    if num_heads % num_kv_heads or q.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} needs H divisible by KVH={num_kv_heads} "
-                         "and q/out with a contiguous last dimension")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("paged_decode_attention: k_cache and v_cache need equal strides, head_dim contiguous")
-    if query_start_loc.shape != (num_rows + 1,) or block_tables.shape[0] != num_rows:
-        raise ValueError(f"paged_decode_attention: query_start_loc {tuple(query_start_loc.shape)} and block_tables "
-                         f"{tuple(block_tables.shape)} must have {num_rows} (+1) rows like seq_lens")
+    check_paged_attention_args("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens,
+                               query_start_loc, out)
     if num_rows == 0:
         return out
     group = num_heads // num_kv_heads

@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.paged_decode import LOG2E
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, mma, tl, triton, triton_jit
+from fastdeploy_r3.model_executor.ops.paged_tiles import (
+    LOG2E,
+    check_paged_attention_args,
+    kv_tile,
+    normalize,
+    online_softmax_step,
+    tile_scores,
+)
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, tl, triton
 
 
-@triton_jit
+@jit
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [NB, BS, KVH, D]
@@ -77,28 +84,18 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         hi = tl.minimum(seq_len, ctx_len + m0 + BLOCK_M)  # causal: no query here sees past this
         for start in range(0, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
             n_mask = pos < hi
-            block_id = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
-            row = block_id.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-            kv_offs = row[:, None] + d[None, :]  # [BLOCK_N, BLOCK_D]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-            s = mma(q, tl.trans(k), UPCAST) * scale_log2  # [BLOCK_M, BLOCK_N]
+            kv_offs, kv_mask = kv_tile(
+                block_tables_ptr, b, stride_bt, pos, n_mask, kv_head, d, d_mask,
+                stride_c_block, stride_c_slot, stride_c_head, BLOCK_SIZE,
+            )  # fmt: skip
+            s = tile_scores(q, k_cache_ptr, kv_offs, kv_mask, scale_log2, UPCAST)  # [BLOCK_M, BLOCK_N]
             visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]  # [BLOCK_M, BLOCK_N]
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a query row that sees nothing yet keeps m = -inf; shift by 0 there instead of by -inf (NaN)
-            shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # [BLOCK_M]
-            p = tl.exp2(s - shift[:, None])  # [BLOCK_M, BLOCK_N]
-            alpha = tl.exp2(m_i - shift)  # [BLOCK_M]
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-            acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v_cache_ptr, kv_offs, kv_mask, q.dtype, True, UPCAST)
 
-        has_ctx = l_i > 0.0
-        out = tl.where(has_ctx[:, None], acc / tl.where(has_ctx, l_i, 1.0)[:, None], 0.0)  # [BLOCK_M, BLOCK_D]
+        out, _ = normalize(acc, l_i)  # [BLOCK_M, BLOCK_D]
         o_offs = (q_start + m)[:, None] * stride_o_t + head * stride_o_h + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -121,14 +118,8 @@ def paged_prefill_attention(
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows = seq_lens.shape[0]
-    if num_heads % num_kv_heads or q.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError(f"paged_prefill_attention: q {tuple(q.shape)} needs H divisible by KVH={num_kv_heads} "
-                         "and q/out with a contiguous last dimension")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("paged_prefill_attention: k_cache and v_cache need equal strides, head_dim contiguous")
-    if query_start_loc.shape != (num_rows + 1,) or block_tables.shape[0] != num_rows:
-        raise ValueError(f"paged_prefill_attention: query_start_loc {tuple(query_start_loc.shape)} and block_tables "
-                         f"{tuple(block_tables.shape)} must have {num_rows} (+1) rows like seq_lens")
+    check_paged_attention_args("paged_prefill_attention", q, k_cache, v_cache, block_tables, seq_lens,
+                               query_start_loc, out)
     if num_rows == 0 or max_query_len == 0:
         return out
     block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))

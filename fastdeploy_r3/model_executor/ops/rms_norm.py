@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.triton_setup import tl, triton, triton_jit
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, tl, triton
 
 
 def rms_norm_ref(
@@ -30,7 +30,7 @@ def rms_norm_ref(
     return y if residual is None else (y, x)
 
 
-@triton_jit
+@jit
 def _rms_norm_kernel(
     x_ptr,  # [R0, R1, N] strided rows
     residual_ptr,  # [R0, R1, N] (HAS_RESIDUAL)

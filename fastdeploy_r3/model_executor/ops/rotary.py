@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.triton_setup import tl, triton, triton_jit
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, tl, triton
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ def apply_rotary_ref(
     return _rotate_ref(q, cos_full, sin_full), _rotate_ref(k, cos_full, sin_full)
 
 
-@triton_jit
+@jit
 def _norm_rotate_heads(
     x_ptr, t, stride_t, stride_h, c, s, w_ptr, eps,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -84,7 +84,7 @@ def _norm_rotate_heads(
     tl.store(x_ptr + offs + HALF, o2, mask=mask)
 
 
-@triton_jit
+@jit
 def _rotary_kernel(
     q_ptr,  # [T, H, D]
     k_ptr,  # [T, KVH, D]

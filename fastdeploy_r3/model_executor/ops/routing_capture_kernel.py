@@ -13,32 +13,17 @@ step buffer that `RoutingCapture` owns is int32 on every device: torch supports 
 narrowing to the routing dtype happens once, on the way out: in `scatter_rows_to_host` on GPU, in a
 numpy `astype` on CPU.
 
-Which path runs: `capture_topk_ids_dispatch` uses Triton for CUDA tensors, and for CPU tensors when
-`TRITON_INTERPRET=1` or `FDR3_TRITON_INTERPRET_CAPTURE=1` was set before this module was imported
-(kernels are built as interpreted functions at import); otherwise the torch reference.
+Which path runs: `capture_topk_ids_dispatch` asks ops/triton_setup.py's `use_triton`, the rule every
+kernel follows (CUDA tensors, or CPU tensors under TRITON_INTERPRET); otherwise the torch reference.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs may lack triton; the torch references then serve
-    triton = None
-    tl = None
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "0").lower() in ("1", "true", "on", "yes")
-
-
-# Read once: triton decides between a compiled and an interpreted kernel when the kernel is built.
-INTERPRET = triton is not None and (_env_on("TRITON_INTERPRET") or _env_on("FDR3_TRITON_INTERPRET_CAPTURE"))
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton, use_triton
 
 
 class PointerLike(Protocol):
@@ -49,18 +34,7 @@ class PointerLike(Protocol):
     def data_ptr(self) -> int: ...
 
 
-def _kernel(fn: Any) -> Any:
-    if triton is None:
-        return None
-    if INTERPRET:
-        # FDR3_TRITON_INTERPRET_CAPTURE turns on the interpreter for these two kernels alone, without
-        # making every other kernel of the process interpreted as TRITON_INTERPRET=1 would.
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(fn)
-    return triton.jit(fn)
-
-
+@jit
 def _capture_topk_ids_kernel(
     buffer_ptr,  # [max_tokens, L, K]
     topk_ids_ptr,  # [T, K]
@@ -91,6 +65,7 @@ def _capture_topk_ids_kernel(
     tl.store(dst, ids.to(buffer_ptr.dtype.element_ty), mask=mask)
 
 
+@jit
 def _scatter_rows_to_host_kernel(
     step_rows_ptr,  # [T, L, K] contiguous rows
     slot_mapping_ptr,  # [T] int, < 0 = padded token
@@ -117,10 +92,6 @@ def _scatter_rows_to_host_kernel(
         tl.store(host_tags_ptr + slot, tl.load(tags_ptr + t))
 
 
-_capture_kernel = _kernel(_capture_topk_ids_kernel)
-_scatter_kernel = _kernel(_scatter_rows_to_host_kernel)
-
-
 def _check_capture_args(buffer: torch.Tensor, moe_index: int, topk_ids: torch.Tensor) -> None:
     if buffer.dim() != 3 or topk_ids.dim() != 2 or topk_ids.shape[1] != buffer.shape[2]:
         raise ValueError(f"capture_topk_ids: buffer {tuple(buffer.shape)} is not [max_tokens, L, K] "
@@ -144,8 +115,7 @@ def capture_topk_ids(
     buffer: torch.Tensor, moe_index: int, topk_ids: torch.Tensor, num_tokens: torch.Tensor | None = None
 ) -> None:
     """Triton version of capture_topk_ids_ref: no host sync, so it may be recorded in a CUDA graph."""
-    if _capture_kernel is None:
-        raise RuntimeError("capture_topk_ids needs triton; install fastdeploy_r3[triton]")
+    require_triton("capture_topk_ids")
     _check_capture_args(buffer, moe_index, topk_ids)
     if buffer.stride(2) != 1:
         raise ValueError("capture_topk_ids: the buffer's last dimension must be contiguous")
@@ -153,7 +123,7 @@ def capture_topk_ids(
     if T == 0:
         return
     block_t = 64
-    _capture_kernel[(triton.cdiv(T, block_t),)](
+    _capture_topk_ids_kernel[(triton.cdiv(T, block_t),)](
         buffer, topk_ids, topk_ids if num_tokens is None else num_tokens, T, moe_index,
         buffer.stride(0), buffer.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         K=K, HAS_NUM_TOKENS=num_tokens is not None, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(K),
@@ -164,7 +134,7 @@ def capture_topk_ids_dispatch(
     buffer: torch.Tensor, moe_index: int, topk_ids: torch.Tensor, num_tokens: torch.Tensor | None = None
 ) -> None:
     """The Triton kernel on CUDA (or under the interpreter), the torch reference on the CPU serving path."""
-    if _capture_kernel is not None and (buffer.is_cuda or INTERPRET):
+    if use_triton(buffer):
         capture_topk_ids(buffer, moe_index, topk_ids, num_tokens)
     else:
         capture_topk_ids_ref(buffer, moe_index, topk_ids, num_tokens)
@@ -186,8 +156,7 @@ def scatter_rows_to_host(
     that no D2H copy or CPU scatter sits on the step. The caller guarantees every slot < S.
     Reference: RoutingBuffer.write (the CPU path).
     """
-    if _scatter_kernel is None:
-        raise RuntimeError("scatter_rows_to_host needs triton; install fastdeploy_r3[triton]")
+    require_triton("scatter_rows_to_host")
     T, L, K = step_rows.shape
     if step_rows.stride(2) != 1 or step_rows.stride(1) != K:
         raise ValueError("scatter_rows_to_host: each row of step_rows must be contiguous [L, K]")
@@ -196,7 +165,7 @@ def scatter_rows_to_host(
                          f"{tuple(tags.shape)} must be [{T}]")
     if T == 0:
         return
-    _scatter_kernel[(T,)](
+    _scatter_rows_to_host_kernel[(T,)](
         step_rows, slot_mapping, tags, host_rows, host_tags,
         slot_mapping if num_tokens is None else num_tokens, T, step_rows.stride(0),
         ROW=L * K, HAS_NUM_TOKENS=num_tokens is not None, BLOCK=triton.next_power_of_2(L * K),

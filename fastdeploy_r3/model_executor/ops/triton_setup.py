@@ -1,9 +1,17 @@
-"""Where the attention / norm / rotary kernels get Triton from, and when they run.
+"""The one place the kernels get Triton from: the import, the interpret rule, `jit`, and when a kernel runs.
 
-A kernel runs for CUDA tensors, and for CPU tensors when TRITON_INTERPRET=1 was set before this module
-was imported (Triton builds an interpreted kernel at decoration time: that is how the CPU tests run
-them). Otherwise callers take the pure-torch reference beside each kernel; CPU-only installs without
-triton import this module fine and always take the references.
+Every kernel module under ops/ imports `triton`, `tl` and `jit` from here and asks `use_triton(x)`
+before it launches (tests/model_executor/test_triton_setup.py checks that no other module imports
+triton). The rule:
+
+    INTERPRET   Triton's own TRITON_INTERPRET knob, read once at import: `jit` then builds interpreted
+                kernels (that is how the CPU tests run them), and every kernel of the process serves
+                CPU tensors, the MoE alignment and the R3 capture as much as attention.
+    use_triton  a kernel serves CUDA tensors always, CPU tensors only when INTERPRET; otherwise the
+                caller takes the pure-torch reference beside each kernel.
+
+CPU-only installs without triton import this module fine: `jit` returns the function undecorated,
+`use_triton` is False everywhere, and `require_triton` names the missing extra if a kernel is called.
 """
 
 from __future__ import annotations
@@ -21,13 +29,35 @@ except ImportError:
     triton = None
     tl = None
 
-INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-__all__ = ["INTERPRET", "mma", "tl", "triton", "triton_jit", "use_triton"]
+__all__ = ["INTERPRET", "TritonUnavailableError", "jit", "mma", "require_triton", "tl", "triton", "use_triton"]
 
 
-def triton_jit(fn: Callable[..., Any]) -> Any:
-    """triton.jit, or the undecorated function where triton is missing (it is then never launched)."""
+def _interpret_knob() -> bool:
+    """What triton.jit itself reads when it decides to build an interpreted kernel."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # the rule of older triton's jit
+
+
+# Read once: triton decides between a compiled and an interpreted kernel when the kernel is decorated.
+INTERPRET = _interpret_knob()
+
+
+class TritonUnavailableError(RuntimeError):
+    """A Triton kernel was called where triton is not installed."""
+
+
+def require_triton(op: str) -> None:
+    """Raise TritonUnavailableError naming `op` unless triton is importable."""
+    if triton is None:
+        raise TritonUnavailableError(f"{op} needs triton; install fastdeploy_r3[triton] (or call the torch reference)")
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """triton.jit (interpreted under INTERPRET), or the undecorated function where triton is missing."""
     return fn if triton is None else triton.jit(fn)
 
 
@@ -36,7 +66,7 @@ def use_triton(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or INTERPRET)
 
 
-@triton_jit
+@jit
 def mma(a, b, UPCAST: tl.constexpr):
     """a @ b accumulated in float32, float32 operands at full (IEEE) precision, never TF32.
 

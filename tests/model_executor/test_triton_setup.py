@@ -1,0 +1,77 @@
+"""One Triton shim: every kernel module takes triton from ops/triton_setup.py, so one interpret rule
+decides for all of them (no module runs its kernel interpreted while another silently takes torch)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = REPO_ROOT / "fastdeploy_r3"
+SHIM = PACKAGE / "model_executor" / "ops" / "triton_setup.py"
+
+
+def _imports_triton(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "triton" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "triton":
+            return True
+    return False
+
+
+def test_only_the_shim_imports_triton() -> None:
+    importers = sorted(str(p.relative_to(REPO_ROOT)) for p in PACKAGE.rglob("*.py") if _imports_triton(p))
+    assert importers == [str(SHIM.relative_to(REPO_ROOT))]
+
+
+@pytest.mark.parametrize(("value", "interpreted"), [("true", True), ("0", False)])
+def test_one_interpret_rule_for_attention_moe_alignment_and_r3_capture(value: str, interpreted: bool) -> None:
+    """TRITON_INTERPRET=true (a value triton itself accepts): the attention, MoE-alignment and R3-capture
+    kernels all run interpreted on CPU tensors; with 0 all three take their torch references."""
+    pytest.importorskip("triton")
+    body = textwrap.dedent(f"""
+        import os
+        os.environ["TRITON_INTERPRET"] = {value!r}
+        import torch
+        from triton.runtime.interpreter import InterpretedFunction
+        from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+        from fastdeploy_r3.model_executor.layers.attention import Attention
+        from fastdeploy_r3.model_executor.ops import moe_align, paged_prefill, routing_capture_kernel, triton_setup
+
+        kernels = (paged_prefill._prefill_kernel, moe_align._align_kernel,
+                   routing_capture_kernel._capture_topk_ids_kernel)
+        calls = []
+        for kernel in kernels:
+            kernel.run = (lambda run, name: lambda *a, **k: (calls.append(name), run(*a, **k))[1])(
+                kernel.run, kernel.fn.__name__)
+        # attention: a 3-token prompt in block 1 of a 2-block cache of 4-token blocks
+        q, k = torch.randn(3, 2, 4), torch.randn(3, 1, 4)
+        cache = (torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4))
+        meta = AttentionMetadata(torch.tensor([4, 5, 6]), [0, 3], [3], [3], torch.tensor([[1, 0]]), 4)
+        with set_forward_context(ForwardContext(meta, [cache])):
+            Attention(2, 1, 4, 0.5, layer_idx=0)(q, k, k)
+        assert torch.equal(cache[0][1, :3], k)
+        # MoE alignment: T=2, K=2, 3 experts, BM 4
+        ids = torch.tensor([[2, 0], [2, 1]])
+        blocks = moe_align.align_to_blocks(ids, num_experts=3, block_m=4)
+        assert blocks.sorted_ids[:12].tolist() == [1, 4, 4, 4, 3, 4, 4, 4, 0, 2, 4, 4]
+        # R3 capture into MoE layer 0 of a 4-token step buffer
+        buffer = torch.zeros(4, 1, 2, dtype=torch.int32)
+        routing_capture_kernel.capture_topk_ids_dispatch(buffer, 0, ids)
+        assert buffer[:2, 0].tolist() == [[2, 0], [2, 1]]
+
+        assert triton_setup.INTERPRET is {interpreted}
+        assert all(isinstance(kernel, InterpretedFunction) for kernel in kernels) is {interpreted}
+        expected = ["_prefill_kernel", "_align_kernel", "_capture_topk_ids_kernel"] if {interpreted} else []
+        assert calls == expected, calls
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
