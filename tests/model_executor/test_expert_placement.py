@@ -35,7 +35,7 @@ def test_identity_and_round_robin_placements() -> None:
 def test_loader_reads_only_the_experts_the_placement_gives_this_rank(fake_model_dir, monkeypatch) -> None:
     """Tiny Qwen3-MoE (16 experts), odd experts on rank 1: its stacked weights hold experts 1, 3, ..., 15
     in slots 0..7, equal to the whole model's, and not one tensor of an even expert is read from disk."""
-    mc = ModelConfig(model=fake_model_dir("qwen3_moe"), dtype="float32").finalize()
+    mc = ModelConfig(model=fake_model_dir("qwen3_moe"), dtype="float32")
     whole = model_loader.load_model(mc, CPU)
     assert whole.expert_placement.is_identity
 
