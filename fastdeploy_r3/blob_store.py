@@ -28,7 +28,7 @@ import re
 import secrets
 import shutil
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 import xxhash
@@ -163,6 +163,9 @@ class ChecksummedBlobStore(BlobStore):
     def put_many(self, items: dict[str, bytes], ttl_s: int | None = None) -> None:
         self.inner.put_many({k: checksummed([v]) for k, v in items.items()}, ttl_s)
 
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        return self.inner.put_if_absent(key, checksummed([value]), ttl_s)
+
     def _verified(self, key: str, blob: bytes | None) -> bytes | None:
         if blob is None:
             return None
@@ -271,8 +274,8 @@ class LocalBlobStore(BlobStore):
         path = self.path(key)
         tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+            with open_new_private(tmp) as f:
                 f.write(value)
             try:
                 os.link(tmp, path)
@@ -377,6 +380,18 @@ class RedisBlobStore(BlobStore):
             return bool(self._r.set(self.key_prefix + key, value, ex=ttl_s, nx=True))
         except self._errors as e:
             raise self._fail("storing 1 key", e) from e
+
+    def script(self, source: str) -> Callable[[list[str], list[bytes | str]], object]:
+        """A Lua script that Redis runs atomically, over keys given without the prefix."""
+        registered = self._r.register_script(source)
+
+        def run(keys: list[str], args: list[bytes | str]) -> object:
+            try:
+                return registered(keys=[self.key_prefix + k for k in keys], args=args)
+            except self._errors as e:
+                raise self._fail("a conditional write", e) from e
+
+        return run
 
     def tail(self, key: str, nbytes: int) -> bytes | None:
         try:

@@ -31,6 +31,7 @@ import numpy as np
 from fastdeploy_r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.codec import encode_routed_experts
 from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range, to_all_layers
+from fastdeploy_r3.r3.reservation import Reservation, RolloutConflictError
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
 from fastdeploy_r3.store_health import DeadlineCaller, StoreHealth, StoreUnavailableError
 
@@ -46,6 +47,10 @@ class R3DeliveryError(RuntimeError):
 
 class R3StoreFailedError(R3DeliveryError):
     """The store did not take the request's R3 (see the chained RoutingStoreError)."""
+
+
+class R3RolloutConflictError(R3DeliveryError):
+    """Another writer stored, or holds, the rollout id (the chained RolloutConflictError says which)."""
 
 
 @dataclass
@@ -125,11 +130,20 @@ class R3Delivery:
         return moe_rows, self.moe_layer_ids
 
     def deliver(
-        self, final: RequestOutput, rollout_id: str, inline: bool = True, routing_layout: str | None = None
+        self,
+        final: RequestOutput,
+        rollout_id: str,
+        inline: bool = True,
+        routing_layout: str | None = None,
+        *,
+        overwrite: bool = False,
+        reservation: Reservation | None = None,
     ) -> R3Result:
-        """Check, lay out, then encode (response mode; inline=False leaves the arrays as they are) or store.
+        """Check, lay out, then encode (response mode; inline=False leaves the arrays as they are) or store
+        (create-only unless `overwrite`; with the request's `reservation` of the id, r3/reservation.py).
 
-        Blocking. Raises R3DeliveryError (R3StoreFailedError for a failed put).
+        Blocking. Raises R3DeliveryError (R3StoreFailedError for a failed put, R3RolloutConflictError
+        when another writer has the id).
         """
         layout = self.layout_of(routing_layout)
         arrays, layer_ids = self.laid_out(self.checked_arrays(final), layout)
@@ -141,12 +155,33 @@ class R3Delivery:
         try:
             # a put that lands after its deadline is taken back: the request was answered as failed
             undo = partial(self.store.delete, rollout_id, layer_ids)
-            self._caller.call(self.store.put, rollout_id, arrays, layer_ids, self.meta(final, layout, layer_ids),
-                              undo=undo)
+            put = partial(self.store.put, overwrite=overwrite, reservation=reservation)
+            self._caller.call(put, rollout_id, arrays, layer_ids, self.meta(final, layout, layer_ids),
+                              undo=undo, answers=(RolloutConflictError,))
+        except RolloutConflictError as e:
+            raise R3RolloutConflictError(f"routed_experts of rollout {rollout_id!r} were not stored: {e}") from e
         except (RoutingStoreError, StoreUnavailableError, OSError) as e:
             raise R3StoreFailedError(f"storing routed_experts of rollout {rollout_id!r} failed: the R3 store "
                                      f"did not take it ({e})") from e
         return R3Result([None] * len(arrays), starts, layout, arrays)
+
+    def reserve(self, rollout_id: str, ttl_s: float, overwrite: bool) -> Reservation | None:
+        """Hold the id in the store for one request (None in response mode). Blocking; raises
+        RolloutConflictError (taken, or stored and not `overwrite`), RoutingStoreError or
+        StoreUnavailableError."""
+        if self.store is None or self._caller is None:
+            return None
+        return self._caller.call(self.store.reserve, rollout_id, ttl_s, overwrite, self.moe_layer_ids,
+                                 answers=(RolloutConflictError,))
+
+    def unreserve(self, reservation: Reservation) -> None:
+        """Give the id back (best effort: a lock left behind expires with its ttl)."""
+        if self.store is None or self._caller is None:
+            return
+        try:
+            self._caller.call(self.store.unreserve, reservation)
+        except (RoutingStoreError, StoreUnavailableError, OSError):
+            pass  # the health records it; the lock expires
 
     def store_problem(self) -> str | None:
         """Why R3 cannot be stored now (None: it can, or R3 goes in responses). Probes the store at most

@@ -55,11 +55,11 @@ def test_a_failed_overwrite_keeps_the_whole_rollout_that_was_there(tmp_path, mon
     store.put("r", [rows(0)], LAYERS)
     disk_full_after(monkeypatch, 2)
     with pytest.raises(RoutingStoreError):
-        store.put("r", [rows(1)], LAYERS)
+        store.put("r", [rows(1)], LAYERS, overwrite=True)
     monkeypatch.undo()
     assert np.array_equal(store.get("r", moe_layer_ids=LAYERS), rows(0))
     assert sorted(os.listdir(tmp_path)) == ["r.layers"]
-    store.put("r", [rows(2)], LAYERS)  # and a later overwrite replaces it whole
+    store.put("r", [rows(2)], LAYERS, overwrite=True)  # and a later overwrite replaces it whole
     assert np.array_equal(store.get("r", moe_layer_ids=LAYERS), rows(2))
     assert sorted(os.listdir(tmp_path)) == ["r.layers"]
 
