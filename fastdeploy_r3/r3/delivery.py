@@ -15,12 +15,13 @@ in a worker thread. The rollout id comes from r3/rollout_id.py's one rule.
 A put waits at most `store_timeout_s`; one that fails or misses it marks the store degraded
 (store_health.py), and while it is, puts fail at once with the reason (one probe every few seconds
 finds it back), so a dead store costs each request a clear error, not a wait. `store_problem()` is
-what /health and /ready report.
+what /health and /ready report, from the last outcome, without waiting on the store.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -79,6 +80,7 @@ class R3Delivery:
         self.health = StoreHealth("r3 store")
         self._caller = DeadlineCaller(self.health, float(config.store_timeout_s)) if store is not None else None
         self._last_probe = float("-inf")
+        self._probing = threading.Lock()  # one background probe at a time
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -184,18 +186,26 @@ class R3Delivery:
             pass  # the health records it; the lock expires
 
     def store_problem(self) -> str | None:
-        """Why R3 cannot be stored now (None: it can, or R3 goes in responses). Probes the store at most
-        once a second, so a store that went down before any request noticed is reported too."""
+        """Why R3 cannot be stored now (None: it can, or R3 goes in responses). Never blocks: it answers
+        from the last call's outcome and starts a probe in the background at most once a second, so a
+        store that went down before any request noticed is reported too, and a stalled one cannot hold
+        up /health."""
         if self._caller is None or self.store is None:
             return None
         now = time.monotonic()
-        if now - self._last_probe >= _PROBE_EVERY_S:
+        if now - self._last_probe >= _PROBE_EVERY_S and self._probing.acquire(blocking=False):
             self._last_probe = now
-            try:
-                self._caller.call(self.store.ping)
-            except (RoutingStoreError, StoreUnavailableError, OSError):
-                pass  # the health records it
+            threading.Thread(target=self._probe, name="fdr3-r3-store-probe", daemon=True).start()
         return self.health.degraded
+
+    def _probe(self) -> None:
+        assert self._caller is not None and self.store is not None
+        try:
+            self._caller.call(self.store.ping)
+        except (RoutingStoreError, StoreUnavailableError, OSError):
+            pass  # the health records it
+        finally:
+            self._probing.release()
 
     def close(self) -> None:
         if self._caller is not None:
