@@ -27,7 +27,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from fastdeploy_r3.blob_store import BlobStore
+from fastdeploy_r3.blobstore.base import BlobStore
 
 RESERVATION_MARGIN_S = 60.0  # beyond the request's own deadline: delivery itself takes time
 

@@ -19,7 +19,7 @@ from fastdeploy_r3.r3.reservation import (
     RolloutReservedError,
 )
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore, RoutingStore
-from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore
+from fastdeploy_r3.r3.stores.mooncake import MooncakeRoutingStore
 
 LAYERS = [1, 2]
 

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from fastdeploy_r3.blob_store import redact_url
+from fastdeploy_r3.blobstore.base import redact_url
 from fastdeploy_r3.engine.messages import EngineStateQuery
 from fastdeploy_r3.entrypoints.engine_client import EngineRequestError
 from fastdeploy_r3.entrypoints.openai.serving_engine import ServingContext, engine_unavailable

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from fastdeploy_r3.blobstore.health import StoreUnavailableError
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineOverloadedError, EngineRequestError
 from fastdeploy_r3.entrypoints.openai.errors import (  # noqa: F401 - the serving modules import them from here
     OpenAIError,
@@ -54,7 +55,6 @@ from fastdeploy_r3.r3.reservation import RolloutConflictError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
-from fastdeploy_r3.store_health import StoreUnavailableError
 
 logger = logging.getLogger("fastdeploy_r3.api_server")
 
