@@ -41,6 +41,12 @@ from fastdeploy_r3.engine.messages import EngineStateQuery
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.native.api import add_native_routes
 from fastdeploy_r3.entrypoints.native.server_info import ServerAddress, add_info_routes, redacted, scrub_paths
+from fastdeploy_r3.entrypoints.openai.connection_limits import (
+    AnsweringServer,
+    accept_backlog,
+    bounded_h11,
+    default_max_connections,
+)
 from fastdeploy_r3.entrypoints.openai.disconnect import unless_gone
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -81,6 +87,17 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     parser.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="a request not answered this many seconds after it arrived is aborted (504); a "
                         "request's own `timeout` field overrides it (default: %(default)s)")
+    parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                        help="on SIGTERM, requests in flight get this long to finish; those still held after it "
+                        "(paused, or long) are answered 503 with the reason (default: %(default)s)")
+    parser.add_argument("--header-timeout-s", type=float, default=15.0,
+                        help="a connection that has not sent a whole request header this long after it opened (or "
+                        "after its last response) is closed (default: %(default)s)")
+    parser.add_argument("--keep-alive-timeout-s", type=float, default=5.0,
+                        help="an idle keep-alive connection is closed after this long (default: %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open client connections past this are closed at once (default: three quarters of the "
+                        "fd limit, less 64)")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     parser.add_argument(
         "--r3-namespace", default="fdr3",
@@ -297,7 +314,10 @@ async def run_server(args: argparse.Namespace) -> None:
                         enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key,
                         health_without_api_key=args.health_without_api_key,
                         address=ServerAddress(args.host, sock.getsockname()[1]))
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
+        max_connections = args.max_connections or default_max_connections()
+        server = AnsweringServer(uvicorn.Config(
+            app, log_level=args.log_level, timeout_keep_alive=args.keep_alive_timeout_s, backlog=accept_backlog(),
+            http=bounded_h11(args.header_timeout_s, max_connections)), engine, args.shutdown_grace_s)
 
         def on_engine_dead(message: str) -> None:
             # in-flight requests already got the error; uvicorn lets their responses finish, then exits
