@@ -46,7 +46,9 @@ def derived(**kwargs: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors)"})
+    model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors), or a "
+                                 "Hub id (org/name) resolved through the Hugging Face cache (HF_HUB_OFFLINE=1: the "
+                                 "cache only; the server resolves it, see config/hub.py)"})
     dtype: str = flag("float32", "weights and KV cache dtype ('auto': the dtype config.json names)",
                       _DTYPE_CHOICES)
     load_format: str = flag("auto", "'auto' reads *.safetensors; 'dummy' draws random weights from config.json",

@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy_r3.config import ConfigError, add_engine_args, engine_config_from_args
+from fastdeploy_r3.config.hub import resolve_model_path
 from fastdeploy_r3.engine.messages import EngineStateQuery
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.native.api import add_native_routes
@@ -291,6 +292,8 @@ class EngineLostError(RuntimeError):
 
 
 async def run_server(args: argparse.Namespace) -> None:
+    served_model_name = args.served_model_name or args.model  # a Hub id stays the name clients send
+    args.model = resolve_model_path(args.model)  # a Hub id: its snapshot in the Hugging Face cache
     config = engine_config_from_args(args)  # ConfigError: bad flags, before anything starts
     namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
     store = make_routing_store(config.routing_replay_config, namespace)
@@ -307,7 +310,7 @@ async def run_server(args: argparse.Namespace) -> None:
     try:
         engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout,
                                                stall_timeout_s=args.engine_stall_timeout_s)
-        ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store,
+        ctx = ServingContext(engine=engine, served_model_name=served_model_name, store=store,
                              request_timeout_s=args.request_timeout_s,
                              longest_token_chars=longest_token_chars(tokenizer))
         app = build_app(ctx, args.api_key, namespace, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
