@@ -76,13 +76,15 @@ def api_server(
     proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=log, stderr=subprocess.STDOUT,
                             env=server_env(), cwd=REPO_ROOT)
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+    # with --api-key, /health needs the key too
+    headers = {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"} if "--api-key" in args else {}
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{handle.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{handle.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{handle.url}/health", headers=headers, timeout=2.0).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not healthy within {timeout} s:\n{handle.log_tail()}")

@@ -14,8 +14,11 @@ on each start so both R3 delivery paths see faults:
 Both have a CPU tier and a small GPU cache (swaps and preemption). The load mixes shared prefixes,
 n=2, streams, aborted streams, clients that disconnect and bad requests. Faults (round robin, one
 every --fault-every seconds): SIGKILL or SIGSTOP of the CTM, a worker, the engine or the API server,
-SIGSTOP of Redis, and the storage directory full, read-only or corrupt. Debug mode makes every R3 row
-checkable without a reference: row i of a request holds position routed_experts_start + i.
+SIGSTOP of Redis, the storage directory full, read-only or corrupt, and a rollout race (one rollout
+id from two requests and another server's writer on the same Redis at once: one winner, the rest 409,
+the store holding the winner's rows; tools/soak_race.py), and a trainer's bad control calls (a cut
+safetensors file to /update_weights_from_disk, a rendezvous to a closed port; tools/soak_control.py).
+Debug mode makes every R3 row checkable without a reference: row i of a request holds position routed_experts_start + i.
 
 Every request ends in exactly one row of the table; "hung", "wrong R3 rows", "unclear errors" and
 "leaked ..." must be 0 (the exit code is 1 otherwise).
@@ -48,11 +51,14 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the process launchers th
 import faults  # noqa: E402
 from api_server_process import free_port  # noqa: E402
 from redis_server import redis_pid, redis_server  # noqa: E402
+from soak_control import control_fault  # noqa: E402
 from soak_load import MUST_BE_ZERO, OUTCOMES, REFUSED, Load, Target  # noqa: E402
 from soak_load import Stats as RequestStats  # noqa: E402
+from soak_race import rollout_race  # noqa: E402
 
 ALL_FAULTS = ("ctm-kill", "redis-stop", "storage-full", "worker-kill", "ctm-stop", "storage-corrupt",
-              "engine-stop", "storage-ro", "worker-stop", "engine-kill", "api-kill")
+              "engine-stop", "storage-ro", "worker-stop", "engine-kill", "api-kill", "rollout-race",
+              "bad-checkpoint", "stalled-rendezvous")
 FATAL = {"worker-kill", "worker-stop", "engine-kill", "engine-stop", "api-kill"}  # the server exits
 STORE_NAMESPACE = "soak"
 
@@ -222,11 +228,20 @@ class FaultInjector:
             i += 1
             if name.startswith("storage") and srv.storage_dir is None:
                 name = "redis-stop"  # config B keeps KV in Redis: its storage fault is Redis stopping
+            if name == "rollout-race" and srv.config != "A":
+                continue  # config B returns R3 in the response: no store to race on; the next start is A
             self.stats.faults[name] += 1
             await asyncio.to_thread(self.inject, name, srv)
 
     def inject(self, name: str, srv: Server) -> None:
         hold = self.args.stop_seconds
+        if name == "rollout-race":  # one rollout id from two requests and another server's writer at once
+            for outcome in rollout_race(srv.url, self.sup.redis_url, STORE_NAMESPACE):
+                self.stats.add(outcome)
+            return
+        if name in ("bad-checkpoint", "stalled-rendezvous"):  # a trainer's bad call: refused, server serving
+            self.stats.add(control_fault(name, srv.url, self.sup.model, self.sup.work))
+            return
         target, action = name.rsplit("-", 1)
         if target in ("ctm", "worker", "engine", "api"):
             roles = faults.server_roles(srv.proc.pid)

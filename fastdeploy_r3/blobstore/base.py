@@ -155,6 +155,9 @@ class ChecksummedBlobStore(BlobStore):
     def put_many(self, items: dict[str, bytes], ttl_s: int | None = None) -> None:
         self.inner.put_many({k: checksummed([v]) for k, v in items.items()}, ttl_s)
 
+    def put_if_absent(self, key: str, value: bytes, ttl_s: int | None = None) -> bool:
+        return self.inner.put_if_absent(key, checksummed([value]), ttl_s)
+
     def _verified(self, key: str, blob: bytes | None) -> bytes | None:
         if blob is None:
             return None

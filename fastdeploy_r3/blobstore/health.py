@@ -103,9 +103,16 @@ class DeadlineCaller:
         self.timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fdr3-{health.name}")
 
-    def call(self, fn: Callable[..., T], *args: object, undo: Callable[[], object] | None = None) -> T:
+    def call(
+        self,
+        fn: Callable[..., T],
+        *args: object,
+        undo: Callable[[], object] | None = None,
+        answers: tuple[type[Exception], ...] = (),
+    ) -> T:
         """fn(*args) on the store's thread. Raises StoreUnavailableError when the store is degraded or the
-        call misses the deadline, and re-raises what fn raised (both mark the store degraded).
+        call misses the deadline, and re-raises what fn raised (both mark the store degraded, except
+        `answers`: errors that are the store's answer, such as "that key is taken", not its failure).
 
         undo: run on the store's thread if fn completes after all, once its caller gave up on it (a put
         that was reported as failed must not stay stored)."""
@@ -119,6 +126,9 @@ class DeadlineCaller:
             if undo is not None:
                 fut.add_done_callback(lambda f: _undo_late(f, undo))
             raise self.health.unavailable() from None
+        except answers:
+            self.health.ok()
+            raise
         except Exception as e:
             self.health.failed(f"{type(e).__name__}: {e}", slow=False)
             raise

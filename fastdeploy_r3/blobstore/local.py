@@ -100,8 +100,8 @@ class LocalBlobStore(BlobStore):
         path = self.path(key)
         tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+            with open_new_private(tmp) as f:
                 f.write(value)
             try:
                 os.link(tmp, path)

@@ -192,6 +192,14 @@ class MooncakeBlobStore(BlobStore):
             self.delete(keys)
             raise MooncakeError(f"Mooncake refused the batch {keys}: error {rc} (segments full?)")
 
+    def put_if_absent(self, key: str, value: bytes | memoryview, ttl_s: int | None = None) -> bool:
+        """Mooncake's own put keeps the value of an existing key, and the master admits one put per key:
+        reading back whose value is there says who won (values must be unique to their writer)."""
+        data = bytes(value)
+        with self._lock:
+            self._store.put(key, data, self._config)
+        return self.get(key) == data
+
     def get(self, key: str) -> bytes | None:
         """The value, or None when missing, evicted or lost with the client whose segment held it."""
         with self._lock:

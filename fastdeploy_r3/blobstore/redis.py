@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastdeploy_r3.blobstore.base import BlobStore, BlobStoreError, redact_url
 
 
@@ -75,6 +77,18 @@ class RedisBlobStore(BlobStore):
             return bool(self._r.set(self.key_prefix + key, value, ex=ttl_s, nx=True))
         except self._errors as e:
             raise self._fail("storing 1 key", e) from e
+
+    def script(self, source: str) -> Callable[[list[str], list[bytes | str]], object]:
+        """A Lua script that Redis runs atomically, over keys given without the prefix."""
+        registered = self._r.register_script(source)
+
+        def run(keys: list[str], args: list[bytes | str]) -> object:
+            try:
+                return registered(keys=[self.key_prefix + k for k in keys], args=args)
+            except self._errors as e:
+                raise self._fail("a conditional write", e) from e
+
+        return run
 
     def tail(self, key: str, nbytes: int) -> bytes | None:
         try:

@@ -53,7 +53,9 @@ def derived(**kwargs: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors)"})
+    model: str = field(metadata={"help": "Hugging Face-format model directory (config.json + *.safetensors), or a "
+                                 "Hub id (org/name) resolved through the Hugging Face cache (HF_HUB_OFFLINE=1: the "
+                                 "cache only; the server resolves it, see config/hub.py)"})
     dtype: str = flag("float32", "dtype of the weights and activations ('auto': the dtype config.json names); "
                       "the KV cache follows it unless --kv-cache-dtype says otherwise", _DTYPE_CHOICES)
     quantization: str = flag("none", "how the weights are quantized (config/quantization.py): 'none' only, so "

@@ -113,7 +113,7 @@ class LLM:
                 bar.close()
         outputs = [results[rid] for rid in order]
         for i, (out, params) in enumerate(zip(outputs, params_list)):
-            self._deliver_r3(out, params, rollout_ids[i] if rollout_ids is not None else None)
+            self._deliver_r3(out, params, rollout_ids[i] if rollout_ids is not None else None, overwrite_rollouts)
         return outputs
 
     def update_weights(
@@ -138,7 +138,7 @@ class LLM:
             source = UpdateWeights(tensors=[(name, t.detach().to("cpu")) for name, t in items])
         return self.engine.control.update_weights(source, weight_version, abort_all_requests=False)
 
-    def _deliver_r3(self, out: RequestOutput, params: SamplingParams, rollout_id: str | None) -> None:
+    def _deliver_r3(self, out: RequestOutput, params: SamplingParams, rollout_id: str | None, overwrite: bool) -> None:
         """Check (and store) one finished prompt's R3; on failure the prompt's choices fail."""
         if not self.r3_delivery.wants(params.return_routed_experts):
             return
@@ -146,7 +146,7 @@ class LLM:
             return  # already failed (with its own reason) or aborted: nothing of it is delivered
         try:
             r3 = self.r3_delivery.deliver(out, resolve_rollout_id(rollout_id, None, out.request_id), inline=False,
-                                          routing_layout=params.routing_layout)
+                                          routing_layout=params.routing_layout, overwrite=overwrite)
         except R3DeliveryError as e:
             for c in out.outputs:
                 c.finish_reason, c.error, c.routed_experts = "error", f"R3DeliveryError: {e}", None

@@ -196,6 +196,14 @@ class AsyncEngineClient:
                 fut.set_exception(error)
         self._replies.clear()
 
+    def fail_in_flight(self, message: str) -> int:
+        """Answer every request this server waits on with EngineDeadError(message): a server stopping
+        with requests held (paused, or longer than its grace window) tells them why. Returns how many."""
+        n = len(self._queues)
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(message))
+        return n
+
     def _check_alive(self) -> None:
         if self.dead_message is not None:
             raise EngineDeadError(self.dead_message)

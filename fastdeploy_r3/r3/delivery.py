@@ -15,12 +15,13 @@ in a worker thread. The rollout id comes from r3/rollout_id.py's one rule.
 A put waits at most `store_timeout_s`; one that fails or misses it marks the store degraded
 (blobstore/health.py), and while it is, puts fail at once with the reason (one probe every few seconds
 finds it back), so a dead store costs each request a clear error, not a wait. `store_problem()` is
-what /health and /ready report.
+what /health and /ready report, from the last outcome, without waiting on the store.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +33,7 @@ from fastdeploy_r3.blobstore.health import DeadlineCaller, StoreHealth, StoreUna
 from fastdeploy_r3.r3.codec import encode_routed_experts
 from fastdeploy_r3.r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range, to_all_layers
+from fastdeploy_r3.r3.reservation import Reservation, RolloutConflictError
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
 
 _PROBE_EVERY_S = 1.0
@@ -46,6 +48,10 @@ class R3DeliveryError(RuntimeError):
 
 class R3StoreFailedError(R3DeliveryError):
     """The store did not take the request's R3 (see the chained RoutingStoreError)."""
+
+
+class R3RolloutConflictError(R3DeliveryError):
+    """Another writer stored, or holds, the rollout id (the chained RolloutConflictError says which)."""
 
 
 @dataclass
@@ -74,6 +80,7 @@ class R3Delivery:
         self.health = StoreHealth("r3 store")
         self._caller = DeadlineCaller(self.health, float(config.store_timeout_s)) if store is not None else None
         self._last_probe = float("-inf")
+        self._probing = threading.Lock()  # one background probe at a time
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -125,11 +132,20 @@ class R3Delivery:
         return moe_rows, self.moe_layer_ids
 
     def deliver(
-        self, final: RequestOutput, rollout_id: str, inline: bool = True, routing_layout: str | None = None
+        self,
+        final: RequestOutput,
+        rollout_id: str,
+        inline: bool = True,
+        routing_layout: str | None = None,
+        *,
+        overwrite: bool = False,
+        reservation: Reservation | None = None,
     ) -> R3Result:
-        """Check, lay out, then encode (response mode; inline=False leaves the arrays as they are) or store.
+        """Check, lay out, then encode (response mode; inline=False leaves the arrays as they are) or store
+        (create-only unless `overwrite`; with the request's `reservation` of the id, r3/reservation.py).
 
-        Blocking. Raises R3DeliveryError (R3StoreFailedError for a failed put).
+        Blocking. Raises R3DeliveryError (R3StoreFailedError for a failed put, R3RolloutConflictError
+        when another writer has the id).
         """
         layout = self.layout_of(routing_layout)
         arrays, layer_ids = self.laid_out(self.checked_arrays(final), layout)
@@ -141,26 +157,55 @@ class R3Delivery:
         try:
             # a put that lands after its deadline is taken back: the request was answered as failed
             undo = partial(self.store.delete, rollout_id, layer_ids)
-            self._caller.call(self.store.put, rollout_id, arrays, layer_ids, self.meta(final, layout, layer_ids),
-                              undo=undo)
+            put = partial(self.store.put, overwrite=overwrite, reservation=reservation)
+            self._caller.call(put, rollout_id, arrays, layer_ids, self.meta(final, layout, layer_ids),
+                              undo=undo, answers=(RolloutConflictError,))
+        except RolloutConflictError as e:
+            raise R3RolloutConflictError(f"routed_experts of rollout {rollout_id!r} were not stored: {e}") from e
         except (RoutingStoreError, StoreUnavailableError, OSError) as e:
             raise R3StoreFailedError(f"storing routed_experts of rollout {rollout_id!r} failed: the R3 store "
                                      f"did not take it ({e})") from e
         return R3Result([None] * len(arrays), starts, layout, arrays)
 
+    def reserve(self, rollout_id: str, ttl_s: float, overwrite: bool) -> Reservation | None:
+        """Hold the id in the store for one request (None in response mode). Blocking; raises
+        RolloutConflictError (taken, or stored and not `overwrite`), RoutingStoreError or
+        StoreUnavailableError."""
+        if self.store is None or self._caller is None:
+            return None
+        return self._caller.call(self.store.reserve, rollout_id, ttl_s, overwrite, self.moe_layer_ids,
+                                 answers=(RolloutConflictError,))
+
+    def unreserve(self, reservation: Reservation) -> None:
+        """Give the id back (best effort: a lock left behind expires with its ttl)."""
+        if self.store is None or self._caller is None:
+            return
+        try:
+            self._caller.call(self.store.unreserve, reservation)
+        except (RoutingStoreError, StoreUnavailableError, OSError):
+            pass  # the health records it; the lock expires
+
     def store_problem(self) -> str | None:
-        """Why R3 cannot be stored now (None: it can, or R3 goes in responses). Probes the store at most
-        once a second, so a store that went down before any request noticed is reported too."""
+        """Why R3 cannot be stored now (None: it can, or R3 goes in responses). Never blocks: it answers
+        from the last call's outcome and starts a probe in the background at most once a second, so a
+        store that went down before any request noticed is reported too, and a stalled one cannot hold
+        up /health."""
         if self._caller is None or self.store is None:
             return None
         now = time.monotonic()
-        if now - self._last_probe >= _PROBE_EVERY_S:
+        if now - self._last_probe >= _PROBE_EVERY_S and self._probing.acquire(blocking=False):
             self._last_probe = now
-            try:
-                self._caller.call(self.store.ping)
-            except (RoutingStoreError, StoreUnavailableError, OSError):
-                pass  # the health records it
+            threading.Thread(target=self._probe, name="fdr3-r3-store-probe", daemon=True).start()
         return self.health.degraded
+
+    def _probe(self) -> None:
+        assert self._caller is not None and self.store is not None
+        try:
+            self._caller.call(self.store.ping)
+        except (RoutingStoreError, StoreUnavailableError, OSError):
+            pass  # the health records it
+        finally:
+            self._probing.release()
 
     def close(self) -> None:
         if self._caller is not None:

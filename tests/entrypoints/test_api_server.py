@@ -187,8 +187,10 @@ def test_models_health_and_metrics(server: ServerHandle, client: openai.OpenAI) 
     assert card.id == "tiny-glm"
     assert card.r3["moe_layer_ids"] == MOE_LAYER_IDS and card.r3["num_experts"] == 16
     assert card.r3["routing_dtype"] == "uint8"
-    assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 401  # behind the API key, as /v1 is
+    assert httpx.get(f"{server.url}/health").status_code == 401  # behind the API key, as /v1 is
+    assert httpx.get(f"{server.url}/health", headers={"Authorization": f"Bearer {API_KEY}"}).json() == {
+        "status": "ok", "engine": "ok", "paused": None}
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values["fastdeploy_r3_engine_r3_rows_delivered_total"] > 0

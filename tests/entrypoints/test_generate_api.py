@@ -129,12 +129,36 @@ def test_bad_requests_are_refused_by_name(server: ServerHandle) -> None:
 
 
 def test_info_endpoints(server: ServerHandle) -> None:
-    info = httpx.get(f"{server.url}/get_model_info").json()
-    assert info["is_generation"] is True and info["weight_version"] == "0"
-    assert (info["num_hidden_layers"], info["moe_layer_ids"], info["moe_top_k"]) == (NUM_LAYERS, MOE_LAYER_IDS, TOP_K)
-    srv = httpx.get(f"{server.url}/get_server_info").json()
-    assert srv["tp_size"] == 1 and srv["weight_version"] == "0" and srv["paused"] is False
+    for path in ("/get_model_info", "/model_info"):
+        info = httpx.get(f"{server.url}{path}").json()
+        assert info["is_generation"] is True and info["weight_version"] == "0"
+        assert (info["num_hidden_layers"], info["moe_layer_ids"], info["moe_top_k"]) == (NUM_LAYERS, MOE_LAYER_IDS,
+                                                                                       TOP_K)
+    port = int(server.url.rsplit(":", 1)[1])
+    for path in ("/get_server_info", "/server_info"):  # slime tries /server_info, then /get_server_info
+        srv = httpx.get(f"{server.url}{path}").json()
+        assert srv["weight_version"] == "0" and srv["paused"] is False
+        # the fields slime's and miles' external-engine checks compare, with this server's values
+        assert {k: srv[k] for k in ("host", "port", "nnodes", "node_rank", "gpu_id_step", "base_gpu_id", "tp_size",
+                                    "dp_size", "pp_size", "ep_size", "enable_memory_saver",
+                                    "enable_return_routed_experts", "page_size", "context_length")} == {
+            "host": "127.0.0.1", "port": port, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0,
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "enable_memory_saver": False,
+            "enable_return_routed_experts": True, "page_size": 16, "context_length": 256}
     assert httpx.get(f"{server.url}/get_weight_version").json() == {"weight_version": "0"}
+
+
+def test_loads_and_health_generate(server: ServerHandle) -> None:
+    """slime's idle check reads /v1/loads?include=core after an abort; miles' start polls /health_generate."""
+    loads = httpx.get(f"{server.url}/v1/loads", params={"include": "core"}).json()
+    assert loads["dp_rank_count"] == 1 and len(loads["loads"]) == 1
+    rank = loads["loads"][0]
+    assert (rank["num_running_reqs"], rank["num_waiting_reqs"]) == (0, 0) and 0 < rank["max_total_num_tokens"]
+    s = _Stream(server, "loaded", max_new_tokens=40)
+    s.wait_for_tokens()
+    assert httpx.get(f"{server.url}/v1/loads").json()["aggregate"]["num_total_reqs"] == 1
+    s.final()
+    assert httpx.get(f"{server.url}/health_generate", timeout=30).json() == {"status": "ok"}
 
 
 def test_flush_cache_drops_prefix_hits(server: ServerHandle) -> None:
@@ -196,6 +220,9 @@ def test_pause_abort_mode_aborts_in_flight_and_queues_new_requests(server: Serve
     time.sleep(0.5)
     assert later.is_alive()  # queued while paused
     assert httpx.get(f"{server.url}/get_server_info").json()["paused"] is True
+    assert httpx.get(f"{server.url}/health", timeout=2).json() == {"status": "paused", "engine": "ok",
+                                                                  "paused": "abort"}
+    assert httpx.get(f"{server.url}/health_generate", timeout=2).json()["status"] == "paused"
     httpx.post(f"{server.url}/continue_generation", json={})
     later.join(60)
     assert not later.is_alive()

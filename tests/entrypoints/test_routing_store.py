@@ -207,7 +207,7 @@ def test_mooncake_fused_per_layer_only_last_turn_and_no_wipe(mooncake_store_url:
     assert np.array_equal(per_layer.get("d:g:1:4", moe_layer_ids=[1, 2, 3]), d)
     assert raw.get("mc1:someone-else") == b"keep"
     # the same rollout id stored again serves the new value, never the old one
-    fused.put("d:g:0:0", [b, a], MOE_LAYER_IDS)
+    fused.put("d:g:0:0", [b, a], MOE_LAYER_IDS, overwrite=True)
     assert np.array_equal(fused.get("d:g:0:0", choice=0), b)
     fused.close()
     per_layer.close()

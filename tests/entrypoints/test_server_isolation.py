@@ -101,7 +101,7 @@ def test_f2_a_body_over_the_limit_is_refused_before_it_is_read(server: ServerHan
     r = httpx.post(f"{server.url}/v1/completions", content=chunks, headers={**AUTH, "Content-Type": "application/json"},
                    timeout=60)
     assert r.status_code == 413, r.text
-    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server.url}/health", headers=AUTH, timeout=5).status_code == 200
 
 
 def test_f2_a_prompt_longer_than_max_model_len_can_hold_is_refused_before_tokenizing(server: ServerHandle) -> None:
@@ -229,11 +229,15 @@ def test_routed_experts_start_past_the_prompt_is_a_400_not_a_silent_clamp(server
 
 def test_no_docs_no_store_path_and_metrics_behind_the_key(server: ServerHandle, store_dir: str) -> None:
     for path in ("/docs", "/openapi.json", "/redoc"):
-        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 401  # every path but /health is keyed
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 401  # every path is keyed
         assert httpx.get(f"{server.url}{path}", headers=AUTH, timeout=10).status_code == 404  # and docs are off
     card = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]
     assert "local_store_dir" not in card["r3"] and str(store_dir) not in str(card)
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 401  # it says what is degraded, and why
+    for path in ("/get_server_info", "/server_info", "/model_info", "/v1/loads", "/health"):
+        body = httpx.get(f"{server.url}{path}", headers=AUTH, timeout=10)
+        assert body.status_code == 200 and str(store_dir) not in body.text and "local_store_dir" not in body.text
 
 
 def test_a_failed_store_says_what_failed_without_the_path(server: ServerHandle, store_dir: str) -> None:
@@ -246,8 +250,11 @@ def test_a_failed_store_says_what_failed_without_the_path(server: ServerHandle, 
     finally:
         os.unlink(store_dir)
         shutil.move(parked, store_dir)
-    assert err["message"].startswith("storing routed_experts of rollout 'lost' failed (request cmpl-")
+    # the store is asked for the id before anything runs: the request fails before it generates
+    assert err["message"].startswith("the R3 store could not reserve rollout 'lost' (request cmpl-")
     assert store_dir not in err["message"] and "Errno" not in err["message"]
+    health = httpx.get(f"{server.url}/health", headers=AUTH, timeout=10).json()
+    assert health["status"] == "degraded" and store_dir not in health["r3_store"]
 
 
 def test_files_written_by_the_store_are_private(server: ServerHandle, store_dir: str) -> None:

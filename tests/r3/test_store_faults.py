@@ -59,11 +59,11 @@ def test_a_failed_overwrite_keeps_the_whole_rollout_that_was_there(tmp_path, mon
     store.put("r", [rows(0)], LAYERS)
     disk_full_after(monkeypatch, 2)
     with pytest.raises(RoutingStoreError):
-        store.put("r", [rows(1)], LAYERS)
+        store.put("r", [rows(1)], LAYERS, overwrite=True)
     monkeypatch.undo()
     assert np.array_equal(store.get("r", moe_layer_ids=LAYERS), rows(0))
     assert sorted(os.listdir(tmp_path)) == ["r.layers"]
-    store.put("r", [rows(2)], LAYERS)  # and a later overwrite replaces it whole
+    store.put("r", [rows(2)], LAYERS, overwrite=True)  # and a later overwrite replaces it whole
     assert np.array_equal(store.get("r", moe_layer_ids=LAYERS), rows(2))
     assert sorted(os.listdir(tmp_path)) == ["r.layers"]
 
@@ -95,7 +95,9 @@ def test_a_stopped_p2pstore_fails_puts_clearly_within_the_deadline_then_at_once(
             with pytest.raises(R3StoreFailedError):
                 delivery.deliver(_final(), "during2")
             assert time.monotonic() - t1 < 0.1  # degraded: no second wait
+            t2 = time.monotonic()
             assert "no answer within 0.5 s" in delivery.store_problem()
+            assert time.monotonic() - t2 < 0.1  # /health's question never waits on the stopped store
         finally:
             os.kill(pid, signal.SIGCONT)
         time.sleep(0.4)

@@ -10,7 +10,8 @@
                                               "group_name", "backend"}
     POST /update_weights_from_distributed    {"names", "dtypes", "shapes", "group_name", "weight_version", ...}
     POST /destroy_weights_update_group       {"group_name"}
-    GET  /get_weight_version, /get_model_info, /get_server_info
+    GET  /get_weight_version
+    (info endpoints, /v1/loads and /health_generate: server_info.py)
 
 Control answers are SGLang's `{"success": bool, "message": str}` (plus the engine's weight_version
 and pause state), status 200 on success, 400 when the command was refused, 500 when it failed.
@@ -18,7 +19,6 @@ and pause state), status 200 on success, 400 when the command was refused, 500 w
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -123,35 +123,6 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/get_weight_version")
     async def get_weight_version() -> JSONResponse:
         return JSONResponse({"weight_version": (await control(EngineStateQuery())).state.weight_version})
-
-    @app.get("/get_model_info")
-    async def get_model_info() -> JSONResponse:
-        cfg = ctx.engine.config
-        mc, rr = cfg.model_config, cfg.routing_replay_config
-        state = (await control(EngineStateQuery())).state
-        return JSONResponse({
-            "model_path": mc.model, "tokenizer_path": mc.tokenizer, "is_generation": True,
-            "weight_version": state.weight_version, "architecture": mc.architecture,
-            "num_hidden_layers": mc.num_hidden_layers, "moe_layer_ids": list(mc.moe_layer_ids),
-            "num_experts": mc.num_experts, "moe_top_k": mc.moe_top_k,
-            "routing_replay": rr.enable_routing_replay,
-        })
-
-    @app.get("/get_server_info")
-    async def get_server_info() -> JSONResponse:
-        cfg = ctx.engine.config
-        state = (await control(EngineStateQuery())).state
-        return JSONResponse({
-            "model_path": cfg.model_config.model, "served_model_name": ctx.served_model_name,
-            "tp_size": cfg.parallel_config.tensor_parallel_size, "device": cfg.device,
-            "max_model_len": ctx.engine.info.max_model_len, "weight_version": state.weight_version,
-            "paused": state.paused is not None, "pause_mode": state.paused, "num_requests": state.num_requests,
-            "routing_replay_config": json.loads(cfg.routing_replay_config.to_json()),
-            "block_size": cfg.cache_config.block_size,
-            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
-            "enable_return_routed_experts": ctx.enable_return_routed_experts,
-            "max_n": ctx.bounds.max_n, "max_batch_size": ctx.bounds.max_batch_size,
-        })
 
 
 def check_load_format(load_format: str | None) -> None:

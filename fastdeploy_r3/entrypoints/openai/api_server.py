@@ -36,10 +36,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastdeploy_r3.blobstore.base import redact_url
 from fastdeploy_r3.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
+from fastdeploy_r3.config.hub import resolve_model_path
+from fastdeploy_r3.engine.messages import EngineStateQuery
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.native.api import add_native_routes
+from fastdeploy_r3.entrypoints.native.server_info import ServerAddress, add_info_routes, redacted, scrub_paths
+from fastdeploy_r3.entrypoints.openai.connection_limits import (
+    AnsweringServer,
+    accept_backlog,
+    bounded_h11,
+    default_max_connections,
+)
 from fastdeploy_r3.entrypoints.openai.disconnect import unless_gone
 from fastdeploy_r3.entrypoints.openai.metrics import render_metrics
 from fastdeploy_r3.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -72,6 +80,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     )
     parser.add_argument("--metrics-without-api-key", action="store_true",
                         help="serve /metrics without the API key (for a scraper that cannot send one)")
+    parser.add_argument("--health-without-api-key", action="store_true",
+                        help="serve /health without the API key (for a liveness probe that cannot send one)")
     parser.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     parser.add_argument("--max-request-body-mb", type=float, default=16.0,
                         help="larger request bodies are refused with 413 before they are read (default: %(default)s)")
@@ -87,6 +97,17 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                         help="every /generate answer carries routed_experts unless the request sends "
                         "return_routed_experts: false (SGLang's flag; a router that drops unknown fields, as "
                         "sglang-router does, drops the per-request field); needs routing replay on")
+    parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                        help="on SIGTERM, requests in flight get this long to finish; those still held after it "
+                        "(paused, or long) are answered 503 with the reason (default: %(default)s)")
+    parser.add_argument("--header-timeout-s", type=float, default=15.0,
+                        help="a connection that has not sent a whole request header this long after it opened (or "
+                        "after its last response) is closed (default: %(default)s)")
+    parser.add_argument("--keep-alive-timeout-s", type=float, default=5.0,
+                        help="an idle keep-alive connection is closed after this long (default: %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open client connections past this are closed at once (default: three quarters of the "
+                        "fd limit, less 64)")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     parser.add_argument(
         "--r3-namespace", default="fdr3",
@@ -120,12 +141,12 @@ def _model_card(ctx: ServingContext, store: RoutingStore | None, namespace: str)
         "debug_mode": rr.debug_mode,
         "namespace": namespace if isinstance(store, RedisRoutingStore) or getattr(store, "key_style", "") == "fdr3"
         else None,
-        "p2pstore_url": redact_url(rr.p2pstore_url) if rr.p2pstore_url else None,
-        # local_store_dir is not shown: a path on the server is no client's business (issue 11)
+        "p2pstore_url": rr.p2pstore_url,
+        "local_store_dir": rr.local_store_dir,  # dropped by redacted(): a server path is no client's business
         "block_size": cfg.cache_config.block_size,
     }
     return ModelCard(id=ctx.served_model_name, root=cfg.model_config.model, max_model_len=ctx.engine.info.max_model_len,
-                     r3=r3)
+                     r3=redacted(r3))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -149,6 +170,8 @@ def build_app(
     max_request_body_bytes: int = 16 * 2**20,
     enable_docs: bool = False,
     metrics_without_api_key: bool = False,
+    health_without_api_key: bool = False,
+    address: ServerAddress = ServerAddress("127.0.0.1", 0),
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -160,8 +183,9 @@ def build_app(
     app = FastAPI(title="fastdeploy_r3", lifespan=lifespan, **docs)
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
-    # every endpoint but the liveness probe (and /metrics when asked) needs the key: the native API changes weights
-    open_paths = ("/health", "/metrics") if metrics_without_api_key else ("/health",)
+    # with a key, every endpoint needs it (the native API changes weights; /health says what is degraded),
+    # except those a probe or scraper that cannot send one is let into
+    open_paths = (("/metrics",) if metrics_without_api_key else ()) + (("/health",) if health_without_api_key else ())
     # added first, so it sits innermost (next to the routes): its 413 raised from receive() reaches
     # FastAPI as an HTTPException, not wrapped by the API-key middleware's task group
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
@@ -199,15 +223,19 @@ def build_app(
                           "server log has the details", "internal_server_error")
         return JSONResponse(err.body(), status_code=500)
 
-    async def health_body() -> tuple[dict[str, str], bool]:
-        """({"status", "engine", and per degraded part why}, can R3 be delivered); EngineDeadError."""
-        body = {"status": "ok", "engine": "ok"}
-        body.update(await ctx.engine.check_health(_HEALTH_TIMEOUT_S))
-        r3_problem = await asyncio.to_thread(ctx.delivery.store_problem)
+    async def health_body() -> tuple[dict[str, str | None], bool]:
+        """({"status", "engine", "paused", and per degraded part why}, can R3 be delivered); EngineDeadError.
+
+        Never waits on a store: its state is the last probe's (r3/delivery.py probes in the background),
+        so a stalled store cannot make a health check time out. Paths are scrubbed from the reasons."""
+        degraded = await ctx.engine.check_health(_HEALTH_TIMEOUT_S)
+        r3_problem = ctx.delivery.store_problem()
         if r3_problem is not None:
-            body["r3_store"] = r3_problem
-        if len(body) > 2:
-            body["status"] = "degraded"
+            degraded["r3_store"] = r3_problem
+        paused = (await ctx.engine.control(EngineStateQuery(), timeout_s=_HEALTH_TIMEOUT_S)).state.paused
+        status = "degraded" if degraded else ("paused" if paused is not None else "ok")
+        body: dict[str, str | None] = {"status": status, "engine": "ok", "paused": paused}
+        body.update({part: scrub_paths(why) for part, why in degraded.items()})
         return body, r3_problem is None
 
     @app.get("/health")
@@ -250,6 +278,7 @@ def build_app(
         return await unless_gone(raw, chat.create_chat_completion(request))
 
     add_native_routes(app, ctx)
+    add_info_routes(app, ctx, address)
 
     return app
 
@@ -282,6 +311,8 @@ def check_serving_flags(args: argparse.Namespace, config: EngineConfig) -> None:
 
 
 async def run_server(args: argparse.Namespace) -> None:
+    served_model_name = args.served_model_name or args.model  # a Hub id stays the name clients send
+    args.model = resolve_model_path(args.model)  # a Hub id: its snapshot in the Hugging Face cache
     config = engine_config_from_args(args)  # ConfigError: bad flags, before anything starts
     check_serving_flags(args, config)
     namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
@@ -299,14 +330,19 @@ async def run_server(args: argparse.Namespace) -> None:
     try:
         engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout,
                                                stall_timeout_s=args.engine_stall_timeout_s)
-        ctx = ServingContext(engine=engine, served_model_name=args.served_model_name or args.model, store=store,
+        ctx = ServingContext(engine=engine, served_model_name=served_model_name, store=store,
                              request_timeout_s=args.request_timeout_s,
                              longest_token_chars=longest_token_chars(tokenizer),
                              bounds=RequestBounds(args.max_n, args.max_batch_size),
                              enable_return_routed_experts=args.enable_return_routed_experts)
         app = build_app(ctx, args.api_key, namespace, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
-                        enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
+                        enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key,
+                        health_without_api_key=args.health_without_api_key,
+                        address=ServerAddress(args.host, sock.getsockname()[1]))
+        max_connections = args.max_connections or default_max_connections()
+        server = AnsweringServer(uvicorn.Config(
+            app, log_level=args.log_level, timeout_keep_alive=args.keep_alive_timeout_s, backlog=accept_backlog(),
+            http=bounded_h11(args.header_timeout_s, max_connections)), engine, args.shutdown_grace_s)
 
         def on_engine_dead(message: str) -> None:
             # in-flight requests already got the error; uvicorn lets their responses finish, then exits

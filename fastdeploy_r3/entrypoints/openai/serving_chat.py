@@ -71,7 +71,8 @@ class OpenAIServingChat(OpenAIServing):
         # at least 1, so that a prompt with no room gets the engine's "prompt too long" error
         default_max_tokens = max(1, self.ctx.engine.info.max_model_len - len(prompt_token_ids))
         params = self.sampling_params(request, default_max_tokens)
-        release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout)
+        release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout,
+                                           request.timeout)
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
@@ -142,8 +143,7 @@ class OpenAIServingChat(OpenAIServing):
                 media_type="text/event-stream",
             )
 
-        final = await self.run_to_completion(first, gen)
-        r3 = await self.deliver_r3(final, params, rollout_id)
+        final, r3 = await self.finish_and_deliver(first, gen, params, rollout_id)
         choices = [
             ChatCompletionChoice(
                 index=c.index,

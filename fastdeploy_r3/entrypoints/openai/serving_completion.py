@@ -60,7 +60,8 @@ class OpenAIServingCompletion(OpenAIServing):
         rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
         prompt_token_ids, prompt = await self.prompt_token_ids(request)
         params = self.sampling_params(request, DEFAULT_COMPLETION_MAX_TOKENS)
-        release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout)
+        release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout,
+                                           request.timeout)
         first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
@@ -148,8 +149,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 media_type="text/event-stream",
             )
 
-        final = await self.run_to_completion(first, gen)
-        r3 = await self.deliver_r3(final, params, rollout_id)
+        final, r3 = await self.finish_and_deliver(first, gen, params, rollout_id)
         echo = self.echo_text(prompt, prompt_token_ids) if request.echo else ""
         ids = request.return_token_ids
         choices = [

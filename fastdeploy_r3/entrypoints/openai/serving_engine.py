@@ -10,8 +10,9 @@ What a request may cost, and who it may touch (issue 11):
     prompt text   refused past request_limits.PromptCharBound before tokenizing; tokenized in a thread
     queue         the engine's waiting queue is bounded: 429 with Retry-After
     deadline      `timeout` of the request, else --request-timeout-s, from arrival: aborted, 504
-    rollout id    one request at a time per id; an id whose R3 is already stored is refused (409)
-                  unless the request says overwrite_rollout
+    rollout id    one request at a time per id, across every server sharing the store (a reservation
+                  in the store, r3/reservation.py); an id whose R3 is already stored is refused (409)
+                  unless the request says overwrite_rollout; a writer that lost the id fails with 409
     500s          say what failed and the request id; exception text and paths go to the log only
 """
 
@@ -25,14 +26,36 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from fastdeploy_r3.blobstore.health import StoreUnavailableError
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineOverloadedError, EngineRequestError
-from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
-from fastdeploy_r3.entrypoints.openai.request_limits import FALLBACK_LONGEST_TOKEN_CHARS, PromptCharBound, RequestBounds
+from fastdeploy_r3.entrypoints.openai.errors import (  # noqa: F401 - the serving modules import them from here
+    OpenAIError,
+    bad_request,
+    conflict,
+    engine_error,
+    engine_unavailable,
+    internal_error,
+)
+from fastdeploy_r3.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from fastdeploy_r3.entrypoints.openai.request_limits import (
+    FALLBACK_LONGEST_TOKEN_CHARS,
+    PromptCharBound,
+    RequestBounds,
+)
+from fastdeploy_r3.entrypoints.openai.rollout_claims import RolloutClaims
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
-from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3Result, R3StoreFailedError
+from fastdeploy_r3.r3.delivery import (
+    R3Delivery,
+    R3DeliveryError,
+    R3Result,
+    R3RolloutConflictError,
+    R3StoreFailedError,
+)
+from fastdeploy_r3.r3.reservation import RolloutConflictError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
@@ -41,46 +64,6 @@ logger = logging.getLogger("fastdeploy_r3.api_server")
 
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 RETRY_AFTER_S = 1
-
-
-class OpenAIError(Exception):
-    """An error answered as an OpenAI-style body with an HTTP status."""
-
-    def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.headers = headers
-
-    def body(self) -> dict:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
-        return ErrorResponse(error=info).model_dump()
-
-
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", param)
-
-
-def engine_error(message: str) -> OpenAIError:
-    return OpenAIError(500, message, "internal_server_error")
-
-
-def engine_unavailable(message: str) -> OpenAIError:
-    return OpenAIError(503, message, "service_unavailable")
-
-
-def internal_error(what: str, request_id: str, detail: object) -> OpenAIError:
-    """A 500 that says what failed and for which request; the detail (exception text, paths) is logged."""
-    logger.error("request %s: %s: %s", request_id, what, detail)
-    return OpenAIError(500, f"{what} (request {request_id}); the server log has the details", "internal_server_error")
-
-
-def conflict(message: str, param: str) -> OpenAIError:
-    return OpenAIError(409, message, "conflict_error", param)
 
 
 @dataclass
@@ -109,10 +92,11 @@ class ServingContext:
     enable_return_routed_experts: bool = False  # /generate answers carry R3 unless a request says false
     delivery: R3Delivery = field(init=False)
     prompt_bound: PromptCharBound = field(init=False)
-    rollouts_in_flight: set[str] = field(init=False, default_factory=set)
+    rollout_claims: RolloutClaims = field(init=False)
 
     def __post_init__(self) -> None:
         self.delivery = R3Delivery(self.engine.config.routing_replay_config, self.store)
+        self.rollout_claims = RolloutClaims(self.delivery)
         self.prompt_bound = PromptCharBound(self.engine.info.max_model_len, self.longest_token_chars)
 
     @property
@@ -160,34 +144,21 @@ class OpenAIServing:
             raise bad_request(str(e), "rollout_id" if rollout_id is not None else "user") from e
 
     async def claim_rollout(
-        self, request_id: str, rollout_id: str, params: SamplingParams, overwrite: bool
+        self, request_id: str, rollout_id: str, params: SamplingParams, overwrite: bool, timeout_s: float | None = None
     ) -> Callable[[], None]:
-        """Hold `rollout_id` for this request; returns the release. Only stored R3 has an id to
-        collide on: in response mode, or with R3 off for the request, nothing is held.
+        """Hold `rollout_id` for this request (rollout_claims.py); returns the release. Only stored R3
+        has an id to collide on: in response mode, or with R3 off for the request, nothing is held.
 
-        In flight elsewhere -> 409; already in the store (any n) -> 409 unless `overwrite`."""
-        store = self.ctx.store
-        if store is None or not self.wants_r3(params):
+        In flight here, or reserved in the store by another server -> 409; already in the store (any
+        n) -> 409 unless `overwrite`."""
+        if self.ctx.store is None or not self.wants_r3(params):
             return lambda: None
-        held = self.ctx.rollouts_in_flight
-        if rollout_id in held:  # checked and taken with no await between: atomic on the loop
-            raise conflict(f"rollout id {rollout_id!r} is in flight in another request; wait for its answer "
-                           "or use another id", "rollout_id")
-        held.add(rollout_id)
         try:
-            if not overwrite:
-                try:
-                    stored = await asyncio.to_thread(store.contains, rollout_id, self.ctx.moe_layer_ids)
-                except RoutingStoreError as e:
-                    raise internal_error(f"the R3 store could not be read for rollout {rollout_id!r}",
-                                         request_id, e) from e
-                if stored:
-                    raise conflict(f"rollout id {rollout_id!r} already has routed_experts in the store; use a new "
-                                   "id, or send \"overwrite_rollout\": true to replace them", "rollout_id")
-        except BaseException:
-            held.discard(rollout_id)
-            raise
-        return lambda: held.discard(rollout_id)
+            return await self.ctx.rollout_claims.claim(rollout_id, overwrite, timeout_s or self.ctx.request_timeout_s)
+        except RolloutConflictError as e:
+            raise conflict(str(e), "rollout_id") from e
+        except (RoutingStoreError, StoreUnavailableError) as e:
+            raise internal_error(f"the R3 store could not reserve rollout {rollout_id!r}", request_id, e) from e
 
     async def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of prompt text: refused before tokenizing when it cannot fit; tokenized off the loop."""
@@ -281,15 +252,31 @@ class OpenAIServing:
         except EngineRequestError as e:
             raise engine_error(str(e)) from e
 
-    async def run_to_completion(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> RequestOutput:
+    async def finish_and_deliver(
+        self, first: RequestDelta, gen: AsyncIterator[RequestDelta], params: SamplingParams, rollout_id: str
+    ) -> tuple[RequestOutput, R3Result]:
+        """The whole request, then its R3 delivered, before the generator closes: the rollout id stays
+        claimed until its R3 is stored."""
+        try:
+            final = await self.run_to_completion(first, gen, close=False)
+            return final, await self.deliver_r3(final, params, rollout_id)
+        finally:
+            await gen.aclose()
+
+    async def run_to_completion(
+        self, first: RequestDelta, gen: AsyncIterator[RequestDelta], close: bool = True
+    ) -> RequestOutput:
         assembler = OutputAssembler(first.request_id)
         assembler.add(first)
         try:
             if not first.finished:
                 async for delta in self.iterate(gen):
                     assembler.add(delta)
+                    if delta.finished:
+                        break  # the generator is left open: its close releases the rollout id
         finally:
-            await gen.aclose()
+            if close:
+                await gen.aclose()
         final = assembler.output()
         self.check_finished_ok(final)
         return final
@@ -313,7 +300,13 @@ class OpenAIServing:
         t0 = time.perf_counter()
         try:
             # encoding and store I/O block: keep them off the event loop, but finish before answering
-            r3 = await asyncio.to_thread(self.ctx.delivery.deliver, final, rollout_id, True, params.routing_layout)
+            claim = self.ctx.rollout_claims.get(rollout_id) if storing else None
+            deliver = partial(self.ctx.delivery.deliver, overwrite=claim is not None and claim.overwrite,
+                              reservation=claim.reservation if claim is not None else None)
+            r3 = await asyncio.to_thread(deliver, final, rollout_id, True, params.routing_layout)
+        except R3RolloutConflictError as e:
+            counters.r3_store_failures += 1
+            raise conflict(f"{e} (request {final.request_id})", "rollout_id") from e
         except R3StoreFailedError as e:
             counters.r3_store_failures += 1
             raise internal_error(f"storing routed_experts of rollout {rollout_id!r} failed", final.request_id,

@@ -40,6 +40,13 @@ import numpy as np
 
 from fastdeploy_r3.blobstore.base import BlobStore, BlobStoreError, ChecksumError
 from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError, load_npy, npy_bytes
+from fastdeploy_r3.r3.reservation import (
+    Reservation,
+    ReservationLostError,
+    RolloutExistsError,
+    release_lock,
+    take_lock,
+)
 from fastdeploy_r3.r3.rollout_id import (
     any_n_rollout_ids,
     choice_rollout_id,
@@ -91,8 +98,16 @@ class RoutingStore(abc.ABC):
         routed_experts: list[np.ndarray],
         moe_layer_ids: list[int],
         meta: dict[str, Any] | None = None,
+        *,
+        overwrite: bool = False,
+        reservation: Reservation | None = None,
     ) -> list[str]:
         """Store one `[T, L, K]` array per choice; returns the entries written (paths or full keys).
+
+        Conditional (r3/reservation.py): create-only, RolloutExistsError when any put(rollout_id, ...)
+        is stored, unless `overwrite`, which replaces the whole rollout: every entry of another choice
+        count or layout goes too, so no old choice stays readable. With a `reservation`, the id's lock
+        must still hold its token (ReservationLostError otherwise).
 
         `meta` (JSON) goes to the rollout's meta entry in the same put: the weight version(s) that
         produced it and its layout (`get_meta` reads it back).
@@ -117,8 +132,9 @@ class RoutingStore(abc.ABC):
                     items[self.layer_key(rid, layer)] = npy_bytes(arr[:, j, :])  # [T, K]
         if meta is not None:
             items[self.meta_key(rollout_id)] = json.dumps(meta, sort_keys=True).encode()
+        stale = [k for k in self.rollout_keys(rollout_id, moe_layer_ids) if k not in items]
         try:
-            self.blobs.put_many(items, self.ttl_s)
+            self._write(rollout_id, items, stale, moe_layer_ids, overwrite, reservation)
         except BlobStoreError as e:
             raise RoutingStoreError(f"storing R3 of rollout {rollout_id!r} in {self.where} failed: {e}") from e
         if self.only_last_turn:
@@ -126,6 +142,71 @@ class RoutingStore(abc.ABC):
             if prev is not None:
                 self.delete(prev, moe_layer_ids)
         return [self.entry_name(k) for k in items]
+
+    def _write(
+        self, rollout_id: str, items: dict[str, bytes], stale: list[str], moe_layer_ids: list[int],
+        overwrite: bool, reservation: Reservation | None,
+    ) -> None:  # fmt: skip
+        """Check the writer's right, write the new entries, then drop the stale ones (another choice
+        count): a failed write leaves the old rollout whole. Stores with transactions do all of it at once."""
+        if reservation is not None:
+            self._check_holds(reservation)
+        if not overwrite and self.contains(rollout_id, moe_layer_ids):
+            raise RolloutExistsError(f"rollout id {rollout_id!r} already has routed_experts in the store")
+        self.blobs.put_many(items, self.ttl_s)
+        if stale:
+            self.blobs.delete(stale)
+
+    def rollout_keys(self, rollout_id: str, moe_layer_ids: list[int]) -> list[str]:
+        """Every entry any put(rollout_id, ...) can have written, whatever its n and use_fused_put."""
+        keys = [self.meta_key(rollout_id)]
+        for rid in any_n_rollout_ids(rollout_id):
+            keys.append(self.fused_key(rid))
+            keys.extend(self.layer_key(rid, layer) for layer in moe_layer_ids)
+        return keys
+
+    # -- reservations (r3/reservation.py) -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def lock_key(self, rollout_id: str) -> str:
+        """The id's lock entry: like the meta entry, named with "#" so no rollout or choice is named so."""
+
+    def holder(self, rollout_id: str) -> Reservation | None:
+        """Who holds the id's lock now (None: nobody, or a lock too torn to read)."""
+        try:
+            return Reservation.decode(rollout_id, self.blobs.get(self.lock_key(rollout_id)))
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"cannot read the lock of rollout {rollout_id!r} in {self.where}: {e}") from e
+
+    def reserve(self, rollout_id: str, ttl_s: float, overwrite: bool, moe_layer_ids: list[int]) -> Reservation:
+        """Take the id for one request, before it runs: RolloutReservedError when another live request
+        holds it, RolloutExistsError when it is stored and `overwrite` is false."""
+        validate_rollout_id(rollout_id)
+        mine = Reservation.new(rollout_id, ttl_s)
+        try:
+            take_lock(self.blobs, self.lock_key(rollout_id), mine)
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"cannot reserve rollout {rollout_id!r} in {self.where}: {e}") from e
+        if not overwrite and self.contains(rollout_id, moe_layer_ids):
+            self.unreserve(mine)
+            raise RolloutExistsError(
+                f"rollout id {rollout_id!r} already has routed_experts in the store; use a new id, or send "
+                "\"overwrite_rollout\": true to replace them")
+        return mine
+
+    def unreserve(self, reservation: Reservation) -> None:
+        """Give the id back, if this reservation still holds it."""
+        try:
+            release_lock(self.blobs, self.lock_key(reservation.rollout_id), reservation)
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"cannot release rollout {reservation.rollout_id!r}: {e}") from e
+
+    def _check_holds(self, reservation: Reservation) -> None:
+        held = self.holder(reservation.rollout_id)
+        if held is None or held.token != reservation.token:
+            raise ReservationLostError(
+                f"rollout id {reservation.rollout_id!r} was taken by another writer while this request ran "
+                "(its reservation expired or was broken); its R3 is not stored")
 
     def get(self, rollout_id: str, choice: int | None = None, moe_layer_ids: list[int] | None = None) -> np.ndarray:
         """Read one choice back as `[T, L, K]` (the trainer side).
@@ -156,15 +237,19 @@ class RoutingStore(abc.ABC):
         """Whether any put(rollout_id, ...) left entries here, whatever its n (fused, or per layer: a
         per-layer put writes every layer or fails, so its first layer stands for it)."""
         validate_rollout_id(rollout_id)
+        try:
+            return any(self.blobs.exists(self.presence_keys(rollout_id, moe_layer_ids)))
+        except BlobStoreError as e:
+            raise RoutingStoreError(f"cannot tell whether rollout {rollout_id!r} is stored: {e}") from e
+
+    def presence_keys(self, rollout_id: str, moe_layer_ids: list[int]) -> list[str]:
+        """The entries whose presence means a rollout is stored: each choice's fused entry or first layer."""
         keys = []
         for rid in any_n_rollout_ids(rollout_id):
             keys.append(self.fused_key(rid))
             if moe_layer_ids:
                 keys.append(self.layer_key(rid, moe_layer_ids[0]))
-        try:
-            return any(self.blobs.exists(keys))
-        except BlobStoreError as e:
-            raise RoutingStoreError(f"cannot tell whether rollout {rollout_id!r} is stored: {e}") from e
+        return keys
 
     def _read(self, keys: list[str]) -> list[bytes | None]:
         try:
@@ -183,12 +268,8 @@ class RoutingStore(abc.ABC):
 
     def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
         """Remove what any put(rollout_id, ...) wrote, fused or per layer, whatever its number of choices."""
-        keys = [self.meta_key(rollout_id)]
-        for rid in any_n_rollout_ids(rollout_id):
-            keys.append(self.fused_key(rid))
-            keys.extend(self.layer_key(rid, layer) for layer in moe_layer_ids)
         try:
-            self.blobs.delete(keys)
+            self.blobs.delete(self.rollout_keys(rollout_id, moe_layer_ids))
         except BlobStoreError as e:
             raise RoutingStoreError(f"deleting R3 of rollout {rollout_id!r} in {self.where} failed: {e}") from e
 

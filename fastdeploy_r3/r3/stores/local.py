@@ -10,6 +10,7 @@ import numpy as np
 
 from fastdeploy_r3.blobstore.disk_budget import DiskBudget
 from fastdeploy_r3.blobstore.local import LocalBlobStore
+from fastdeploy_r3.r3.reservation import Reservation
 from fastdeploy_r3.r3.rollout_id import any_n_rollout_ids, choice_rollout_id
 from fastdeploy_r3.r3.stores.base import RoutingStore, RoutingStoreError
 
@@ -34,12 +35,16 @@ class LocalRoutingStore(RoutingStore):
         routed_experts: list[np.ndarray],
         moe_layer_ids: list[int],
         meta: dict[str, Any] | None = None,
+        *,
+        overwrite: bool = False,
+        reservation: Reservation | None = None,
     ) -> list[str]:
         try:
             self.budget.admit(sum(a.nbytes + 128 for a in routed_experts))  # + .npy headers
         except OSError as e:
             raise RoutingStoreError(f"cannot make room for rollout {rollout_id!r} under {self.root}: {e}") from e
-        return super().put(rollout_id, routed_experts, moe_layer_ids, meta)
+        return super().put(rollout_id, routed_experts, moe_layer_ids, meta, overwrite=overwrite,
+                           reservation=reservation)
 
     def _entries(self, rid: str) -> tuple[str, str]:
         """The fused file and the per-layer directory of one stored choice."""
@@ -63,6 +68,9 @@ class LocalRoutingStore(RoutingStore):
 
     def layer_key(self, rid: str, layer: int) -> str:
         return os.path.join(f"{rid}.layers", f"layer_{layer}.npy")
+
+    def lock_key(self, rollout_id: str) -> str:
+        return f".{rollout_id}#lock"  # hidden: the disk budget never evicts a live request's lock
 
     def entry_name(self, key: str) -> str:
         return self._local.path(key)

@@ -53,6 +53,9 @@ class MooncakeRoutingStore(RoutingStore):
     def meta_key(self, rid: str) -> str:
         return f"{self.fused_key(rid)}#meta"  # "#" and a word: never a rollout's or a choice's (#digits) key
 
+    def lock_key(self, rollout_id: str) -> str:
+        return f"{self.fused_key(rollout_id)}#lock"
+
     def entry_name(self, key: str) -> str:
         return key
 

@@ -1,0 +1,73 @@
+"""Two real servers share one R3 store directory and get the same rollout id at the same moment:
+exactly one answers 200 and its R3 is what the store holds; the other answers 409 before generating.
+Before, both answered 200 and the store held the other request's R3 (same shape, so a trainer could
+not notice). The same race on Redis and Mooncake, store against store: tests/r3/test_conditional_writes.py
+(the server path is the same; only the store's reservation differs)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from api_server_process import ServerHandle, api_server
+
+from fastdeploy_r3.client import read_local_rollout
+
+MOE_LAYER_IDS = [1, 2, 3]  # the fake glm4_moe: layer 0 dense
+# different prompt lengths: the stored row count says which server's request wrote the rollout
+PROMPTS = ("a b", "a b c d e f g h i j")
+
+
+@pytest.fixture(scope="module")
+def two_servers(fake_model_dir, tmp_path_factory) -> Iterator[tuple[list[ServerHandle], str]]:
+    where = str(tmp_path_factory.mktemp("shared-r3"))
+    cfg = json.dumps({"enable_routing_replay": True, "debug_mode": True, "routing_store_type": "local",
+                      "local_store_dir": where})
+    logs = str(tmp_path_factory.mktemp("logs"))
+    model = fake_model_dir("glm4_moe")
+    with api_server(model, logs, "--routing-replay-config", cfg) as a, \
+            api_server(model, logs, "--routing-replay-config", cfg) as b:  # fmt: skip
+        yield [a, b], where
+
+
+def _read(where: str, rollout_id: str, choice: int | None = None):
+    return read_local_rollout(where, rollout_id, choice=choice)
+
+
+def _complete(server: ServerHandle, prompt: str, rollout_id: str, **extra: object) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "rollout_id": rollout_id,
+            **extra}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def test_same_rollout_id_on_two_servers_at_once_has_one_winner_and_its_r3_is_stored(two_servers) -> None:
+    servers, where = two_servers
+    with ThreadPoolExecutor(2) as pool:
+        for round_ in range(5):
+            rid = f"race-{round_}"
+            futures = [pool.submit(_complete, s, p, rid) for s, p in zip(servers, PROMPTS, strict=True)]
+            answers = [f.result() for f in futures]
+            assert sorted(r.status_code for r in answers) == [200, 409], [r.text for r in answers]
+            winner = next(r.json() for r in answers if r.status_code == 200)
+            loser = next(r.json() for r in answers if r.status_code == 409)
+            assert "rollout id" in loser["error"]["message"] and loser["error"]["param"] == "rollout_id"
+            stored = _read(where, rid)
+            rows = winner["usage"]["prompt_tokens"] + 6 - 1  # P + N - 1
+            assert stored.shape == (rows, len(MOE_LAYER_IDS), 4)
+            assert (stored == stored[:, :1, :1]).all() and stored[:, 0, 0].tolist() == list(range(rows))  # debug ids
+
+
+def test_overwrite_on_the_other_server_replaces_the_whole_rollout_choice_count_included(two_servers) -> None:
+    (a, b), where = two_servers
+    assert _complete(a, PROMPTS[0], "ow", n=2, seed=1).status_code == 200
+    again = _complete(b, PROMPTS[1], "ow")
+    assert again.status_code == 409 and "overwrite_rollout" in again.json()["error"]["message"]
+    replaced = _complete(b, PROMPTS[1], "ow", overwrite_rollout=True)
+    assert replaced.status_code == 200
+    assert _read(where, "ow").shape[0] == replaced.json()["usage"]["prompt_tokens"] + 6 - 1
+    for choice in (0, 1):  # the n = 2 choices are gone with the rollout they belonged to
+        with pytest.raises(KeyError):
+            _read(where, "ow", choice)
