@@ -23,6 +23,7 @@ from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBuf
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.control import EngineControl
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
 from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
@@ -177,9 +178,7 @@ class EngineService:
                 self._routing_host, cc.block_size, num_experts=rr.num_experts, debug_mode=rr.debug_mode
             )
         self.token_processor = TokenProcessor(self.scheduler, self.tokenizer, eos, cfg.max_model_len, routing)
-        from fastdeploy_r3.engine.control import EngineControl
-
-        self.control = EngineControl(self)
+        self.control = EngineControl(self, self.kv, self.workers, mc.model_identity, mc.weight_version)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -262,7 +261,7 @@ class EngineService:
 
     @property
     def weight_version(self) -> str:
-        return self.config.model_config.weight_version
+        return self.control.weight_version
 
     # -- the step -----------------------------------------------------------------------------------
 
