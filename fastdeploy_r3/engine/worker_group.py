@@ -19,8 +19,12 @@ from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 
 
 class WorkerGroup:
-    def __init__(self, config: EngineConfig, engine_suffix: str, also_check: Callable[[], None] = lambda: None) -> None:
-        """Spawn the ranks. `also_check` runs while waiting for answers (the engine's other children)."""
+    def __init__(
+        self, config: EngineConfig, engine_suffix: str, also_check: Callable[[], None] = lambda: None,
+        runner_cls: type | None = None,
+    ) -> None:
+        """Spawn the ranks. `also_check` runs while waiting for answers (the engine's other children);
+        runner_cls: the ranks' model runner, ModelRunner unless given (importable by the spawned ranks)."""
         from fastdeploy_r3.model_executor.parallel_state import free_init_method
         from fastdeploy_r3.spawn import spawn_context, start_process
         from fastdeploy_r3.worker.worker_process import worker_main
@@ -33,7 +37,7 @@ class WorkerGroup:
         dist_init_method = free_init_method()  # the ranks' TP group rendezvous
         for rank in range(world):
             parent, child = spawn_context().Pipe()
-            args = (config, rank, world, engine_suffix, child, dist_init_method)
+            args = (config, rank, world, engine_suffix, child, dist_init_method, runner_cls)
             self._procs.append(start_process(worker_main, args, name=f"fdr3-worker{rank}"))
             child.close()  # so that a dead worker reads as EOF here
             self._conns.append(parent)

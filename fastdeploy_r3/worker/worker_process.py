@@ -42,6 +42,7 @@ from fastdeploy_r3.worker.messages import (
     StepInput,
     StepOutput,
     UpdateWeights,
+    WorkerError,
     WorkerReady,
 )
 
@@ -55,8 +56,10 @@ def worker_main(
     engine_suffix: str,
     conn: Connection,
     dist_init_method: str = "",
+    runner_cls: type | None = None,
 ) -> None:
-    """dist_init_method: the TP group's rendezvous (tcp://127.0.0.1:PORT); unused when world_size is 1."""
+    """dist_init_method: the TP group's rendezvous (tcp://127.0.0.1:PORT); unused when world_size is 1.
+    runner_cls: a ModelRunner subclass to run instead (one that feeds more than the chunk per step)."""
     from fastdeploy_r3.model_executor.parallel_state import destroy_distributed, init_distributed
     from fastdeploy_r3.worker.model_runner import ModelRunner
 
@@ -72,12 +75,12 @@ def worker_main(
         exit_with_parent(engine_pid)
         name_this_process(f"fdr3-worker{rank}")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        runner = ModelRunner(config, rank, world_size, engine_suffix)
+        runner = (runner_cls or ModelRunner)(config, rank, world_size, engine_suffix)
         init_distributed(rank, world_size, dist_init_method, config.device)
         runner.load_model()
         num_blocks = runner.determine_num_gpu_blocks()
         spec = runner.init_kv_cache(num_blocks)
-        conn.send(WorkerReady(rank, num_blocks, spec))
+        conn.send(WorkerReady(rank, num_blocks, spec, runner.num_lookahead_tokens))
         while True:
             try:
                 msg = conn.recv()
@@ -95,7 +98,7 @@ def worker_main(
                     out = runner.execute(msg)
                 except Exception as e:  # the engine fails the step's requests, the worker lives on
                     logger.exception("step %d failed", msg.step_id)
-                    out = StepOutput(msg.step_id, {}, error=f"{type(e).__name__}: {e}")
+                    out = StepOutput(msg.step_id, {}, error=WorkerError.of(e))
                 conn.send(out)
             elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights)):
                 conn.send(runner.weight_control(msg))

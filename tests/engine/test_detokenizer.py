@@ -97,7 +97,7 @@ def test_stop_string_arriving_over_several_tokens_is_never_streamed() -> None:
     req = Request("r", [1], SamplingParams(max_tokens=50, stop=["END"]))
     deltas = feed(tp, req, "okéENDtail")
     assert deltas == ["", "", "", "o", "k", "é", ""]
-    assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == "END"
+    assert req.status is RequestStatus.FINISHED_STOPPED and tp.output(req).stop_reason == "END"
     assert scheduler.released == [("r", RequestStatus.FINISHED_STOPPED)]
     assert req.output_token_ids == list("okéEND".encode())
 
