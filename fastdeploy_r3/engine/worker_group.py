@@ -16,6 +16,7 @@ from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
+from fastdeploy_r3.worker.messages import WorkerFailed
 
 
 class WorkerGroup:
@@ -82,8 +83,8 @@ class WorkerGroup:
             msg = conn.recv()
         except (EOFError, OSError) as e:
             raise self._gone(rank) from e
-        if isinstance(msg, BaseException):  # a rank that failed to start sends its error
-            raise EngineDeadError(str(msg))
+        if isinstance(msg, WorkerFailed):  # a rank that failed to start says why, then exits
+            raise EngineDeadError(msg.describe())
         return msg
 
     def _gone(self, rank: int) -> EngineDeadError:

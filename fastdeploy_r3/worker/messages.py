@@ -2,8 +2,8 @@
 
     engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown;
                        between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup
-    worker -> engine   WorkerReady (or the exception that stopped start-up), StepOutput,
-                       WeightUpdateResult
+    worker -> engine   WorkerReady (or WorkerFailed: the error that stopped the rank), RoutingAttached,
+                       StepOutput, WeightUpdateResult
     a failed step      StepOutput.error: a WorkerError (kind + message), never a string to re-parse
 
 `Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
@@ -20,8 +20,9 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = [
-    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "ScheduledRequestData", "Shutdown",
-    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerError", "WorkerReady",
+    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "RoutingAttached",
+    "ScheduledRequestData", "Shutdown",
+    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerError", "WorkerFailed", "WorkerReady",
 ]
 
 
@@ -52,8 +53,27 @@ class WorkerError:
 
 
 @dataclass
+class WorkerFailed:
+    """The rank stopped on an error outside a step (start-up, attaching the routing buffer); it exits."""
+
+    rank: int
+    error: WorkerError
+    traceback: str = ""
+
+    def describe(self) -> str:
+        return f"worker rank {self.rank} failed to start: {self.error.message}\n{self.traceback}"
+
+
+@dataclass
 class AttachRoutingBuffer:
     spec: RoutingBufferSpec | None
+
+
+@dataclass
+class RoutingAttached:
+    """The rank attached the routing buffer (rank 0 writes R3 into it) and captured its decode graphs."""
+
+    rank: int
 
 
 @dataclass

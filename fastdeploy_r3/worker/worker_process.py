@@ -4,7 +4,7 @@
       ── spawn(config, rank) ──►     join the TP group, load this rank's shard, size + allocate KV cache
       ◄── WorkerReady(kv_spec) ──
       ── AttachRoutingBuffer ──►     rank 0 attaches routing_host_buffer
-      ◄── True ─────────────────
+      ◄── RoutingAttached ──────
       ── StepInput ────────────►     forward, write R3 rows, sample
       ◄── StepOutput ───────────
       ── InitWeightUpdateGroup / UpdateWeights / DestroyWeightUpdateGroup ►  (between steps)
@@ -38,11 +38,13 @@ from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
+    RoutingAttached,
     Shutdown,
     StepInput,
     StepOutput,
     UpdateWeights,
     WorkerError,
+    WorkerFailed,
     WorkerReady,
 )
 
@@ -92,7 +94,7 @@ def worker_main(
             if isinstance(msg, AttachRoutingBuffer):
                 runner.attach_routing(msg.spec)
                 runner.capture_decode_graphs()
-                conn.send(True)
+                conn.send(RoutingAttached(rank))
             elif isinstance(msg, StepInput):
                 try:
                     out = runner.execute(msg)
@@ -104,7 +106,7 @@ def worker_main(
                 conn.send(runner.weight_control(msg))
     except Exception as e:
         try:
-            conn.send(RuntimeError(f"worker rank {rank} failed to start: {e}\n{traceback.format_exc()}"))
+            conn.send(WorkerFailed(rank, WorkerError.of(e), traceback.format_exc()))
         except Exception:
             pass
     finally:

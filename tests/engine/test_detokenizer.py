@@ -24,10 +24,14 @@ class ByteTokenizer:
 
 
 class ReleasingScheduler:
-    """What TokenProcessor needs of the Scheduler when R3 is off: release a finished request."""
+    """What TokenProcessor needs of the Scheduler when R3 is off: release a finished request, and
+    advance its cursor over the tokens a multi-token step fed."""
 
     def __init__(self) -> None:
         self.released: list[tuple[str, RequestStatus]] = []
+
+    def advance(self, req: Request, num_tokens: int) -> None:
+        req.num_computed_tokens += num_tokens
 
     def release(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -117,3 +121,23 @@ def test_length_finish_flushes_the_held_back_text_and_token_ids_go_once() -> Non
     assert texts == ["", "a", "b", "cd"] and req.status is RequestStatus.FINISHED_LENGTH
     assert sent_ids == list(b"abcd")
     assert tp.take_delta(req) == ("", [])
+
+
+def test_a_stop_string_inside_one_step_s_tokens_drops_the_tokens_after_it() -> None:
+    """One step returns b"aENDxy" (a verify step accepting 5 drafts): the request keeps "aEND", stops
+    with "END", and x, y are never appended; the cursor moves over the 3 kept tokens fed as drafts."""
+    tp = TokenProcessor(ReleasingScheduler(), ByteTokenizer(), eos_token_ids=[], max_model_len=1000, routing=None)  # type: ignore[arg-type]
+    req = Request("r", [1, 2], SamplingParams(max_tokens=50, stop=["END"]))
+    req.num_computed_tokens = 2  # the prompt was fed by this step
+    assert tp.append_tokens(req, list(b"aENDxy")) == 4
+    assert req.output_token_ids == list(b"aEND") and req.num_computed_tokens == 2 + 3
+    assert req.status is RequestStatus.FINISHED_STOPPED and tp.output(req).stop_reason == "END"
+    assert tp.take_delta(req) == ("a", list(b"aEND"))
+
+
+def test_an_eos_inside_one_step_s_tokens_before_min_tokens_does_not_stop() -> None:
+    """min_tokens=3, eos=9: [9, 5, 9, 7] stops at the second 9 (the third token), 7 is dropped."""
+    tp = TokenProcessor(ReleasingScheduler(), None, eos_token_ids=[9], max_model_len=1000, routing=None)  # type: ignore[arg-type]
+    req = Request("r", [1], SamplingParams(max_tokens=50, min_tokens=3))
+    assert tp.append_tokens(req, [9, 5, 9, 7]) == 3
+    assert req.output_token_ids == [9, 5, 9] and req.status is RequestStatus.FINISHED_STOPPED
