@@ -39,7 +39,7 @@ class EngineResources:
     suffix: str  # of every SHM segment and socket of this engine
     workers: WorkerGroup | None = None
     routing_host: RoutingBuffer | None = None
-    storage: object | None = None  # the lookup-only KV store (cache_manager/storage.py); the CTM writes
+    storage: object | None = None  # the lookup-only KV store (blobstore/); the CTM writes
     lookup: StorageLookup | None = None
     transfers: TransferSupervisor | None = None  # the cache transfer manager, over its life
 
@@ -144,10 +144,10 @@ def _build(cfg: EngineConfig, res: EngineResources, runner_cls: type | None) -> 
         )
     namespace = f"{mc.model_identity}|{mc.weight_version}"
     if cc.enable_prefix_caching and cc.kv_storage:
-        from fastdeploy_r3.cache_manager.storage import make_storage_backend
+        from fastdeploy_r3.blobstore import open_blob_store
 
-        storage = make_storage_backend(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s,
-                                       lookup_only=True)  # the CTM writes
+        storage = open_blob_store(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s,
+                                  lookup_only=True)  # the CTM writes
         res.storage = storage
         res.lookup = StorageLookup(storage, cc.storage_timeout_s, storage.health)
     transfer = None

@@ -26,7 +26,7 @@ class WorkerGroup:
     ) -> None:
         """Spawn the ranks. `also_check` runs while waiting for answers (the engine's other children);
         runner_cls: the ranks' model runner, ModelRunner unless given (importable by the spawned ranks)."""
-        from fastdeploy_r3.model_executor.parallel_state import free_init_method
+        from fastdeploy_r3.distributed.parallel_state import free_init_method
         from fastdeploy_r3.spawn import spawn_context, start_process
         from fastdeploy_r3.worker.worker_process import worker_main
 
