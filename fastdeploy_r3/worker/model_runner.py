@@ -240,9 +240,12 @@ class ModelRunner:
             if inp.sample_rows:
                 if logits is None:
                     logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
-                sampled, logprobs = self.sampler.sample(logits, [r for _, r in inp.sample_rows])
-                out.sampled_token_ids = {rid: [tok] for rid, tok in sampled.items()}
-                out.logprobs = {rid: [rec] for rid, rec in logprobs.items()}
+                ids, records = self.sampler.sample(logits, inp.sample_rows)
+                for i, (row, tok) in enumerate(zip(inp.sample_rows, ids)):  # rows of a request are in order
+                    rid = row.request.request_id
+                    out.sampled_token_ids.setdefault(rid, []).append(tok)
+                    if i in records:
+                        out.logprobs.setdefault(rid, []).append(records[i])
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
                 out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)

@@ -23,6 +23,7 @@ import torch
 
 from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.input_batch import SampleRow
 from fastdeploy_r3.worker.messages import ScheduledRequestData
 from fastdeploy_r3.worker.sample.draw import SampledIds, SamplingBatch, sample_batch
 from fastdeploy_r3.worker.sample.logprobs import token_logprobs
@@ -67,66 +68,67 @@ class StepSampler:
         self.stats.remove(request_id)
 
     def sample(
-        self, logits: torch.Tensor, rows: list[ScheduledRequestData]
-    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """logits [S, V] of rows (one per sampling chunk) -> ({request id: token}, {request id: logprob
-        record} for the rows whose params ask for logprobs). Three stages, so that a batched device
-        sampler replaces `draw` alone: process -> draw -> finish."""
+        self, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> tuple[list[int], dict[int, TokenLogprob]]:
+        """logits [S, V] of rows (one or more per sampling request) -> (one token per row, {row index:
+        logprob record} for the rows whose params ask for logprobs). Three stages, so that a batched
+        device sampler replaces `draw` alone: process -> draw -> finish."""
         processed = self.process(logits, rows)  # [S, V]
         ids = self.draw(processed, rows)  # [S]
         return self.finish(processed, rows, ids)
 
-    def process(self, logits: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """logits [S, V] -> float32 logits [S, V] after penalties and min_tokens (the rows without
         either are unchanged); the input may be modified."""
-        return self._process(logits.float(), rows, [self._requests[r.request_id] for r in rows])
+        return self._process(logits.float(), rows, [self._requests[r.request.request_id] for r in rows])
 
-    def draw(self, processed: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+    def draw(self, processed: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """processed [S, V] -> ids [S] int64 on its device: one batched draw for all rows
         (draw.py: greedy rows take the argmax; the others race a counter-hash noise)."""
-        states = [self._requests[r.request_id] for r in rows]
+        states = [self._requests[r.request.request_id] for r in rows]
         for s, r in zip(states, rows):
             # the batched draw would turn these into silent garbage: raise, so the engine's bisection
             # fails this request alone (SamplingParams refuses them; this guards what bypassed it)
             if not math.isfinite(s.params.temperature) or s.params.temperature < 0:
-                raise ValueError(f"request {r.request_id}: temperature {s.params.temperature} cannot be sampled")
+                raise ValueError(f"request {r.request.request_id}: temperature {s.params.temperature} "
+                                 "cannot be sampled")
         batch = SamplingBatch.build(
             temperature=[0.0 if s.params.greedy else s.params.temperature for s in states],  # floor: greedy
             top_k=[s.params.top_k for s in states],
             top_p=[s.params.top_p for s in states],
             seeds=[s.seed for s in states],
-            counters=[r.start_pos + len(r.token_ids) for r in rows],  # position of the token drawn
+            counters=[r.position for r in rows],  # position of the token drawn
             device=processed.device,
         )
         return sample_batch(processed, batch)
 
     def finish(
-        self, processed: torch.Tensor, rows: list[ScheduledRequestData], ids: torch.Tensor
-    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        self, processed: torch.Tensor, rows: list[SampleRow], ids: torch.Tensor
+    ) -> tuple[list[int], dict[int, TokenLogprob]]:
         """Count the drawn ids [S] for the penalties, take the logprob records the rows asked for
         (from processed [S, V]), and hand both to the host."""
-        states = [self._requests[r.request_id] for r in rows]
-        self.stats.record([r.request_id for r in rows], ids)
+        states = [self._requests[r.request.request_id] for r in rows]
+        self.stats.record([r.request.request_id for r in rows], ids)
         # the step's one wait: the ids land in pinned memory (after the R3 scatter on the same stream)
-        sampled = {r.request_id: tok for r, tok in zip(rows, self._sampled_ids.fetch(ids))}
+        sampled = self._sampled_ids.fetch(ids)
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        records: dict[str, TokenLogprob] = {}
+        records: dict[int, TokenLogprob] = {}
         if want:
             idx = torch.tensor(want, dtype=torch.int64, device=processed.device)  # [S']
             nums = [states[i].params.logprobs or 0 for i in want]
             temps = torch.tensor([states[i].params.temperature for i in want], dtype=torch.float32,
                                  device=processed.device)  # [S']
             res = token_logprobs(processed[idx], ids[idx], max(nums), temps).to_host(nums)
-            records = {rows[i].request_id: rec for i, rec in zip(want, res)}
+            records = dict(zip(want, res))
         return sampled, records
 
-    def _process(self, logits: torch.Tensor, rows: list[ScheduledRequestData],
-                 states: list[_RequestState]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, rows: list[SampleRow], states: list[_RequestState]) -> torch.Tensor:
         """Penalties and min_tokens on logits [S, V], in place on the rows that have them."""
         pen = [i for i, s in enumerate(states) if s.params.has_penalties]
         if pen:
             idx = torch.tensor(pen, dtype=torch.int64, device=logits.device)  # [S']
-            mask, counts = self.stats.stack([rows[i].request_id for i in pen])  # [S', V] each
+            # counts of the tokens sampled before this step (a verify step's drafts are not among them)
+            mask, counts = self.stats.stack([rows[i].request.request_id for i in pen])  # [S', V] each
 
             def per_row(name: str) -> torch.Tensor:
                 return torch.tensor([getattr(states[i].params, name) for i in pen], dtype=torch.float32,
@@ -137,7 +139,7 @@ class StepSampler:
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for i, (r, s) in enumerate(zip(rows, states)):
-            num_output = r.start_pos + len(r.token_ids) - s.num_prompt_tokens  # tokens generated so far
+            num_output = r.position - s.num_prompt_tokens  # tokens generated before the one drawn
             if num_output < s.params.min_tokens:
                 ban_rows.extend([i] * len(s.min_tokens_stop_ids))
                 ban_ids.extend(s.min_tokens_stop_ids)
