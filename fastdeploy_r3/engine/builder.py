@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
@@ -29,6 +30,9 @@ from fastdeploy_r3.engine.worker_group import WorkerGroup
 from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.messages import AttachRoutingBuffer, WorkerReady
 
+if TYPE_CHECKING:
+    from fastdeploy_r3.blobstore.kv import KVStorageBackend
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,7 +43,7 @@ class EngineResources:
     suffix: str  # of every SHM segment and socket of this engine
     workers: WorkerGroup | None = None
     routing_host: RoutingBuffer | None = None
-    storage: object | None = None  # the lookup-only KV store (blobstore/); the CTM writes
+    storage: KVStorageBackend | None = None  # the lookup-only KV store; the CTM writes
     lookup: StorageLookup | None = None
     transfers: TransferSupervisor | None = None  # the cache transfer manager, over its life
 
@@ -66,7 +70,7 @@ class EngineResources:
             self.lookup.close()
             self.lookup = None
         if self.storage is not None:
-            self.storage.close()  # type: ignore[attr-defined]  # a Mooncake client takes its segment's objects
+            self.storage.close()  # a Mooncake client takes the objects of its segment with it
             self.storage = None
         self.stop_children()
 
