@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,8 +25,7 @@ from fastdeploy_r3.cache_manager.slots import slots_of
 from fastdeploy_r3.worker.messages import ScheduledRequestData
 
 
-@dataclass(frozen=True)
-class SampleRow:
+class SampleRow(NamedTuple):  # a tuple: one is built per sampling row per step, on the hot path
     """A token row whose logits sample: its index in the step, its request, and the position of the
     token it draws (the row's position + 1: the draw's counter and the min_tokens count)."""
 
