@@ -1,8 +1,4 @@
-"""No module of the package is longer than 400 lines: past that a file holds more than one job.
-
-Two files are being split on other branches while this rule lands; they are listed in PENDING and
-checked for the opposite (still too long), so the exemption cannot outlive the split unnoticed.
-"""
+"""No module of the package is longer than 400 lines: past that a file holds more than one job."""
 
 from __future__ import annotations
 
@@ -11,13 +7,6 @@ import os
 PACKAGE = "fastdeploy_r3"
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
 MAX_LINES = 400
-
-# The lead deletes this set at merge, once the engine and prefix-cache splits are in.
-PENDING = {
-    "engine/engine_service.py",
-    "cache_manager/prefix_cache_manager.py",
-}
-
 
 def line_counts(root: str = ROOT) -> dict[str, int]:
     counts = {}
@@ -36,13 +25,7 @@ def too_long(counts: dict[str, int]) -> dict[str, int]:
 
 def test_no_module_is_longer_than_400_lines() -> None:
     over = too_long(line_counts())
-    assert {rel: n for rel, n in over.items() if rel not in PENDING} == {}
-
-
-def test_pending_files_exist_and_are_still_over_the_limit() -> None:
-    """An entry whose file was split (or removed) must leave PENDING."""
-    counts = line_counts()
-    assert {rel: counts.get(rel) for rel in PENDING if counts.get(rel, 0) <= MAX_LINES} == {}
+    assert over == {}
 
 
 def test_the_counter_sees_a_long_file_in_a_subpackage(tmp_path) -> None:

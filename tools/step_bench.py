@@ -78,7 +78,7 @@ class StepBench:
         self._next_id = 0
         self.requests: list[tuple[str, list[int], int]] = []  # (request id, block table, next position)
         self.last_tokens: dict[str, int] = {}
-        self.sampled: list[dict[str, int]] = []  # every step's tokens, in order
+        self.sampled: list[dict[str, list[int]]] = []  # every step's tokens, in order
         self.host_prep_s: list[float] = []
         self._wrap_prepare()
 
@@ -104,12 +104,12 @@ class StepBench:
         self.runner.routing_capture = self._capture if on else None
         self.runner.routing_writer = self._writer if on else None
 
-    def _step(self, requests: list[ScheduledRequestData]) -> dict[str, int]:
+    def _step(self, requests: list[ScheduledRequestData]) -> dict[str, list[int]]:
         self._next_id += 1
         out = self.runner.execute(StepInput(self._next_id, requests))
         if out.error:
             raise RuntimeError(f"step {self._next_id} failed: {out.error}")
-        self.last_tokens.update(out.sampled_token_ids)
+        self.last_tokens.update({rid: toks[-1] for rid, toks in out.sampled_token_ids.items()})
         self.sampled.append(out.sampled_token_ids)
         return out.sampled_token_ids
 

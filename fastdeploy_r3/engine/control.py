@@ -14,24 +14,26 @@ One weight update, between two engine steps:
 
 A failure after some parameters changed leaves no trustworthy weights: every request in flight is
 aborted with that message, and new ones are refused until an update succeeds.
+
+EngineControl sees the engine through three narrow collaborators (the Protocols below), so it never
+imports the loop that owns it: the requests in flight, the prefix cache it flushes and re-roots, and
+the workers it calls. It owns the runtime state the commands change: the pause mode, the current
+weight version and whether the weights are usable.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
-from fastdeploy_r3.engine.request import WeightVersionEvent
+from fastdeploy_r3.engine.request import Request, WeightVersionEvent
 from fastdeploy_r3.worker.messages import (
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
     UpdateWeights,
     WeightUpdateResult,
 )
-
-if TYPE_CHECKING:
-    from fastdeploy_r3.engine.engine_service import EngineService
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +52,44 @@ class EngineControlError(RuntimeError):
         self.invalid = invalid
 
 
+class ControlledRequests(Protocol):
+    """The requests in flight, as the control plane sees them (EngineService)."""
+
+    def request_ids(self) -> list[str]: ...
+
+    def abort_request(self, request_id: str, message: str | None = None) -> None: ...
+
+    def unfinished_requests(self) -> list[Request]: ...
+
+
+class ControlledCache(Protocol):
+    """The prefix cache: flushed by /flush_cache, re-rooted by a new weight version (PrefixCacheManager)."""
+
+    def flush(self) -> int: ...
+
+    def reset_root(self, root_hash: bytes) -> None: ...
+
+
+class ControlledWorkers(Protocol):
+    """Every worker rank, one answer each in rank order (WorkerGroup)."""
+
+    def call(self, msg: object, timeout: float | None = None) -> list[Any]: ...
+
+
 class EngineControl:
-    def __init__(self, svc: EngineService) -> None:
-        self.svc = svc
+    def __init__(
+        self,
+        requests: ControlledRequests,
+        cache: ControlledCache,
+        workers: ControlledWorkers,
+        model_identity: str,
+        weight_version: str,
+    ) -> None:
+        self.requests = requests
+        self.cache = cache
+        self.workers = workers
+        self.model_identity = model_identity
+        self.weight_version = weight_version  # roots the prefix cache; changed by update_weights only
         self.paused: str | None = None  # the pause mode while /pause_generation holds the engine
         self.weights_broken: str | None = None
         self.num_weight_updates = 0
@@ -64,7 +101,7 @@ class EngineControl:
         requests were aborted or are held."""
         if mode not in PAUSE_MODES:
             raise EngineControlError(f"pause mode {mode!r} is not supported; use one of {', '.join(PAUSE_MODES)}")
-        n = len(self.svc.request_ids())
+        n = len(self.requests.request_ids())
         if mode == "abort":
             self.abort_all("aborted by /pause_generation (mode 'abort')")
         self.paused = mode
@@ -74,11 +111,11 @@ class EngineControl:
         self.paused = None
 
     def abort_all(self, message: str) -> None:
-        for request_id in self.svc.request_ids():
-            self.svc.abort_request(request_id, message)
+        for request_id in self.requests.request_ids():
+            self.requests.abort_request(request_id, message)
 
     def flush_cache(self) -> int:
-        return self.svc.kv.flush()
+        return self.cache.flush()
 
     # -- weight update groups -------------------------------------------------------------------------
 
@@ -95,7 +132,7 @@ class EngineControl:
 
         The prefix caches are always flushed (SGLang's flush_cache=False has no meaning here: entries of
         the old version could never be hit again, so keeping them would only hold blocks)."""
-        old = self.svc.weight_version
+        old = self.weight_version
         new = self._next_version(old) if weight_version is None else weight_version
         if new == old:
             raise EngineControlError(
@@ -124,14 +161,13 @@ class EngineControl:
     # -- internals ----------------------------------------------------------------------------------
 
     def _advance_version(self, old: str, new: str) -> None:
-        svc = self.svc
-        for req in svc.unfinished_requests():
+        for req in self.requests.unfinished_requests():
             req.weight_version_events.append(
                 WeightVersionEvent(old, len(req.output_token_ids), req.num_computed_tokens)
             )
             req.weight_version = new
-        svc.weight_version = new
-        svc.kv.reset_root(root_hash(svc.config.model_config.model_identity, new))
+        self.weight_version = new
+        self.cache.reset_root(root_hash(self.model_identity, new))
         self.weights_broken = None
         self.num_weight_updates += 1
         logger.info("weight version %s -> %s", old, new)
@@ -145,8 +181,7 @@ class EngineControl:
         self.abort_all(message)
 
     def _call_workers(self, msg: object) -> list[WeightUpdateResult]:
-        assert self.svc.workers is not None
-        return self.svc.workers.call(msg, timeout=_WEIGHT_CALL_TIMEOUT_S)
+        return self.workers.call(msg, timeout=_WEIGHT_CALL_TIMEOUT_S)
 
     @staticmethod
     def _raise_on_errors(results: list[WeightUpdateResult], what: str) -> None:

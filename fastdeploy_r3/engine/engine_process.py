@@ -38,6 +38,7 @@ from fastdeploy_r3.engine.messages import (
     EngineStartupFailed,
     EngineState,
     EngineStateQuery,
+    ErrorKind,
     FlushCache,
     HealthQuery,
     HealthReply,
@@ -138,11 +139,11 @@ class _EngineLoop:
             try:
                 self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt)
             except InvalidRequestError as e:
-                self.send(RequestRejected(msg.request_id, str(e), invalid=True))
+                self.send(RequestRejected(msg.request_id, str(e), ErrorKind.INVALID))
             except QueueFullError as e:
-                self.send(RequestRejected(msg.request_id, str(e), invalid=False, overloaded=True))
+                self.send(RequestRejected(msg.request_id, str(e), ErrorKind.OVERLOADED))
             except Exception as e:  # noqa: BLE001 - the engine refused it; other requests are unaffected
-                self.send(RequestRejected(msg.request_id, f"{type(e).__name__}: {e}", invalid=False))
+                self.send(RequestRejected(msg.request_id, f"{type(e).__name__}: {e}", ErrorKind.FAILED))
         elif isinstance(msg, AbortRequest):
             self.svc.abort_request(msg.request_id, msg.message)
         elif isinstance(msg, MetricsQuery):

@@ -14,6 +14,7 @@ of every boundary (fastdeploy_r3/lifecycle.py).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from fastdeploy_r3.lifecycle import Shutdown
@@ -23,7 +24,7 @@ from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUp
 
 __all__ = [
     "AbortRequest", "AddRequest", "ContinueGeneration", "ControlCommand", "ControlReply", "ControlRequest",
-    "EngineCrashed", "EngineInfo", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
+    "EngineCrashed", "EngineInfo", "ErrorKind", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
     "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "PauseGeneration",
     "RequestRejected", "Shutdown", "WeightUpdate",
 ]
@@ -131,14 +132,21 @@ class OutputBatch:
     outputs: list[RequestDelta]
 
 
+class ErrorKind(enum.Enum):
+    """Why the engine refused a request, as the API server answers it; the message says it in words."""
+
+    INVALID = "invalid"  # the request itself was wrong (HTTP 400)
+    OVERLOADED = "overloaded"  # the waiting queue is full: retry later (HTTP 429)
+    FAILED = "failed"  # the engine failed taking it (HTTP 500)
+
+
 @dataclass
 class RequestRejected:
     """add_request raised: the request never entered the engine."""
 
     request_id: str
     message: str
-    invalid: bool  # True: the request was bad (HTTP 400); False: the engine failed (HTTP 500)
-    overloaded: bool = False  # the waiting queue is full: retry later (HTTP 429)
+    kind: ErrorKind
 
 
 @dataclass

@@ -14,10 +14,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
-from fastdeploy_r3.logprobs import PromptLogprobs, TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 
@@ -52,6 +48,9 @@ class WeightVersionEvent:
 
 @dataclass
 class Request:
+    """The scheduler's view of one sequence: its tokens and cursors. What the caller is owed of it
+    (text, deltas sent, logprobs, R3, how it ended) is the TokenProcessor's (token_processor.OutputState)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -61,46 +60,20 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission, -1 until admitted
     num_preemptions: int = 0
-    # text/stop handling and deltas (TokenProcessor): text decoded but not yet sent, held back while
-    # a stop string could still begin in it; cursors of what the last delta carried
-    detokenizer: IncrementalDetokenizer | None = None
-    pending_text: str = ""
-    num_sent_tokens: int = 0
-    delta_finished: bool = False  # the delta carrying its finish went out
-    num_returned_tokens: int | None = None  # N: output tokens returned to the user, set at finish
-    stop_reason: str | int | None = None
-    error: str | None = None
-    finish_message: str | None = None  # why an aborted request stopped, in words
-    routed_experts: np.ndarray | None = None
+    # prompt logprobs asked for and some prompt position not scored yet: its KV must be computed, so
+    # admission takes no prefix hit (cleared by the TokenProcessor once every position is scored)
+    needs_prompt_logprobs: bool = False
     # weight versions: the one computing this request now, and the updates it lived through
     weight_version: str = ""
     weight_version_events: list[WeightVersionEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.needs_prompt_logprobs = self.sampling_params.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
 
     @property
     def spans_weight_versions(self) -> bool:
         """Some of its tokens, KV or R3 rows come from weights other than the current ones."""
         return any(e.num_output_tokens or e.num_computed_tokens for e in self.weight_version_events)
-    # logprobs (fastdeploy_r3/logprobs.py), when the params ask: one record per output token, and
-    # the prompt's (entry 0 None) filled chunk by chunk; prompt_logprobs_sent once the delta carried them
-    output_logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_logprobs_sent: bool = False
-
-    def __post_init__(self) -> None:
-        if self.sampling_params.logprobs is not None:
-            self.output_logprobs = []
-        if self.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
-
-    @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Prompt logprobs asked for and some position not scored yet (its KV must be computed, not hit)."""
-        return self.prompt_logprobs is not None and any(p is None for p in self.prompt_logprobs[1:])
-
-    def add_prompt_logprobs(self, first_position: int, records: list[TokenLogprob]) -> None:
-        """Entries for prompt positions first_position.. (a recompute after preemption rewrites the same)."""
-        assert self.prompt_logprobs is not None
-        self.prompt_logprobs[first_position : first_position + len(records)] = records
 
     @property
     def num_prompt_tokens(self) -> int:

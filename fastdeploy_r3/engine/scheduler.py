@@ -4,6 +4,12 @@ Each step every scheduled request advances num_computed_tokens towards num_token
 the budget left. Running requests go first (oldest first); when blocks run out the youngest running
 request is preempted (its blocks go back to the pool, cached ones stay cached) and recomputes later.
 Waiting requests are admitted in arrival order, each first looking up its prefix in the cache tiers.
+
+A chunk that reaches the last token samples; its step may append several tokens (token_processor.py),
+the ones before the last having been fed in the same step at the positions after the chunk. Those
+`num_lookahead_tokens` slots are reserved with the chunk (0 while every step appends one token):
+
+    block table:  [ computed | chunk (num_new_tokens) | lookahead ]   the last token sampled is never fed
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the last token, so its logits sample the next one."""
+        """The chunk reaches the last token, so its step samples the next token(s)."""
         return self.start + self.num_new_tokens == self.request.num_tokens
 
 
@@ -53,8 +59,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         max_waiting: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -90,7 +98,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.can_append(req, num_new):
+            slots = num_new + self._lookahead(req, req.num_computed_tokens + num_new)
+            while not self.kv.can_append(req, slots):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -98,7 +107,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req itself was preempted: everything after it already was
-            self.kv.append_slots(req, num_new)
+            self.kv.append_slots(req, slots)
             out.chunks.append(ScheduledChunk(req, num_new))
             scheduled.add(req.request_id)
             budget -= num_new
@@ -122,10 +131,11 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv.can_admit(hit, num_new):
+            look = self._lookahead(req, hit_tokens + num_new)
+            if not self.kv.can_admit(hit, num_new + look):
                 break
             self.waiting.remove(req)
-            num_computed = self.kv.admit(req, hit, num_new)
+            num_computed = self.kv.admit(req, hit, num_new + look)
             # a failed load leaves fewer usable tokens; the allocated blocks bound what we compute now
             covered = hit_tokens + num_new
             req.num_computed_tokens = num_computed
@@ -141,9 +151,17 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance cursors of what was computed; register newly full blocks in the prefix cache."""
         for chunk in out.chunks:
-            req = chunk.request
-            req.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_computed_blocks(req)
+            self.advance(chunk.request, chunk.num_new_tokens)
+
+    def advance(self, req: Request, num_tokens: int) -> None:
+        """num_tokens more of the request's tokens have KV (and R3 rows) written: move its cursor and
+        register its newly full blocks (a verified draft is computed like a chunk's token)."""
+        req.num_computed_tokens += num_tokens
+        self.kv.cache_computed_blocks(req)
+
+    def _lookahead(self, req: Request, chunk_end: int) -> int:
+        """Slots to reserve past a chunk ending at chunk_end: only a chunk that samples feeds more."""
+        return self.num_lookahead_tokens if chunk_end == req.num_tokens else 0
 
     def release(self, req: Request, status: RequestStatus) -> None:
         """Leave the queues and give the blocks back. R3 must have been gathered before this."""

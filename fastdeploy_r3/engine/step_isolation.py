@@ -22,29 +22,30 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from fastdeploy_r3.logprobs import TokenLogprob
+from fastdeploy_r3.worker.messages import WorkerError
 
 C = TypeVar("C")
 
 
 @dataclass
 class StepAttempt:
-    """The outcome of one run of a batch: by request id, sampled tokens, the sampled tokens' logprob
+    """The outcome of one run of a batch: by request id, the tokens sampled (one or more), their logprob
     records and prompt logprobs (worker/messages.StepOutput's); or the worker's error."""
 
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
-    error: str | None = None
+    error: WorkerError | None = None
 
 
 @dataclass
 class IsolatedStep(Generic[C]):
     """What a step produced once failures were isolated: the successful attempts' results, merged."""
 
-    sampled: dict[str, int]
-    failed: list[tuple[C, str]]  # (chunk, error of the smallest batch that still failed: itself)
+    sampled: dict[str, list[int]]
+    failed: list[tuple[C, WorkerError]]  # (chunk, error of the smallest batch that still failed: itself)
     num_attempts: int
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
     @property
@@ -59,7 +60,7 @@ def run_isolating_failures(chunks: list[C], run: Callable[[list[C], bool], StepA
     whole-batch attempt (the caller sends per-step bookkeeping such as finished request ids once).
     """
     done = StepAttempt()
-    failed: list[tuple[C, str]] = []
+    failed: list[tuple[C, WorkerError]] = []
     attempts = 0
 
     def attempt(batch: list[C], retry: bool) -> None:

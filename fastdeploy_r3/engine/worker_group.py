@@ -16,11 +16,16 @@ from typing import Any
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
+from fastdeploy_r3.worker.messages import WorkerFailed
 
 
 class WorkerGroup:
-    def __init__(self, config: EngineConfig, engine_suffix: str, also_check: Callable[[], None] = lambda: None) -> None:
-        """Spawn the ranks. `also_check` runs while waiting for answers (the engine's other children)."""
+    def __init__(
+        self, config: EngineConfig, engine_suffix: str, also_check: Callable[[], None] = lambda: None,
+        runner_cls: type | None = None,
+    ) -> None:
+        """Spawn the ranks. `also_check` runs while waiting for answers (the engine's other children);
+        runner_cls: the ranks' model runner, ModelRunner unless given (importable by the spawned ranks)."""
         from fastdeploy_r3.distributed.parallel_state import free_init_method
         from fastdeploy_r3.spawn import spawn_context, start_process
         from fastdeploy_r3.worker.worker_process import worker_main
@@ -33,7 +38,7 @@ class WorkerGroup:
         dist_init_method = free_init_method()  # the ranks' TP group rendezvous
         for rank in range(world):
             parent, child = spawn_context().Pipe()
-            args = (config, rank, world, engine_suffix, child, dist_init_method)
+            args = (config, rank, world, engine_suffix, child, dist_init_method, runner_cls)
             self._procs.append(start_process(worker_main, args, name=f"fdr3-worker{rank}"))
             child.close()  # so that a dead worker reads as EOF here
             self._conns.append(parent)
@@ -78,8 +83,8 @@ class WorkerGroup:
             msg = conn.recv()
         except (EOFError, OSError) as e:
             raise self._gone(rank) from e
-        if isinstance(msg, BaseException):  # a rank that failed to start sends its error
-            raise EngineDeadError(str(msg))
+        if isinstance(msg, WorkerFailed):  # a rank that failed to start says why, then exits
+            raise EngineDeadError(msg.describe())
         return msg
 
     def _gone(self, rank: int) -> EngineDeadError:

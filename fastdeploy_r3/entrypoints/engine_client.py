@@ -38,6 +38,7 @@ from fastdeploy_r3.engine.messages import (
     EngineInfo,
     EngineReady,
     EngineStartupFailed,
+    ErrorKind,
     HealthQuery,
     HealthReply,
     MetricsQuery,
@@ -69,6 +70,14 @@ class EngineRequestError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The engine's waiting queue is full; retry the request later (HTTP 429)."""
+
+
+# what a RequestRejected of each kind raises in the caller of generate()
+_REJECTIONS: dict[ErrorKind, type[Exception]] = {
+    ErrorKind.INVALID: InvalidRequestError,
+    ErrorKind.OVERLOADED: EngineOverloadedError,
+    ErrorKind.FAILED: EngineRequestError,
+}
 
 
 class AsyncEngineClient:
@@ -257,12 +266,7 @@ class AsyncEngineClient:
             elif isinstance(msg, RequestRejected):
                 q = self._queues.get(msg.request_id)
                 if q is not None:
-                    err: Exception = EngineRequestError(msg.message)
-                    if msg.invalid:
-                        err = InvalidRequestError(msg.message)
-                    elif msg.overloaded:
-                        err = EngineOverloadedError(msg.message)
-                    q.put_nowait(err)
+                    q.put_nowait(_REJECTIONS[msg.kind](msg.message))
             elif isinstance(msg, (MetricsReply, HealthReply, ControlReply)):
                 fut = self._replies.pop(msg.query_id, None)
                 if fut is not None and not fut.done():

@@ -1,6 +1,7 @@
 """A step's model inputs, built with numpy on the host and sent to the device in ONE copy.
 
-Shape legend: B = requests in the step, T = tokens, MB = widest block table.
+Shape legend: B = requests in the step, T = tokens, MB = widest block table, S = rows that sample
+(a sampling request's last num_sample_rows rows: one, or a verify step's drafts and the row before them).
 
     staging (pinned on CUDA, int64):
         [ input_ids T | positions T | slot_mapping T | tags T | block_tables B*MB | sample_idx S |
@@ -15,12 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from fastdeploy_r3.cache_manager.slots import slots_of
 from fastdeploy_r3.worker.messages import ScheduledRequestData
+
+
+class SampleRow(NamedTuple):  # a tuple: one is built per sampling row per step, on the hot path
+    """A token row whose logits sample: its index in the step, its request, and the position of the
+    token it draws (the row's position + 1: the draw's counter and the min_tokens count)."""
+
+    row: int
+    request: ScheduledRequestData
+    position: int
 
 
 @dataclass
@@ -40,7 +51,7 @@ class StepInputs:
     query_start_loc: list[int]  # [B + 1]
     query_lens: list[int]  # [B]
     seq_lens: list[int]  # [B]
-    sample_rows: list[tuple[int, ScheduledRequestData]]  # (token row whose logits sample, request)
+    sample_rows: list[SampleRow]  # [S], in row order
 
 
 class InputBatcher:
@@ -66,7 +77,11 @@ class InputBatcher:
         num_tokens = query_start_loc[-1]
         max_blocks = max(len(r.block_table) for r in requests)
         num_reqs = len(requests)
-        num_sample = sum(1 for r in requests if r.sample)
+        for r in requests:
+            if r.sample and not 1 <= r.num_sample_rows <= len(r.token_ids):
+                raise ValueError(f"request {r.request_id} samples {r.num_sample_rows} rows of a "
+                                 f"{len(r.token_ids)}-token chunk; use 1 to {len(r.token_ids)}")
+        num_sample = sum(r.num_sample_rows for r in requests if r.sample)
         table_end = 4 * num_tokens + num_reqs * max_blocks
         sample_end = table_end + num_sample
         buf = self._staging_buffer(sample_end + 2 * num_reqs + 1)
@@ -75,7 +90,7 @@ class InputBatcher:
         ids, positions, slots, tags = (buf[i * num_tokens : (i + 1) * num_tokens] for i in range(4))
         tables = buf[4 * num_tokens : table_end].reshape(num_reqs, max_blocks)
         tables[:] = 0
-        sample_rows: list[tuple[int, ScheduledRequestData]] = []
+        sample_rows: list[SampleRow] = []
         for b, r in enumerate(requests):
             lo, hi = query_start_loc[b], query_start_loc[b + 1]
             table = np.asarray(r.block_table, dtype=np.int64)
@@ -87,8 +102,9 @@ class InputBatcher:
             tags[lo:hi] = np.asarray(r.block_tags, dtype=np.int64)[block_idx]
             tables[b, : len(table)] = table
             if r.sample:
-                buf[table_end + len(sample_rows)] = hi - 1
-                sample_rows.append((hi - 1, r))
+                for row in range(hi - r.num_sample_rows, hi):
+                    buf[table_end + len(sample_rows)] = row
+                    sample_rows.append(SampleRow(row, r, r.start_pos + (row - lo) + 1))
         host = self._staging[: buf.shape[0]]
         if self.device.type == "cuda":
             dev = host.to(self.device, non_blocking=True)

@@ -2,8 +2,9 @@
 
     engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown;
                        between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup
-    worker -> engine   WorkerReady (or the exception that stopped start-up), StepOutput,
-                       WeightUpdateResult
+    worker -> engine   WorkerReady (or WorkerFailed: the error that stopped the rank), RoutingAttached,
+                       StepOutput, WeightUpdateResult
+    a failed step      StepOutput.error: a WorkerError (kind + message), never a string to re-parse
 
 `Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
 """
@@ -19,8 +20,9 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = [
-    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "ScheduledRequestData", "Shutdown",
-    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerReady",
+    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "RoutingAttached",
+    "ScheduledRequestData", "Shutdown",
+    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerError", "WorkerFailed", "WorkerReady",
 ]
 
 
@@ -29,11 +31,49 @@ class WorkerReady:
     rank: int
     num_gpu_blocks: int
     kv_spec: KVCacheSpec
+    # positions past a sampling chunk that one step may feed (drafts it verifies): the engine reserves
+    # their KV slots and R3 rows with the chunk; 0 while a step appends one token per request
+    num_lookahead_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """An exception raised by a step on a worker rank. `kind` is its type name (what the engine tells
+    the user a request failed of), `message` its text (for the engine log)."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> WorkerError:
+        return cls(type(e).__name__, str(e))
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass
+class WorkerFailed:
+    """The rank stopped on an error outside a step (start-up, attaching the routing buffer); it exits."""
+
+    rank: int
+    error: WorkerError
+    traceback: str = ""
+
+    def describe(self) -> str:
+        return f"worker rank {self.rank} failed to start: {self.error.message}\n{self.traceback}"
 
 
 @dataclass
 class AttachRoutingBuffer:
     spec: RoutingBufferSpec | None
+
+
+@dataclass
+class RoutingAttached:
+    """The rank attached the routing buffer (rank 0 writes R3 into it) and captured its decode graphs."""
+
+    rank: int
 
 
 @dataclass
@@ -45,7 +85,10 @@ class ScheduledRequestData:
     start_pos: int
     block_table: list[int]
     block_tags: list[int]  # routing_tag of each block in block_table
-    sample: bool  # this chunk reaches the last token: sample the next one
+    sample: bool  # this chunk reaches the last token: the step samples the request's next token(s)
+    # when sample: how many of the chunk's last positions sample, each the token after it (1; a verify
+    # step's drafts and the position before them: len(drafts) + 1)
+    num_sample_rows: int = 1
     sampling_params: SamplingParams | None = None  # sent the first time the worker sees the request
     sampling_seed: int | None = None
     # also on the first time only, for what needs more than the chunk (StepSampler): the whole prompt
@@ -65,12 +108,15 @@ class StepInput:
 
 @dataclass
 class StepOutput:
+    """Per request that sampled, its new tokens in order (one or more: a step that verifies drafts
+    returns the accepted ones and a bonus token, every one but the last fed in this step)."""
+
     step_id: int
-    sampled_token_ids: dict[str, int]
-    error: str | None = None
-    # per request that asked: the sampled token's logprob record; and prompt logprobs of the chunk's
+    sampled_token_ids: dict[str, list[int]]
+    error: WorkerError | None = None
+    # per request that asked: one logprob record per sampled token; and prompt logprobs of the chunk's
     # positions as (position of the first entry, entries), entry j scoring prompt token first + j
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    # positions past a sampling chunk that one step feeds (WorkerReady.num_lookahead_tokens): none, since
+    # this runner samples one token per request per step; a runner that verifies drafts feeds its drafts
+    num_lookahead_tokens = 0
+
     def __init__(self, config: EngineConfig, rank: int, world_size: int, engine_suffix: str) -> None:
         self.config = config
         self.rank = rank
@@ -237,7 +241,12 @@ class ModelRunner:
             if inp.sample_rows:
                 if logits is None:
                     logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
-                out.sampled_token_ids, out.logprobs = self.sampler.sample(logits, [r for _, r in inp.sample_rows])
+                ids, records = self.sampler.sample(logits, inp.sample_rows)
+                for i, (row, tok) in enumerate(zip(inp.sample_rows, ids)):  # rows of a request are in order
+                    rid = row.request.request_id
+                    out.sampled_token_ids.setdefault(rid, []).append(tok)
+                    if i in records:
+                        out.logprobs.setdefault(rid, []).append(records[i])
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
                 out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)

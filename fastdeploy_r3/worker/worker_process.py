@@ -4,7 +4,7 @@
       ── spawn(config, rank) ──►     join the TP group, load this rank's shard, size + allocate KV cache
       ◄── WorkerReady(kv_spec) ──
       ── AttachRoutingBuffer ──►     rank 0 attaches routing_host_buffer
-      ◄── True ─────────────────
+      ◄── RoutingAttached ──────
       ── StepInput ────────────►     forward, write R3 rows, sample
       ◄── StepOutput ───────────
       ── InitWeightUpdateGroup / UpdateWeights / DestroyWeightUpdateGroup ►  (between steps)
@@ -38,10 +38,13 @@ from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
+    RoutingAttached,
     Shutdown,
     StepInput,
     StepOutput,
     UpdateWeights,
+    WorkerError,
+    WorkerFailed,
     WorkerReady,
 )
 
@@ -55,8 +58,10 @@ def worker_main(
     engine_suffix: str,
     conn: Connection,
     dist_init_method: str = "",
+    runner_cls: type | None = None,
 ) -> None:
-    """dist_init_method: the TP group's rendezvous (tcp://127.0.0.1:PORT); unused when world_size is 1."""
+    """dist_init_method: the TP group's rendezvous (tcp://127.0.0.1:PORT); unused when world_size is 1.
+    runner_cls: a ModelRunner subclass to run instead (one that feeds more than the chunk per step)."""
     from fastdeploy_r3.distributed.parallel_state import destroy_distributed, init_distributed
     from fastdeploy_r3.worker.model_runner import ModelRunner
 
@@ -72,12 +77,12 @@ def worker_main(
         exit_with_parent(engine_pid)
         name_this_process(f"fdr3-worker{rank}")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        runner = ModelRunner(config, rank, world_size, engine_suffix)
+        runner = (runner_cls or ModelRunner)(config, rank, world_size, engine_suffix)
         init_distributed(rank, world_size, dist_init_method, config.device)
         runner.load_model()
         num_blocks = runner.determine_num_gpu_blocks()
         spec = runner.init_kv_cache(num_blocks)
-        conn.send(WorkerReady(rank, num_blocks, spec))
+        conn.send(WorkerReady(rank, num_blocks, spec, runner.num_lookahead_tokens))
         while True:
             try:
                 msg = conn.recv()
@@ -89,19 +94,19 @@ def worker_main(
             if isinstance(msg, AttachRoutingBuffer):
                 runner.attach_routing(msg.spec)
                 runner.capture_decode_graphs()
-                conn.send(True)
+                conn.send(RoutingAttached(rank))
             elif isinstance(msg, StepInput):
                 try:
                     out = runner.execute(msg)
                 except Exception as e:  # the engine fails the step's requests, the worker lives on
                     logger.exception("step %d failed", msg.step_id)
-                    out = StepOutput(msg.step_id, {}, error=f"{type(e).__name__}: {e}")
+                    out = StepOutput(msg.step_id, {}, error=WorkerError.of(e))
                 conn.send(out)
             elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights)):
                 conn.send(runner.weight_control(msg))
     except Exception as e:
         try:
-            conn.send(RuntimeError(f"worker rank {rank} failed to start: {e}\n{traceback.format_exc()}"))
+            conn.send(WorkerFailed(rank, WorkerError.of(e), traceback.format_exc()))
         except Exception:
             pass
     finally:

@@ -144,16 +144,17 @@ def test_a_lost_cache_transfer_manager_is_replaced_and_costs_no_request(model_di
             engine.add_request(f"r{i}", p, GREEDY)
         tokens: dict[str, list[int]] = {}
         _run_to_end(engine, 6, tokens, max_steps=3)
-        old = engine._transfers.client.pid
+        old = engine.parts.resources.transfers.client.pid
         os.kill(old, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         done = _run_to_end(engine, 6, tokens)
         assert [done[f"r{i}"] for i in range(6)] == reference[:6]
         for _ in range(600):  # the replacement comes up while requests keep going
-            if engine._transfers.client is not None:
+            if engine.parts.resources.transfers.client is not None:
                 break
             engine.step()
             time.sleep(0.05)
-        assert engine._transfers.client is not None and engine._transfers.client.pid != old
+        client = engine.parts.resources.transfers.client
+        assert client is not None and client.pid != old
         assert engine.metrics()["cache_transfer_replacements"] == 1
         engine.add_request("late", prompts[0], GREEDY)
         assert _run_to_end(engine, 1)["late"] == reference[0]

@@ -24,10 +24,14 @@ class ByteTokenizer:
 
 
 class ReleasingScheduler:
-    """What TokenProcessor needs of the Scheduler when R3 is off: release a finished request."""
+    """What TokenProcessor needs of the Scheduler when R3 is off: release a finished request, and
+    advance its cursor over the tokens a multi-token step fed."""
 
     def __init__(self) -> None:
         self.released: list[tuple[str, RequestStatus]] = []
+
+    def advance(self, req: Request, num_tokens: int) -> None:
+        req.num_computed_tokens += num_tokens
 
     def release(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -97,7 +101,7 @@ def test_stop_string_arriving_over_several_tokens_is_never_streamed() -> None:
     req = Request("r", [1], SamplingParams(max_tokens=50, stop=["END"]))
     deltas = feed(tp, req, "okéENDtail")
     assert deltas == ["", "", "", "o", "k", "é", ""]
-    assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == "END"
+    assert req.status is RequestStatus.FINISHED_STOPPED and tp.output(req).stop_reason == "END"
     assert scheduler.released == [("r", RequestStatus.FINISHED_STOPPED)]
     assert req.output_token_ids == list("okéEND".encode())
 
@@ -139,7 +143,7 @@ def test_a_stop_tokens_text_is_trimmed_unless_kept_and_it_stays_in_token_ids() -
         params = SamplingParams(max_tokens=10, stop_token_ids=[ord("!")], include_stop_str_in_output=keep)
         req = Request("r", [1], params)
         assert "".join(feed(tp, req, "ok!more")) == text
-        assert req.output_token_ids == list(b"ok!") and req.stop_reason == ord("!")
+        assert req.output_token_ids == list(b"ok!") and tp.output(req).stop_reason == ord("!")
 
 
 def test_spaces_between_special_tokens_reaches_the_tokenizers_decode() -> None:
@@ -152,3 +156,23 @@ def test_spaces_between_special_tokens_reaches_the_tokenizers_decode() -> None:
                                                spaces_between_special_tokens=flag))
         feed(tp, req, "ab")
         assert tok.kwargs and all(k == expected for k in tok.kwargs)
+
+
+def test_a_stop_string_inside_one_step_s_tokens_drops_the_tokens_after_it() -> None:
+    """One step returns b"aENDxy" (a verify step accepting 5 drafts): the request keeps "aEND", stops
+    with "END", and x, y are never appended; the cursor moves over the 3 kept tokens fed as drafts."""
+    tp = TokenProcessor(ReleasingScheduler(), ByteTokenizer(), eos_token_ids=[], max_model_len=1000, routing=None)  # type: ignore[arg-type]
+    req = Request("r", [1, 2], SamplingParams(max_tokens=50, stop=["END"]))
+    req.num_computed_tokens = 2  # the prompt was fed by this step
+    assert tp.append_tokens(req, list(b"aENDxy")) == 4
+    assert req.output_token_ids == list(b"aEND") and req.num_computed_tokens == 2 + 3
+    assert req.status is RequestStatus.FINISHED_STOPPED and tp.output(req).stop_reason == "END"
+    assert tp.take_delta(req) == ("a", list(b"aEND"))
+
+
+def test_an_eos_inside_one_step_s_tokens_before_min_tokens_does_not_stop() -> None:
+    """min_tokens=3, eos=9: [9, 5, 9, 7] stops at the second 9 (the third token), 7 is dropped."""
+    tp = TokenProcessor(ReleasingScheduler(), None, eos_token_ids=[9], max_model_len=1000, routing=None)  # type: ignore[arg-type]
+    req = Request("r", [1], SamplingParams(max_tokens=50, min_tokens=3))
+    assert tp.append_tokens(req, [9, 5, 9, 7]) == 3
+    assert req.output_token_ids == [9, 5, 9] and req.status is RequestStatus.FINISHED_STOPPED

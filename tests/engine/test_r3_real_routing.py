@@ -215,7 +215,7 @@ def test_stale_tag_on_a_cached_prefix_block_fails_closed(tiered: LLM, alone: Alo
     block = tiered.engine.kv.gpu.cached_block(_prefix_hashes(tiered, PREFIX2)[2])
     assert block is not None
     slot = block.block_id * BS + 1  # row 9 of any request with PREFIX2
-    tags = tiered.engine._routing_host.tags
+    tags = tiered.engine.parts.resources.routing_host.tags
     tags[slot] = block.routing_tag + 1000
 
     failures = tiered.engine.metrics()["r3_failures"]

@@ -74,7 +74,7 @@ def test_sigkilled_engine_leaves_no_children_and_no_shared_memory(model_dir: str
                   routing_replay_config={{"enable_routing_replay": True}})
         llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)
         eng = llm.engine
-        print(eng.suffix, eng.workers.pids[0], eng._transfers.client.pid, flush=True)
+        print(eng.suffix, eng.workers.pids[0], eng.parts.resources.transfers.client.pid, flush=True)
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

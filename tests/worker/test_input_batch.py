@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from fastdeploy_r3.worker.input_batch import InputBatcher
@@ -24,8 +27,20 @@ def test_two_requests_prefill_chunk_and_decode() -> None:
     assert inp.sample_idx.tolist() == [5]
     assert inp.seq_lens_tensor.tolist() == [5, 10] and inp.query_start_loc_tensor.tolist() == [0, 5, 6]
     assert inp.seq_lens_tensor.dtype == torch.int32
-    assert [r.request_id for _, r in inp.sample_rows] == ["b"]
+    assert [(s.row, s.request.request_id, s.position) for s in inp.sample_rows] == [(5, "b", 10)]
     assert (inp.query_start_loc, inp.query_lens, inp.seq_lens) == ([0, 5, 6], [5, 1], [5, 10])
     # the next step refills the staging buffer; this step's tensors do not change under it
     batcher.prepare([ScheduledRequestData("c", [1], 0, [4], [40], sample=True)])
     assert inp.input_ids.tolist() == [11, 12, 13, 14, 15, 99]
+
+
+def test_a_verify_chunk_samples_its_last_rows_each_drawing_the_next_position() -> None:
+    """'v' feeds [5, 6, 7] at positions 8..10 with num_sample_rows=3 (two drafts and the token before
+    them): rows 1..3 sample, drawing positions 9, 10, 11; 'a' before it samples its last row only."""
+    a = ScheduledRequestData("a", [1], 3, [0], [1], sample=True)
+    v = ScheduledRequestData("v", [5, 6, 7], 8, [4, 6, 9], [40, 60, 90], sample=True, num_sample_rows=3)
+    inp = InputBatcher(block_size=4, device=torch.device("cpu")).prepare([a, v])
+    assert inp.sample_idx.tolist() == [0, 1, 2, 3]
+    assert [(s.request.request_id, s.position) for s in inp.sample_rows] == [("a", 4), ("v", 9), ("v", 10), ("v", 11)]
+    with pytest.raises(ValueError, match="samples 4 rows of a 3-token chunk"):
+        InputBatcher(block_size=4, device=torch.device("cpu")).prepare([replace(v, num_sample_rows=4)])

@@ -8,37 +8,42 @@ import pytest
 import torch
 
 from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.input_batch import SampleRow
 from fastdeploy_r3.worker.messages import ScheduledRequestData
 from fastdeploy_r3.worker.sample.sampler import NonFiniteLogitsError, StepSampler
 
 V = 8
 
 
-def _row(rid: str, params: SamplingParams) -> ScheduledRequestData:
-    return ScheduledRequestData(rid, [1, 2], 0, [0], [0], True, params, sampling_seed=7, num_prompt_tokens=2,
-                                prompt_token_ids=[1, 2])
+def _data(rid: str, params: SamplingParams) -> ScheduledRequestData:
+    return ScheduledRequestData(rid, [1, 2], 0, [0], [0], True, sampling_params=params, sampling_seed=7,
+                                num_prompt_tokens=2, prompt_token_ids=[1, 2])
+
+
+def _row(index: int, rid: str, params: SamplingParams) -> SampleRow:
+    return SampleRow(index, _data(rid, params), 2)  # the prompt's last row draws position 2
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_a_row_of_non_finite_logits_fails_alone_and_counts_nothing(poison: float) -> None:
     sampler = StepSampler(V, 4, torch.device("cpu"))
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=0)
-    rows = [_row("good", penalised), _row("bad", SamplingParams(temperature=1.0))]
+    rows = [_row(0, "good", penalised), _row(1, "bad", SamplingParams(temperature=1.0))]
     for r in rows:
-        sampler.remember(r)
+        sampler.remember(r.request)
     logits = torch.arange(2 * V, dtype=torch.float32).reshape(2, V)
     logits[1, 3] = poison
     with pytest.raises(NonFiniteLogitsError, match="request\\(s\\) bad;"):
         sampler.sample(logits.clone(), rows)
     assert int(sampler.stats.stack(["good"])[1].sum()) == 0  # the failed step counted no token
     sampled, records = sampler.sample(logits[:1].clone(), rows[:1])  # the re-run without it
-    assert sampled == {"good": V - 1} and records["good"].token_id == V - 1
+    assert sampled == [V - 1] and records[0].token_id == V - 1
     assert int(sampler.stats.stack(["good"])[1].sum()) == 1
 
 
 def test_a_row_with_every_token_masked_has_nothing_to_draw() -> None:
     sampler = StepSampler(V, 4, torch.device("cpu"))
-    row = _row("masked", SamplingParams(temperature=0.0))
-    sampler.remember(row)
+    row = _row(0, "masked", SamplingParams(temperature=0.0))
+    sampler.remember(row.request)
     with pytest.raises(NonFiniteLogitsError, match="masked"):
         sampler.sample(torch.full((1, V), float("-inf")), [row])

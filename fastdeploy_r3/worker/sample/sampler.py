@@ -24,6 +24,7 @@ import torch
 
 from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.input_batch import SampleRow
 from fastdeploy_r3.worker.messages import ScheduledRequestData
 from fastdeploy_r3.worker.sample.draw import SampledIds, SamplingBatch, sample_batch
 from fastdeploy_r3.worker.sample.logprobs import token_logprobs
@@ -72,51 +73,52 @@ class StepSampler:
         self.stats.remove(request_id)
 
     def sample(
-        self, logits: torch.Tensor, rows: list[ScheduledRequestData]
-    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """logits [S, V] of rows (one per sampling chunk) -> ({request id: token}, {request id: logprob
-        record} for the rows whose params ask for logprobs). Three stages, so that a batched device
-        sampler replaces `draw` alone: process -> draw -> finish."""
+        self, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> tuple[list[int], dict[int, TokenLogprob]]:
+        """logits [S, V] of rows (one or more per sampling request) -> (one token per row, {row index:
+        logprob record} for the rows whose params ask for logprobs). Three stages, so that a batched
+        device sampler replaces `draw` alone: process -> draw -> finish."""
         processed = self.process(logits, rows)  # [S, V]
         ids = self.draw(processed, rows)  # [S]
         return self.finish(processed, rows, ids)
 
-    def process(self, logits: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """logits [S, V] -> float32 logits [S, V] after penalties and min_tokens (the rows without
         either are unchanged); the input may be modified."""
-        return self._process(logits.float(), rows, [self._requests[r.request_id] for r in rows])
+        return self._process(logits.float(), rows, [self._requests[r.request.request_id] for r in rows])
 
-    def draw(self, processed: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
+    def draw(self, processed: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """processed [S, V] -> ids [S] int64 on its device: one batched draw for all rows
         (draw.py: greedy rows take the argmax; the others race a counter-hash noise)."""
-        states = [self._requests[r.request_id] for r in rows]
+        states = [self._requests[r.request.request_id] for r in rows]
         for s, r in zip(states, rows):
             # the batched draw would turn these into silent garbage: raise, so the engine's bisection
             # fails this request alone (SamplingParams refuses them; this guards what bypassed it)
             if not math.isfinite(s.params.temperature) or s.params.temperature < 0:
-                raise ValueError(f"request {r.request_id}: temperature {s.params.temperature} cannot be sampled")
+                raise ValueError(f"request {r.request.request_id}: temperature {s.params.temperature} "
+                                 "cannot be sampled")
         batch = SamplingBatch.build(
             temperature=[0.0 if s.params.greedy else s.params.temperature for s in states],  # floor: greedy
             top_k=[s.params.top_k for s in states],
             top_p=[s.params.top_p for s in states],
             seeds=[s.seed for s in states],
-            counters=[r.start_pos + len(r.token_ids) for r in rows],  # position of the token drawn
+            counters=[r.position for r in rows],  # position of the token drawn
             device=processed.device,
         )
         return sample_batch(processed, batch)
 
     def finish(
-        self, processed: torch.Tensor, rows: list[ScheduledRequestData], ids: torch.Tensor
-    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        self, processed: torch.Tensor, rows: list[SampleRow], ids: torch.Tensor
+    ) -> tuple[list[int], dict[int, TokenLogprob]]:
         """Count the drawn ids [S] for the penalties, take the logprob records the rows asked for
         (from processed [S, V]), and hand both to the host."""
-        states = [self._requests[r.request_id] for r in rows]
+        states = [self._requests[r.request.request_id] for r in rows]
         # a row whose logits hold a NaN or +inf, or no finite value at all, has no distribution to
         # draw from: its id comes back as -1 with the ids (no extra wait) and fails its request
         bad = torch.isnan(processed).any(dim=-1) | ~torch.isfinite(processed.max(dim=-1).values)  # [S]
         # the step's one wait: the ids land in pinned memory (after the R3 scatter on the same stream)
-        fetched = self._sampled_ids.fetch(torch.where(bad, -1, ids))
-        culprits = [r.request_id for r, tok in zip(rows, fetched) if tok < 0]
+        sampled = self._sampled_ids.fetch(torch.where(bad, -1, ids))
+        culprits = list(dict.fromkeys(r.request.request_id for r, tok in zip(rows, sampled) if tok < 0))
         if culprits:
             # raised before the penalty counts move, so the engine's re-run of the other rows
             # (engine/step_isolation.py) counts their tokens once
@@ -124,17 +126,16 @@ class StepSampler:
                 f"the model produced non-finite logits (NaN or inf) for the next token of request(s) "
                 f"{', '.join(culprits)}; nothing can be sampled from them (check the weights and the input)"
             )
-        self.stats.record([r.request_id for r in rows], ids)
-        sampled = {r.request_id: tok for r, tok in zip(rows, fetched)}
+        self.stats.record([r.request.request_id for r in rows], ids)
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        records: dict[str, TokenLogprob] = {}
+        records: dict[int, TokenLogprob] = {}
         if want:
             records = self._logprob_records(processed, rows, states, ids, want)
         return sampled, records
 
-    def _logprob_records(self, processed: torch.Tensor, rows: list[ScheduledRequestData],
-                         states: list[_RequestState], ids: torch.Tensor, want: list[int]) -> dict[str, TokenLogprob]:
-        """TokenLogprob of rows `want` (indices into rows), with the extras their params ask for."""
+    def _logprob_records(self, processed: torch.Tensor, rows: list[SampleRow],
+                         states: list[_RequestState], ids: torch.Tensor, want: list[int]) -> dict[int, TokenLogprob]:
+        """TokenLogprob of rows `want` (indices into rows, keying the answer) with the extras asked for."""
         device = processed.device
         idx = torch.tensor(want, dtype=torch.int64, device=device)  # [S']
         params = [states[i].params for i in want]
@@ -148,15 +149,15 @@ class StepSampler:
                                              [0] * len(want), [0] * len(want), device)
         res = token_logprobs(processed[idx], ids[idx], max(nums), torch.tensor(temps, device=device),
                              entropy=any(entropy), truncation=truncation).to_host(nums, entropy, kept)
-        return {rows[i].request_id: rec for i, rec in zip(want, res)}
+        return dict(zip(want, res))
 
-    def _process(self, logits: torch.Tensor, rows: list[ScheduledRequestData],
-                 states: list[_RequestState]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, rows: list[SampleRow], states: list[_RequestState]) -> torch.Tensor:
         """Penalties and min_tokens on logits [S, V], in place on the rows that have them."""
         pen = [i for i, s in enumerate(states) if s.params.has_penalties]
         if pen:
             idx = torch.tensor(pen, dtype=torch.int64, device=logits.device)  # [S']
-            mask, counts = self.stats.stack([rows[i].request_id for i in pen])  # [S', V] each
+            # counts of the tokens sampled before this step (a verify step's drafts are not among them)
+            mask, counts = self.stats.stack([rows[i].request.request_id for i in pen])  # [S', V] each
 
             def per_row(name: str) -> torch.Tensor:
                 return torch.tensor([getattr(states[i].params, name) for i in pen], dtype=torch.float32,
@@ -167,7 +168,7 @@ class StepSampler:
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for i, (r, s) in enumerate(zip(rows, states)):
-            num_output = r.start_pos + len(r.token_ids) - s.num_prompt_tokens  # tokens generated so far
+            num_output = r.position - s.num_prompt_tokens  # tokens generated before the one drawn
             if num_output < s.params.min_tokens:
                 ban_rows.extend([i] * len(s.min_tokens_stop_ids))
                 ban_ids.extend(s.min_tokens_stop_ids)
