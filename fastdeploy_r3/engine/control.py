@@ -13,20 +13,36 @@ One weight update, between two engine steps:
                            (`weight_versions`) and `spans_weight_versions`, never a silent mix
 
 A failure after some parameters changed leaves no trustworthy weights: every request in flight is
-aborted with that message, and new ones are refused until an update succeeds.
+aborted with that message, and new ones are refused until an update succeeds. A refused update
+(nothing changed) aborts nothing: `abort_all_requests` takes effect only once the new weights are in,
+before the next step runs, so no request ever computes with them.
+
+Versions: the caller's name, else the next integer (a counter, never a concatenation). The current
+name again is idempotent (nothing reloaded) unless `force`, which reloads under a fresh internal
+cache root, so KV of the replaced weights is never hit although the name stays.
+
+A control call waits for the workers while the engine keeps heartbeating (`heartbeat`, run by the
+engine loop: the API server's stall watchdog sees an engine at work, and health queries are answered);
+the workers bound each blocking step (rendezvous, broadcast) by worker_step_timeout_s, shorter than
+that watchdog, and tear a stalled group down.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
+from fastdeploy_r3.engine.memory_control import MemoryControl
+from fastdeploy_r3.engine.messages import WeightsReport
 from fastdeploy_r3.engine.request import WeightVersionEvent
 from fastdeploy_r3.worker.messages import (
+    ChecksumWeights,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
     UpdateWeights,
+    WeightsChecksum,
     WeightUpdateResult,
 )
 
@@ -35,7 +51,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "in_place")
+PAUSE_MODES = ("abort", "in_place", "retract")
 # a rendezvous waits for the trainer; a broadcast of a large model takes a while
 _WEIGHT_CALL_TIMEOUT_S = 3600.0
 
@@ -45,9 +61,10 @@ class EngineControlError(RuntimeError):
 
     invalid: the command itself was wrong (HTTP 400); otherwise carrying it out failed (HTTP 500)."""
 
-    def __init__(self, message: str, invalid: bool = True) -> None:
+    def __init__(self, message: str, invalid: bool = True, status: int | None = None) -> None:
         super().__init__(message)
         self.invalid = invalid
+        self.status = status  # 409: the engine's state forbids it now (requests in flight, memory released)
 
 
 class EngineControl:
@@ -56,6 +73,12 @@ class EngineControl:
         self.paused: str | None = None  # the pause mode while /pause_generation holds the engine
         self.weights_broken: str | None = None
         self.num_weight_updates = 0
+        self.memory = MemoryControl(self)
+        self.heartbeat: Callable[[], None] | None = None  # set by the engine loop: runs while workers work
+        self.update_session_open = False  # between /begin_weight_update and /end_weight_update
+        self.last_update_reloaded = True  # False: the last update named the current version, nothing reloaded
+        self._weights_snapshot: list[dict[str, str]] | None = None
+        self._version_counter = int(svc.weight_version) if svc.weight_version.isdigit() else 0
 
     # -- pause --------------------------------------------------------------------------------------
 
@@ -67,6 +90,10 @@ class EngineControl:
         n = len(self.svc.request_ids())
         if mode == "abort":
             self.abort_all("aborted by /pause_generation (mode 'abort')")
+        elif mode == "retract":
+            # back to waiting with their KV freed (cached blocks stay cached): after continue_generation they
+            # recompute, their R3 rows recomputed with them, under whatever weights are current then
+            self.svc.scheduler.retract_running()
         self.paused = mode
         return n
 
@@ -83,47 +110,104 @@ class EngineControl:
     # -- weight update groups -------------------------------------------------------------------------
 
     def init_weight_update_group(self, cmd: InitWeightUpdateGroup) -> None:
-        self._raise_on_errors(self._call_workers(cmd), f"joining weight update group {cmd.group_name!r}")
+        self._raise_on_errors(self.call_workers(cmd), f"joining weight update group {cmd.group_name!r}")
 
     def destroy_weight_update_group(self, cmd: DestroyWeightUpdateGroup) -> None:
-        self._raise_on_errors(self._call_workers(cmd), f"leaving weight update group {cmd.group_name!r}")
+        self._raise_on_errors(self.call_workers(cmd), f"leaving weight update group {cmd.group_name!r}")
 
     # -- weight updates -----------------------------------------------------------------------------
 
-    def update_weights(self, source: UpdateWeights, weight_version: str | None, abort_all_requests: bool) -> str:
+    def update_weights(
+        self, source: UpdateWeights, weight_version: str | None, abort_all_requests: bool, force: bool = False
+    ) -> str:
         """Load new weights on every rank and make weight_version (default: the next one) current.
 
         The prefix caches are always flushed (SGLang's flush_cache=False has no meaning here: entries of
         the old version could never be hit again, so keeping them would only hold blocks)."""
         old = self.svc.weight_version
+        if weight_version is not None and weight_version == old and not force and self.weights_broken is None \
+                and not self.memory.weights_missing:
+            self.last_update_reloaded = False  # a trainer re-syncing a running engine: already there
+            return old
         new = self._next_version(old) if weight_version is None else weight_version
-        if new == old:
-            raise EngineControlError(
-                f"weight_version {new!r} is the current version; pass a new one: it roots the prefix cache, "
-                "so reusing it would serve KV and R3 of the old weights"
-            )
         if not new or len(new) > 128:
             raise EngineControlError(f"weight_version {new!r}: use 1-128 characters")
-        if abort_all_requests:
-            self.abort_all("aborted for a weight update (abort_all_requests)")
-        results = self._call_workers(source)
+        if "weights" in self.memory.released:
+            raise EngineControlError("the weights are released; call /resume_memory_occupation with the 'weights' "
+                                     "tag first", status=409)
+        results = self.call_workers(source)
         changed = any(r.weights_changed or (r.error is None and r.num_tensors) for r in results)
         errors = [r.error for r in results if r.error]
         if errors:
             if changed:
                 self._break_weights(f"a weight update failed half way and left old and new weights mixed: {errors[0]}")
             raise EngineControlError(errors[0], invalid=not changed)
-        self._advance_version(old, new)
+        if abort_all_requests:  # after the load, before any step: no request computes with the new weights
+            self.abort_all("aborted for a weight update (abort_all_requests)")
+        self._advance_version(old, new, reload=new == old)
+        self.memory.weights_filled()
+        self.last_update_reloaded = True
         return new
+
+    def update_weight_version(self, new: str, abort_all_requests: bool) -> bool:
+        """Name the current weights `new` (SGLang's /update_weight_version); False: it already was."""
+        old = self.svc.weight_version
+        if new == old:
+            return False
+        if not new or len(new) > 128:
+            raise EngineControlError(f"new_version {new!r}: use 1-128 characters")
+        if abort_all_requests:
+            self.abort_all("aborted for a weight version change (abort_all_requests)")
+        self._advance_version(old, new)
+        return True
+
+    def check_weights(self, action: str, skip: list[str]) -> tuple[bool, str, WeightsReport]:
+        """/weights_checker (engine/weight_check.py says the algorithm)."""
+        from fastdeploy_r3.engine import weight_check
+
+        if action not in weight_check.ACTIONS:
+            raise EngineControlError(f"weights_checker action {action!r} is not supported; use one of "
+                                     f"{', '.join(weight_check.ACTIONS)}")
+        if "weights" in self.memory.released:
+            raise EngineControlError("the weights are released; resume them first", status=409)
+        results: list[WeightsChecksum] = self.call_workers(ChecksumWeights())
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise EngineControlError("; ".join(errors), invalid=False)
+        per_rank = [r.checksums for r in results]
+        if action == "snapshot":
+            self._weights_snapshot = per_rank
+            return True, "snapshot taken (sha256 per parameter per rank)", weight_check.report(per_rank)
+        if action == "compare":
+            if self._weights_snapshot is None:
+                raise EngineControlError("no snapshot to compare with; call action 'snapshot' first")
+            diff = weight_check.compare(self._weights_snapshot, per_rank, skip)
+            message = "weights equal the snapshot" if not diff else f"{len(diff)} parameters differ from the snapshot"
+            return not diff, message, weight_check.report(per_rank, diff)
+        return True, "sha256 per parameter per rank", weight_check.report(per_rank)
 
     def check_weights_usable(self) -> None:
         if self.weights_broken is not None:
             raise EngineControlError(f"{self.weights_broken}; push a complete update before sending requests",
-                                     invalid=False)
+                                     invalid=False, status=503)
+        why = self.memory.unavailable()
+        if why is not None:
+            raise EngineControlError(why, invalid=False, status=503)
+
+    def health(self) -> dict[str, str]:
+        """What /health should say about the control plane: {"weights": why requests are refused, ...}."""
+        out = {}
+        if self.weights_broken is not None:
+            out["weights"] = f"{self.weights_broken}; push a complete update"
+        elif (why := self.memory.unavailable()) is not None:
+            out["memory"] = why
+        if self.paused is not None:
+            out["paused"] = f"generation is paused ({self.paused}); /continue_generation resumes it"
+        return out
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _advance_version(self, old: str, new: str) -> None:
+    def _advance_version(self, old: str, new: str, reload: bool = False) -> None:
         svc = self.svc
         for req in svc.unfinished_requests():
             req.weight_version_events.append(
@@ -132,22 +216,29 @@ class EngineControl:
             req.weight_version = new
         mc = svc.config.model_config
         mc.weight_version = new
-        svc.kv.reset_root(root_hash(mc.model_identity, new))
+        # a forced reload under the same name gets a root of its own: KV of the replaced weights is never hit
+        root_version = f"{new}\x00reload{self.num_weight_updates + 1}" if reload else new
+        svc.kv.reset_root(root_hash(mc.model_identity, root_version))
         self.weights_broken = None
         self.num_weight_updates += 1
         logger.info("weight version %s -> %s", old, new)
 
     def _next_version(self, old: str) -> str:
-        return str(int(old) + 1) if old.isdigit() else f"{old}+{self.num_weight_updates + 1}"
+        """The counter's next integer, never concatenated onto the old name."""
+        if old.isdigit():
+            self._version_counter = max(self._version_counter, int(old))
+        self._version_counter += 1
+        return str(self._version_counter)
 
     def _break_weights(self, message: str) -> None:
         self.weights_broken = message
         logger.error(message)
         self.abort_all(message)
 
-    def _call_workers(self, msg: object) -> list[WeightUpdateResult]:
+    def call_workers(self, msg: object) -> list:
+        """Every rank's answer to a control message; the engine heartbeats while they work."""
         assert self.svc.workers is not None
-        return self.svc.workers.call(msg, timeout=_WEIGHT_CALL_TIMEOUT_S)
+        return self.svc.workers.call(msg, timeout=_WEIGHT_CALL_TIMEOUT_S, while_waiting=self.heartbeat)
 
     @staticmethod
     def _raise_on_errors(results: list[WeightUpdateResult], what: str) -> None:

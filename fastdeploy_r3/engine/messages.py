@@ -25,7 +25,8 @@ __all__ = [
     "AbortRequest", "AddRequest", "ContinueGeneration", "ControlCommand", "ControlReply", "ControlRequest",
     "EngineCrashed", "EngineInfo", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
     "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "PauseGeneration",
-    "RequestRejected", "Shutdown", "WeightUpdate",
+    "ReleaseMemoryOccupation", "RequestRejected", "ResumeMemoryOccupation", "Shutdown", "UpdateWeightVersion",
+    "WeightUpdate", "WeightUpdateSession", "WeightsCheck", "WeightsReport",
 ]
 
 
@@ -58,7 +59,7 @@ class HealthQuery:
 
 @dataclass
 class PauseGeneration:
-    mode: str  # "abort" | "in_place"
+    mode: str  # "abort" | "in_place" | "retract"
 
 
 @dataclass
@@ -81,11 +82,46 @@ class WeightUpdate:
     source: UpdateWeights
     weight_version: str | None
     abort_all_requests: bool
+    force: bool = False  # reload even when weight_version is the current one (else: 200, nothing reloaded)
+
+
+@dataclass
+class UpdateWeightVersion:
+    """Name the weights in place (SGLang's /update_weight_version): a new version roots every cache."""
+
+    new_version: str
+    abort_all_requests: bool = False
+
+
+@dataclass
+class ReleaseMemoryOccupation:
+    tags: list[str]  # of worker/messages.py MEMORY_TAGS
+
+
+@dataclass
+class ResumeMemoryOccupation:
+    tags: list[str]
+
+
+@dataclass
+class WeightsCheck:
+    """/weights_checker: "checksum" | "snapshot" (remember the checksums) | "compare" (against the snapshot)."""
+
+    action: str
+    skip: list[str] = field(default_factory=list)  # parameter names left out of the comparison
+
+
+@dataclass
+class WeightUpdateSession:
+    """/begin_weight_update (begin=True) and /end_weight_update."""
+
+    begin: bool
 
 
 ControlCommand = (
     PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate
-    | InitWeightUpdateGroup | DestroyWeightUpdateGroup
+    | InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeightVersion | ReleaseMemoryOccupation
+    | ResumeMemoryOccupation | WeightsCheck | WeightUpdateSession
 )
 
 
@@ -139,6 +175,7 @@ class RequestRejected:
     message: str
     invalid: bool  # True: the request was bad (HTTP 400); False: the engine failed (HTTP 500)
     overloaded: bool = False  # the waiting queue is full: retry later (HTTP 429)
+    unavailable: bool = False  # the engine cannot serve now (weights broken, memory released): HTTP 503
 
 
 @dataclass
@@ -163,12 +200,23 @@ class EngineState:
 
 
 @dataclass
+class WeightsReport:
+    """What /weights_checker found: SHA-256 per parameter per TP rank, and one digest of them all."""
+
+    checksums: list[dict[str, str]]  # per rank: parameter name -> sha256 hex of its bytes
+    engine_checksum: str  # sha256 over every rank's sorted (name, digest) pairs
+    mismatched: list[str] = field(default_factory=list)  # "compare": parameters that differ from the snapshot
+
+
+@dataclass
 class ControlReply:
     query_id: int
     success: bool
     message: str
     state: EngineState
     invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
+    status: int | None = None  # an HTTP status other than 200/400/500 (409: conflicts with the engine's state)
+    report: WeightsReport | None = None
 
 
 @dataclass

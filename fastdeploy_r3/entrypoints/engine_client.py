@@ -67,6 +67,10 @@ class EngineRequestError(RuntimeError):
     """The engine refused a request for a reason other than bad input."""
 
 
+class EngineUnavailableError(EngineRequestError):
+    """The engine is alive but cannot serve now (memory released, weights missing or broken): HTTP 503."""
+
+
 class EngineOverloadedError(RuntimeError):
     """The engine's waiting queue is full; retry the request later (HTTP 429)."""
 
@@ -254,6 +258,8 @@ class AsyncEngineClient:
                         err = InvalidRequestError(msg.message)
                     elif msg.overloaded:
                         err = EngineOverloadedError(msg.message)
+                    elif msg.unavailable:
+                        err = EngineUnavailableError(msg.message)
                     q.put_nowait(err)
             elif isinstance(msg, (MetricsReply, HealthReply, ControlReply)):
                 fut = self._replies.pop(msg.query_id, None)

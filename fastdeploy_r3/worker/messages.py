@@ -1,9 +1,10 @@
 """Every message between the engine process and its worker processes (pickled over a pipe).
 
     engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown;
-                       between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup
+                       between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup,
+                       ReleaseMemory, ResumeMemory, ChecksumWeights
     worker -> engine   WorkerReady (or the exception that stopped start-up), StepOutput,
-                       WeightUpdateResult
+                       WeightUpdateResult, MemoryResult, WeightsChecksum
 
 `Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
 """
@@ -19,8 +20,9 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = [
-    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "ScheduledRequestData", "Shutdown",
-    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerReady",
+    "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "MemoryResult",
+    "ReleaseMemory", "ResumeMemory", "ScheduledRequestData", "Shutdown", "StepInput", "StepOutput", "UpdateWeights",
+    "WeightUpdateResult", "WeightsChecksum", "WorkerReady",
 ]
 
 
@@ -102,6 +104,10 @@ class UpdateWeights:
     dtypes: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     tensors: list[tuple[str, object]] | None = None  # (HF name, torch.Tensor) for offline LLM.update_weights
+    # SGLang's /update_weights_from_tensor: one MultiprocessingSerializer payload per TP rank (base64 text
+    # or bytes of a pickle whose tensors travel as CUDA IPC handles / shared-memory files, never their data)
+    serialized_named_tensors: list[str | bytes] | None = None
+    load_format: str | None = None  # None | "direct" | "flattened_bucket" (SGLang's names)
 
 
 @dataclass
@@ -110,3 +116,40 @@ class WeightUpdateResult:
     error: str | None = None
     weights_changed: bool = False  # error after some parameters took new values
     num_tensors: int = 0
+
+
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
+@dataclass
+class ReleaseMemory:
+    """Free the memory of `tags` (SGLang's /release_memory_occupation); their contents are gone."""
+
+    tags: list[str]
+
+
+@dataclass
+class ResumeMemory:
+    """Allocate the memory of `tags` again; a resumed KV cache is empty, resumed weights hold no values
+    until a weight update fills them."""
+
+    tags: list[str]
+
+
+@dataclass
+class MemoryResult:
+    rank: int
+    error: str | None = None
+    nbytes: int = 0  # bytes freed (release) or allocated (resume) on this rank
+
+
+@dataclass
+class ChecksumWeights:
+    """SHA-256 of every parameter this rank holds (/weights_checker)."""
+
+
+@dataclass
+class WeightsChecksum:
+    rank: int
+    checksums: dict[str, str] = field(default_factory=dict)  # parameter name -> sha256 hex of its bytes
+    error: str | None = None

@@ -9,6 +9,7 @@
       ◄── StepOutput ───────────
       ── InitWeightUpdateGroup / UpdateWeights / DestroyWeightUpdateGroup ►  (between steps)
       ◄── WeightUpdateResult ───     new weights in place, each rank its shard
+      ── ReleaseMemory / ResumeMemory / ChecksumWeights ►  ◄── MemoryResult / WeightsChecksum
       ── Shutdown / pipe closed ►    free SHM, leave the TP group, exit
 
 Every rank runs every step (its forward all-reduces with the others); only rank 0 samples and writes R3.
@@ -36,8 +37,11 @@ from fastdeploy_r3.lifecycle import (
 )
 from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
+    ChecksumWeights,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
+    ReleaseMemory,
+    ResumeMemory,
     Shutdown,
     StepInput,
     StepOutput,
@@ -97,8 +101,9 @@ def worker_main(
                     logger.exception("step %d failed", msg.step_id)
                     out = StepOutput(msg.step_id, {}, error=f"{type(e).__name__}: {e}")
                 conn.send(out)
-            elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights)):
-                conn.send(runner.weight_control(msg))
+            elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
+                                  ResumeMemory, ChecksumWeights)):
+                conn.send(runner.control(msg))
     except Exception as e:
         try:
             conn.send(RuntimeError(f"worker rank {rank} failed to start: {e}\n{traceback.format_exc()}"))

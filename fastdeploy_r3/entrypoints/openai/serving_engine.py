@@ -27,7 +27,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineOverloadedError, EngineRequestError
+from fastdeploy_r3.entrypoints.engine_client import (
+    AsyncEngineClient,
+    EngineOverloadedError,
+    EngineRequestError,
+    EngineUnavailableError,
+)
 from fastdeploy_r3.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 from fastdeploy_r3.entrypoints.openai.request_limits import FALLBACK_LONGEST_TOKEN_CHARS, PromptCharBound
 from fastdeploy_r3.lifecycle import EngineDeadError
@@ -235,6 +240,8 @@ class OpenAIServing:
         except EngineOverloadedError as e:
             raise OpenAIError(429, f"the server is busy: {e}", "rate_limit_error",
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except EngineUnavailableError as e:  # memory released, weights missing: says what to call
+            raise engine_unavailable(str(e)) from e
         except EngineRequestError as e:
             raise internal_error("the engine could not accept the request", request_id, e) from e
         except EngineDeadError as e:
