@@ -17,9 +17,11 @@ aborted with that message, and new ones are refused until an update succeeds. A 
 (nothing changed) aborts nothing: `abort_all_requests` takes effect only once the new weights are in,
 before the next step runs, so no request ever computes with them.
 
-Versions: the caller's name, else the next integer (a counter, never a concatenation). The current
-name again is idempotent (nothing reloaded) unless `force`, which reloads under a fresh internal
-cache root, so KV of the replaced weights is never hit although the name stays.
+Versions: the caller's name, else the next integer (a counter, never a concatenation). A whole
+checkpoint (disk) under the current name is idempotent (nothing reloaded) unless `force`. Tensors and
+broadcasts arrive in buckets that all name the version being pushed, so under the current name they
+load as its next part. Either reload keeps the name but takes a fresh internal cache root, so KV of
+the replaced weights is never hit.
 
 A control call waits for the workers while the engine keeps heartbeating (`heartbeat`, run by the
 engine loop: the API server's stall watchdog sees an engine at work, and health queries are answered);
@@ -125,9 +127,13 @@ class EngineControl:
         The prefix caches are always flushed (SGLang's flush_cache=False has no meaning here: entries of
         the old version could never be hit again, so keeping them would only hold blocks)."""
         old = self.svc.weight_version
-        if weight_version is not None and weight_version == old and not force and self.weights_broken is None \
+        # A whole checkpoint under the current name is those weights again (a trainer re-syncing a running
+        # engine): nothing to do. Tensors and broadcasts come in buckets, each naming the version being
+        # pushed (slime, miles): under the current name they are the next part of it and always load.
+        whole = source.model_path is not None
+        if weight_version == old and whole and not force and self.weights_broken is None \
                 and not self.memory.weights_missing:
-            self.last_update_reloaded = False  # a trainer re-syncing a running engine: already there
+            self.last_update_reloaded = False
             return old
         new = self._next_version(old) if weight_version is None else weight_version
         if not new or len(new) > 128:

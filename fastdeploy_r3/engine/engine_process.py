@@ -244,9 +244,9 @@ class _EngineLoop:
                 message = (f"weight_version is {cmd.new_version}" if changed else
                            f"weight_version {cmd.new_version!r} is already current; nothing changed")
             elif isinstance(cmd, ReleaseMemoryOccupation):
-                message = ctl.memory.release(cmd.tags)
+                message, report = ctl.memory.release(cmd.tags)
             elif isinstance(cmd, ResumeMemoryOccupation):
-                message = ctl.memory.resume(cmd.tags)
+                message, report = ctl.memory.resume(cmd.tags)
             elif isinstance(cmd, WeightsCheck):
                 ok, message, report = ctl.check_weights(cmd.action, cmd.skip)
             else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from fastdeploy_r3.engine.messages import MemoryReport
 from fastdeploy_r3.worker.messages import MEMORY_TAGS, MemoryResult, ReleaseMemory, ResumeMemory
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class MemoryControl:
                     "(/update_weights_from_tensor, _from_disk or _from_distributed) before sending requests")
         return None
 
-    def release(self, tags: list[str] | None) -> str:
+    def release(self, tags: list[str] | None) -> tuple[str, MemoryReport]:
         from fastdeploy_r3.engine.control import EngineControlError
 
         wanted = self.tags_of(tags)
@@ -74,9 +75,9 @@ class MemoryControl:
         if "kv_cache" in todo:
             svc.kv.flush()  # the blocks' contents are gone with the memory
         freed = sum(r.nbytes for r in results)
-        return f"released {', '.join(wanted)}: {freed / 2**20:.1f} MiB freed on {len(results) or 0} rank(s)"
+        return f"released {', '.join(wanted)}: {freed / 2**20:.1f} MiB freed", _report(results)
 
-    def resume(self, tags: list[str] | None) -> str:
+    def resume(self, tags: list[str] | None) -> tuple[str, MemoryReport]:
         wanted = self.tags_of(tags)
         todo = [t for t in wanted if t in self.released]
         results = self._call(ResumeMemory(todo)) if todo else []
@@ -87,7 +88,7 @@ class MemoryControl:
             self.control.svc.kv.flush()
         allocated = sum(r.nbytes for r in results)
         note = "; the weights hold no values until a weight update" if self.weights_missing else ""
-        return f"resumed {', '.join(wanted)}: {allocated / 2**20:.1f} MiB allocated{note}"
+        return f"resumed {', '.join(wanted)}: {allocated / 2**20:.1f} MiB allocated{note}", _report(results)
 
     def weights_filled(self) -> None:
         """A weight update succeeded: resumed weights hold values again."""
@@ -101,3 +102,8 @@ class MemoryControl:
         if errors:
             raise EngineControlError(f"{type(msg).__name__} failed: {'; '.join(errors)}", invalid=False)
         return results
+
+
+def _report(results: list[MemoryResult]) -> MemoryReport:
+    return MemoryReport([r.nbytes for r in results], [r.allocated_before for r in results],
+                        [r.allocated_after for r in results])

@@ -26,7 +26,7 @@ __all__ = [
     "EngineCrashed", "EngineInfo", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
     "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "PauseGeneration",
     "ReleaseMemoryOccupation", "RequestRejected", "ResumeMemoryOccupation", "Shutdown", "UpdateWeightVersion",
-    "WeightUpdate", "WeightUpdateSession", "WeightsCheck", "WeightsReport",
+    "MemoryReport", "WeightUpdate", "WeightUpdateSession", "WeightsCheck", "WeightsReport",
 ]
 
 
@@ -209,6 +209,15 @@ class WeightsReport:
 
 
 @dataclass
+class MemoryReport:
+    """What /release_memory_occupation and /resume_memory_occupation did, per TP rank."""
+
+    nbytes: list[int]  # freed / allocated
+    allocated_before: list[int]  # torch.cuda.memory_allocated around the call (0 on the CPU)
+    allocated_after: list[int]
+
+
+@dataclass
 class ControlReply:
     query_id: int
     success: bool
@@ -216,7 +225,7 @@ class ControlReply:
     state: EngineState
     invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
     status: int | None = None  # an HTTP status other than 200/400/500 (409: conflicts with the engine's state)
-    report: WeightsReport | None = None
+    report: WeightsReport | MemoryReport | None = None
 
 
 @dataclass

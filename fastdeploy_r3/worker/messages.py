@@ -141,6 +141,9 @@ class MemoryResult:
     rank: int
     error: str | None = None
     nbytes: int = 0  # bytes freed (release) or allocated (resume) on this rank
+    # torch.cuda.memory_allocated of this rank's device around the call (0 on the CPU)
+    allocated_before: int = 0
+    allocated_after: int = 0
 
 
 @dataclass

@@ -38,8 +38,9 @@ def run_control(runner: ModelRunner, msg: ControlMessage) -> WeightUpdateResult 
         try:
             assert runner.memory is not None
             memory = runner.memory
+            before = _allocated(runner)
             nbytes = memory.release(msg.tags) if isinstance(msg, ReleaseMemory) else memory.resume(msg.tags)
-            return MemoryResult(rank, nbytes=nbytes)
+            return MemoryResult(rank, nbytes=nbytes, allocated_before=before, allocated_after=_allocated(runner))
         except Exception as e:  # noqa: BLE001 - out of memory on resume, most likely: the engine reports it
             logger.exception("%s on rank %d failed", type(msg).__name__, rank)
             return MemoryResult(rank, error=f"{type(msg).__name__} failed on rank {rank} ({type(e).__name__}: "
@@ -101,6 +102,15 @@ def _weight_command(
         changed = isinstance(msg, UpdateWeights)
         return WeightUpdateResult(rank, error=f"{type(msg).__name__} failed on rank {rank} ({type(e).__name__}); the "
                                               "engine log has the details", weights_changed=changed)
+
+
+def _allocated(runner: ModelRunner) -> int:
+    if runner.device.type != "cuda":
+        return 0
+    import torch
+
+    torch.cuda.synchronize(runner.device)
+    return torch.cuda.memory_allocated(runner.device)
 
 
 def _short(e: BaseException) -> str:

@@ -30,6 +30,7 @@ from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import (
     cleanup_begins,
+    exit_when_orphaned,
     exit_with_parent,
     name_this_process,
     parent_gone,
@@ -74,6 +75,8 @@ def worker_main(
     told_to_stop = False
     try:
         exit_with_parent(engine_pid)
+        # a rank stuck in native I/O never runs the SIGTERM handler: exit anyway, segments unlinked
+        exit_when_orphaned(engine_pid, lambda: unlink_all(engine_suffix))
         name_this_process(f"fdr3-worker{rank}")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         runner = ModelRunner(config, rank, world_size, engine_suffix)

@@ -100,20 +100,32 @@ def test_a_flattened_bucket_as_slime_sends_it(server: ServerHandle, fake_model_d
 
 
 def test_the_current_version_again_reloads_nothing_unless_forced(server: ServerHandle, fake_model_dir) -> None:
-    version = httpx.get(f"{server.url}/get_weight_version").json()["weight_version"]
-    payload = [serialize_named_tensors(tensors := _tensors(fake_model_dir("qwen3_moe", seed=1)))]
+    """A whole checkpoint under the current name is idempotent; force reloads it from scratch."""
+    model_dir = fake_model_dir("qwen3_moe", seed=1)
+    r = _post(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "disk-1"})
+    assert r.status_code == 200 and _rollout(server)[0]["meta_info"]["cached_tokens"] == 0
     before = _weight_updates(server)
-    r = _post(server, "/update_weights_from_tensor", {"serialized_named_tensors": payload, "weight_version": version})
+    r = _post(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "disk-1"})
     assert r.status_code == 200 and "nothing reloaded" in r.json()["message"]
-    assert _weight_updates(server) == before
-    _rollout(server)
-    assert _rollout(server)[0]["meta_info"]["cached_tokens"] == 48
-    payload = [serialize_named_tensors(tensors)]
-    r = _post(server, "/update_weights_from_tensor", {"serialized_named_tensors": payload, "weight_version": version,
-                                                      "force": True})
-    assert r.status_code == 200 and r.json()["weight_version"] == version
+    assert _weight_updates(server) == before and _rollout(server)[0]["meta_info"]["cached_tokens"] == 48
+    r = _post(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "disk-1",
+                                                    "force": True})
+    assert r.status_code == 200 and r.json()["weight_version"] == "disk-1"
     assert _weight_updates(server) == before + 1
-    _assert_serves_fresh(server, fake_model_dir("qwen3_moe", seed=1), version)  # reloaded: nothing cached hit
+    _assert_serves_fresh(server, model_dir, "disk-1")  # reloaded: nothing cached under the old root is hit
+
+
+def test_buckets_of_one_version_each_load(server: ServerHandle, fake_model_dir) -> None:
+    """slime pushes a version as many buckets, every one naming that version: each is loaded."""
+    new = fake_model_dir("qwen3_moe", seed=2)
+    tensors = _tensors(new)
+    half = len(tensors) // 2
+    for bucket in (tensors[:half], tensors[half:]):
+        payload = [serialize(flattened_bucket(bucket))]
+        r = _post(server, "/update_weights_from_tensor", {"serialized_named_tensors": payload,
+                                                          "load_format": "flattened_bucket", "weight_version": "b-2"})
+        assert r.status_code == 200 and r.json()["message"].startswith("weights updated"), r.text
+    _assert_serves_fresh(server, new, "b-2")
 
 
 def test_versions_without_a_name_come_from_a_counter(server: ServerHandle, fake_model_dir) -> None:

@@ -26,10 +26,12 @@ from fastdeploy_r3.engine.messages import (
     ControlCommand,
     ControlReply,
     EngineStateQuery,
+    MemoryReport,
     ReleaseMemoryOccupation,
     ResumeMemoryOccupation,
     UpdateWeightVersion,
     WeightsCheck,
+    WeightsReport,
     WeightUpdate,
     WeightUpdateSession,
 )
@@ -84,13 +86,21 @@ def add_control_routes(app: FastAPI, ctx: ServingContext) -> None:
         return control_answer(await control(WeightUpdate(source, body.weight_version, body.abort_all_requests,
                                                          body.force)))
 
+    def memory_answer(reply: ControlReply) -> JSONResponse:
+        report = reply.report
+        if not isinstance(report, MemoryReport):
+            return control_answer(reply)
+        ranks = [{"rank": r, "bytes": n, "memory_allocated_before": b, "memory_allocated_after": a}
+                 for r, (n, b, a) in enumerate(zip(report.nbytes, report.allocated_before, report.allocated_after))]
+        return control_answer(reply, ranks=ranks)
+
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(body: MemoryOccupationRequest | None = None) -> JSONResponse:
-        return control_answer(await control(ReleaseMemoryOccupation((body or MemoryOccupationRequest()).tags)))
+        return memory_answer(await control(ReleaseMemoryOccupation((body or MemoryOccupationRequest()).tags)))
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(body: MemoryOccupationRequest | None = None) -> JSONResponse:
-        return control_answer(await control(ResumeMemoryOccupation((body or MemoryOccupationRequest()).tags)))
+        return memory_answer(await control(ResumeMemoryOccupation((body or MemoryOccupationRequest()).tags)))
 
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionRequest) -> JSONResponse:
@@ -101,7 +111,7 @@ def add_control_routes(app: FastAPI, ctx: ServingContext) -> None:
         body = body or WeightsCheckerRequest()
         check_selector(body.selector)
         reply = await control(WeightsCheck(body.action, list(body.skip_tensor_list or [])))
-        report = reply.report
+        report = reply.report if isinstance(reply.report, WeightsReport) else None
         extra: dict[str, Any] = {"algorithm": "sha256 of each parameter's bytes per TP rank; engine checksum: sha256 "
                                               "of the sorted rank|name|digest lines"}
         if report is not None:
