@@ -27,6 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastdeploy_r3.distributed.weight_update_group import (
+    WeightUpdateGroupError,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
 from fastdeploy_r3.model_executor.checkpoint_safety import (
     FLOAT_DTYPES,
     CheckpointError,
@@ -36,11 +41,6 @@ from fastdeploy_r3.model_executor.checkpoint_safety import (
     safetensors_header,
 )
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
-from fastdeploy_r3.model_executor.weight_update_group import (
-    WeightUpdateGroupError,
-    destroy_weight_update_group,
-    init_weight_update_group,
-)
 
 logger = logging.getLogger(__name__)
 
