@@ -72,7 +72,8 @@ class MemoryOccupation:
         assert self.num_gpu_blocks is not None
         r.init_kv_cache(self.num_gpu_blocks)
         self.num_gpu_blocks = None
-        r.capture_decode_graphs()
+        if self.param_specs is None:  # graphs are captured over the weights: not while they are released
+            r.capture_decode_graphs()
         assert r.kv_cache is not None
         return r.kv_cache.numel() * r.kv_cache.element_size()
 
