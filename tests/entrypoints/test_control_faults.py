@@ -92,8 +92,8 @@ def _trainer_that_dies(url: str, model_dir: str, port: int) -> None:
 
     import torch.distributed as dist
 
-    from fastdeploy_r3.model_executor.model_loader import iter_safetensors, safetensors_files
     from fastdeploy_r3.distributed.weight_update_group import init_weight_update_group
+    from fastdeploy_r3.model_executor.model_loader import iter_safetensors, safetensors_files
 
     items = list(iter_safetensors(safetensors_files(model_dir)))
     pool = concurrent.futures.ThreadPoolExecutor(1)
