@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -126,12 +127,14 @@ class WeightUpdater:
             )
         torch_dtypes = [torch_dtype(d) for d in dtypes]
         self._check(dict(zip(names, (tuple(s) for s in shapes))), require_all=False)
+        deadline = timedelta(seconds=self.deadline_s)
 
         def received() -> Iterator[tuple[str, torch.Tensor]]:
             refused: CheckpointError | None = None
             for name, dtype, shape in zip(names, torch_dtypes, shapes):
                 tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-                dist.broadcast(tensor, src=0, group=group)  # ends with an error at the group's timeout
+                # waited on here with the deadline: a trainer that stalls (or died) fails this call
+                dist.broadcast(tensor, src=0, group=group, async_op=True).wait(timeout=deadline)
                 if refused is not None:
                     continue  # keep receiving so that the trainer's broadcasts end and the group stays usable
                 try:

@@ -86,8 +86,8 @@ def test_a_rendezvous_nobody_answers_ends_at_its_deadline_and_the_server_serves(
     assert server.proc.poll() is None and _tokens(server) == before
 
 
-def _trainer_that_dies(url: str, model_dir: str, port: int) -> None:
-    """Joins the group, announces every tensor, broadcasts three, then dies without a word."""
+def _trainer_that_stops(url: str, model_dir: str, port: int, how: str) -> None:
+    """Joins the group, announces every tensor, broadcasts three, then dies without a word or hangs."""
     import concurrent.futures
 
     import torch.distributed as dist
@@ -105,21 +105,25 @@ def _trainer_that_dies(url: str, model_dir: str, port: int) -> None:
         "shapes": [list(t.shape) for _, t in items], "weight_version": "never"})
     for _, tensor in items[:3]:
         dist.broadcast(tensor, src=0, group=group)
-    time.sleep(0.5)
+    time.sleep(0.5 if how == "dies" else 600)
     os._exit(0)
 
 
-def test_a_trainer_that_dies_mid_broadcast_leaves_a_server_that_says_why_and_recovers(
-        server: ServerHandle, fake_model_dir) -> None:
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+def test_a_trainer_that_stops_mid_broadcast_leaves_a_server_that_says_why_and_recovers(
+        server: ServerHandle, fake_model_dir, how: str) -> None:
     ctx = mp.get_context("spawn")
-    trainer = ctx.Process(target=_trainer_that_dies, args=(server.url, fake_model_dir("qwen3_moe", seed=1),
-                                                           free_port()))
+    trainer = ctx.Process(target=_trainer_that_stops, args=(server.url, fake_model_dir("qwen3_moe", seed=1),
+                                                            free_port(), how))
     trainer.start()
-    trainer.join(120)
-    deadline = time.monotonic() + 60
+    if how == "dies":
+        trainer.join(120)
+    deadline = time.monotonic() + 90
     while "weights" not in (health := httpx.get(f"{server.url}/health", timeout=10).json()):
         assert time.monotonic() < deadline, health
         time.sleep(0.2)
+    trainer.kill()  # a stalled one is still waiting; the server gave up on it at its deadline
+    trainer.join(30)
     assert "mixed" in health["weights"]
     refused = _post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert refused.status_code == 503 and "push a complete update" in refused.text
