@@ -91,6 +91,12 @@ def _weight_command(
             except TensorTransportError as e:
                 raise WeightUpdateError(f"weight update refused, no weight changed: {e}") from e
             n = updater.from_tensors(tensors)
+            if runner.device.type == "cuda":
+                import torch
+
+                # the copies out of the trainer's memory are queued on our stream: finish them before the
+                # answer lets the trainer free or reuse that memory
+                torch.cuda.synchronize(runner.device)
         else:
             n = updater.from_tensors(list(msg.tensors or []))  # type: ignore[arg-type]
         return WeightUpdateResult(rank, num_tensors=n)

@@ -12,7 +12,7 @@ Answers are SGLang's `{"success", "message"}` plus the engine's weight_version a
 503 (the engine is gone).
 
 `selector` (miles) picks which of an engine's models a call applies to; this engine has one model
-and no draft model, so "all" (and "main") are honoured and anything else is a 400 naming it.
+and no draft model, so "all" is honoured and anything else is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import ServingContext, bad_
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.worker.messages import UpdateWeights
 
-SELECTORS = ("all", "main")
+SELECTORS = ("all",)
 
 
 def check_selector(selector: str) -> None:
