@@ -9,12 +9,11 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import pytest
-from api_server_process import ServerHandle, api_server
+from api_server_process import ServerHandle
 from safetensors.torch import load_file
 
 from fastdeploy_r3.client.tensor_transport import flattened_bucket, serialize, serialize_named_tensors
@@ -26,11 +25,8 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(fake_model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
-    with api_server(fake_model_dir("qwen3_moe", seed=0), str(tmp_path_factory.mktemp("logs")),
-                    "--routing-replay-config", '{"enable_routing_replay": true}', "--max-model-len", "256",
-                    "--num-gpu-blocks-override", "64") as handle:
-        yield handle
+def server(control_server: ServerHandle) -> ServerHandle:
+    return control_server
 
 
 def _post(server: ServerHandle, path: str, body: dict | None = None) -> httpx.Response:

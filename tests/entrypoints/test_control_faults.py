@@ -1,7 +1,6 @@
-"""Control calls that fail, stall or are fed garbage never kill the server (live server, fake
-Qwen3-MoE, CPU). Its deadlines are short: a worker gives up a rendezvous or a broadcast after 15 s,
-while the API server's stall watchdog would kill an engine silent for 10 s — so every test that
-survives a stalled control call also proves that the engine heartbeats through it."""
+"""Control calls that fail, stall or are fed garbage never kill the server (the shared control server
+of conftest.py: its worker deadline is longer than its stall watchdog, so every test that survives a
+stalled control call also proves that the engine heartbeats through it)."""
 
 from __future__ import annotations
 
@@ -9,11 +8,10 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from api_server_process import ServerHandle, api_server, free_port
+from api_server_process import ServerHandle, free_port
 from broken_checkpoints import SECRET, broken_checkpoints
 
 PROMPT = list(range(40, 90))
@@ -21,12 +19,8 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(fake_model_dir, tmp_path_factory) -> Iterator[ServerHandle]:
-    with api_server(fake_model_dir("qwen3_moe", seed=0), str(tmp_path_factory.mktemp("logs")),
-                    "--routing-replay-config", '{"enable_routing_replay": true}', "--max-model-len", "256",
-                    "--num-gpu-blocks-override", "64", "--worker-step-timeout-s", "15",
-                    "--engine-stall-timeout-s", "10") as handle:
-        yield handle
+def server(control_server: ServerHandle) -> ServerHandle:
+    return control_server
 
 
 def _post(server: ServerHandle, path: str, body: dict) -> httpx.Response:
