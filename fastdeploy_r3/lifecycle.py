@@ -25,6 +25,9 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -124,3 +127,26 @@ class Shutdown:
 
 class EngineDeadError(RuntimeError):
     """The engine or one of its child processes died; in-flight requests were failed. Restart it."""
+
+
+def exit_when_orphaned(parent_pid: int, cleanup: Callable[[], None], grace_s: float = 5.0,
+                       poll_s: float = 0.5) -> threading.Thread:
+    """Backstop of `exit_with_parent` for a child whose main thread cannot take the SIGTERM: stuck in a
+    read that native code retries (a FIFO, a hung network file), Python's handler never runs. A daemon
+    thread sees the parent gone, gives the normal unwind `grace_s`, then runs `cleanup` (unlinking by
+    name is harmless twice) and ends the process with os._exit."""
+
+    def watch() -> None:
+        while not parent_gone(parent_pid):
+            time.sleep(poll_s)
+        time.sleep(grace_s)  # the SIGTERM unwind usually finishes (and exits) within this
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001 - exiting matters more than a clean log here
+            logger.exception("cleanup of an orphaned process failed")
+        finally:
+            os._exit(1)
+
+    thread = threading.Thread(target=watch, name="fdr3-orphan-watch", daemon=True)
+    thread.start()
+    return thread

@@ -51,7 +51,14 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
-from fastdeploy_r3.lifecycle import Shutdown, cleanup_begins, exit_with_parent, name_this_process, unwind_on_sigterm
+from fastdeploy_r3.lifecycle import (
+    Shutdown,
+    cleanup_begins,
+    exit_when_orphaned,
+    exit_with_parent,
+    name_this_process,
+    unwind_on_sigterm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +290,8 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
     ctm = None
     try:
         exit_with_parent(ppid)  # SIGTERM the moment the engine dies, even in the middle of a task
+        # and a CTM stuck in native I/O (a hung storage read) that never runs the handler exits anyway
+        exit_when_orphaned(ppid, lambda: [unlink_quietly(name) for name in config.segment_names()])
         name_this_process("fdr3-ctm")
         try:
             ctm = CacheTransferManager(config)

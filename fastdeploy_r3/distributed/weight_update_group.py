@@ -13,7 +13,10 @@ serving. Both sides call `init_weight_update_group`; the trainer then broadcasts
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -63,9 +66,11 @@ def init_weight_update_group(
         # the keyword of the backend options was renamed across torch releases
         options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
             else "pg_options"
-        group, _ = _new_process_group_helper(
-            world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None}
-        )
+        with _nccl_errors_clean_up_only(backend):
+            group, _ = _new_process_group_helper(
+                world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout,
+                **{options: None},
+            )
     except (RuntimeError, ValueError, OSError) as e:
         raise WeightUpdateGroupError(
             f"joining weight update group {group_name!r} at {master_address}:{master_port} as rank {rank} of "
@@ -74,6 +79,25 @@ def init_weight_update_group(
     # collectives map group ranks through this table; ranks of this group are its own
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+@contextlib.contextmanager
+def _nccl_errors_clean_up_only(backend: str) -> Iterator[None]:
+    """A collective of this group that outlives its timeout must fail in the caller (which tears the group
+    down and keeps serving), not make NCCL's watchdog end the whole worker (its default). The setting is
+    read when the group is built, so only this group gets it (2 = CleanUpOnly)."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    before = os.environ.get(key)
+    if backend == "nccl":
+        os.environ[key] = "2"
+    try:
+        yield
+    finally:
+        if backend == "nccl":
+            if before is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before
 
 
 def destroy_weight_update_group(group: dist.ProcessGroup) -> None:

@@ -1,5 +1,5 @@
 """The engine's RL control plane: pause / continue, flush, and weight updates with version isolation
-(DESIGN.md §5.7, SGLang's control endpoints).
+(SGLang's control endpoints; docs/rl_control.md lists them).
 
 One weight update, between two engine steps:
 
@@ -13,43 +13,52 @@ One weight update, between two engine steps:
                            (`weight_versions`) and `spans_weight_versions`, never a silent mix
 
 A failure after some parameters changed leaves no trustworthy weights: every request in flight is
-aborted with that message, and new ones are refused until an update succeeds.
+aborted with that message, and new ones are refused until an update succeeds. A refused update
+(nothing changed) aborts nothing: `abort_all_requests` takes effect only once the new weights are in,
+before the next step runs, so no request ever computes with them.
+
+Versions: the caller's name, else the next integer (a counter, never a concatenation). A whole
+checkpoint (disk) under the current name is idempotent (nothing reloaded) unless `force`. Tensors and
+broadcasts arrive in buckets that all name the version being pushed, so under the current name they
+load as its next part. Either reload keeps the name but takes a fresh internal cache root, so KV of
+the replaced weights is never hit.
+
+A control call waits for the workers while the engine keeps heartbeating (`heartbeat`, run by the
+engine loop: the API server's stall watchdog sees an engine at work, and health queries are answered);
+the workers bound each blocking step (rendezvous, broadcast) by worker_step_timeout_s, shorter than
+that watchdog, and tear a stalled group down.
 
 EngineControl sees the engine through three narrow collaborators (the Protocols below), so it never
 imports the loop that owns it: the requests in flight, the prefix cache it flushes and re-roots, and
 the workers it calls. It owns the runtime state the commands change: the pause mode, the current
-weight version and whether the weights are usable.
+weight version, whether the weights are usable and what memory is released (memory_control.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
+from fastdeploy_r3.engine.control_error import EngineControlError
+from fastdeploy_r3.engine.memory_control import MemoryControl
+from fastdeploy_r3.engine.messages import WeightsReport
 from fastdeploy_r3.engine.request import Request, WeightVersionEvent
 from fastdeploy_r3.worker.messages import (
+    ChecksumWeights,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
     UpdateWeights,
+    WeightsChecksum,
     WeightUpdateResult,
 )
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "in_place")
+PAUSE_MODES = ("abort", "in_place", "retract")
 # a rendezvous waits for the trainer; a broadcast of a large model takes a while
 _WEIGHT_CALL_TIMEOUT_S = 3600.0
-
-
-class EngineControlError(RuntimeError):
-    """A control command was refused or failed; the message says why and what to do.
-
-    invalid: the command itself was wrong (HTTP 400); otherwise carrying it out failed (HTTP 500)."""
-
-    def __init__(self, message: str, invalid: bool = True) -> None:
-        super().__init__(message)
-        self.invalid = invalid
 
 
 class ControlledRequests(Protocol):
@@ -60,6 +69,8 @@ class ControlledRequests(Protocol):
     def abort_request(self, request_id: str, message: str | None = None) -> None: ...
 
     def unfinished_requests(self) -> list[Request]: ...
+
+    def retract_running(self) -> None: ...  # running requests back to waiting, their KV freed
 
 
 class ControlledCache(Protocol):
@@ -73,7 +84,8 @@ class ControlledCache(Protocol):
 class ControlledWorkers(Protocol):
     """Every worker rank, one answer each in rank order (WorkerGroup)."""
 
-    def call(self, msg: object, timeout: float | None = None) -> list[Any]: ...
+    def call(self, msg: object, timeout: float | None = None,
+             while_waiting: Callable[[], None] | None = None) -> list[Any]: ...
 
 
 class EngineControl:
@@ -84,15 +96,23 @@ class EngineControl:
         workers: ControlledWorkers,
         model_identity: str,
         weight_version: str,
+        has_kv_tiers: bool = False,
     ) -> None:
         self.requests = requests
         self.cache = cache
         self.workers = workers
         self.model_identity = model_identity
-        self.weight_version = weight_version  # roots the prefix cache; changed by update_weights only
+        self.weight_version = weight_version  # roots the prefix cache; changed by weight updates only
+        self.has_kv_tiers = has_kv_tiers  # a CPU or storage tier maps the KV cache: it cannot be released
         self.paused: str | None = None  # the pause mode while /pause_generation holds the engine
         self.weights_broken: str | None = None
         self.num_weight_updates = 0
+        self.memory = MemoryControl(self)
+        self.heartbeat: Callable[[], None] | None = None  # set by the engine loop: runs while workers work
+        self.update_session_open = False  # between /begin_weight_update and /end_weight_update
+        self.last_update_reloaded = True  # False: the last update named the current version, nothing reloaded
+        self._weights_snapshot: list[dict[str, str]] | None = None
+        self._version_counter = int(weight_version) if weight_version.isdigit() else 0
 
     # -- pause --------------------------------------------------------------------------------------
 
@@ -104,6 +124,10 @@ class EngineControl:
         n = len(self.requests.request_ids())
         if mode == "abort":
             self.abort_all("aborted by /pause_generation (mode 'abort')")
+        elif mode == "retract":
+            # back to waiting with their KV freed (cached blocks stay cached): after continue_generation they
+            # recompute, their R3 rows recomputed with them, under whatever weights are current then
+            self.requests.retract_running()
         self.paused = mode
         return n
 
@@ -120,68 +144,136 @@ class EngineControl:
     # -- weight update groups -------------------------------------------------------------------------
 
     def init_weight_update_group(self, cmd: InitWeightUpdateGroup) -> None:
-        self._raise_on_errors(self._call_workers(cmd), f"joining weight update group {cmd.group_name!r}")
+        self._raise_on_errors(self.call_workers(cmd), f"joining weight update group {cmd.group_name!r}")
 
     def destroy_weight_update_group(self, cmd: DestroyWeightUpdateGroup) -> None:
-        self._raise_on_errors(self._call_workers(cmd), f"leaving weight update group {cmd.group_name!r}")
+        self._raise_on_errors(self.call_workers(cmd), f"leaving weight update group {cmd.group_name!r}")
 
     # -- weight updates -----------------------------------------------------------------------------
 
-    def update_weights(self, source: UpdateWeights, weight_version: str | None, abort_all_requests: bool) -> str:
+    def update_weights(
+        self, source: UpdateWeights, weight_version: str | None, abort_all_requests: bool, force: bool = False
+    ) -> str:
         """Load new weights on every rank and make weight_version (default: the next one) current.
 
         The prefix caches are always flushed (SGLang's flush_cache=False has no meaning here: entries of
         the old version could never be hit again, so keeping them would only hold blocks)."""
         old = self.weight_version
+        # A whole checkpoint under the current name is those weights again (a trainer re-syncing a running
+        # engine): nothing to do. Tensors and broadcasts come in buckets, each naming the version being
+        # pushed (slime, miles): under the current name they are the next part of it and always load.
+        whole = source.model_path is not None
+        if weight_version == old and whole and not force and self.weights_broken is None \
+                and not self.memory.weights_missing:
+            self.last_update_reloaded = False
+            return old
         new = self._next_version(old) if weight_version is None else weight_version
-        if new == old:
-            raise EngineControlError(
-                f"weight_version {new!r} is the current version; pass a new one: it roots the prefix cache, "
-                "so reusing it would serve KV and R3 of the old weights"
-            )
         if not new or len(new) > 128:
             raise EngineControlError(f"weight_version {new!r}: use 1-128 characters")
-        if abort_all_requests:
-            self.abort_all("aborted for a weight update (abort_all_requests)")
-        results = self._call_workers(source)
+        if "weights" in self.memory.released:
+            raise EngineControlError("the weights are released; call /resume_memory_occupation with the 'weights' "
+                                     "tag first", status=409)
+        results = self.call_workers(source)
         changed = any(r.weights_changed or (r.error is None and r.num_tensors) for r in results)
         errors = [r.error for r in results if r.error]
         if errors:
             if changed:
                 self._break_weights(f"a weight update failed half way and left old and new weights mixed: {errors[0]}")
             raise EngineControlError(errors[0], invalid=not changed)
-        self._advance_version(old, new)
+        if abort_all_requests:  # after the load, before any step: no request computes with the new weights
+            self.abort_all("aborted for a weight update (abort_all_requests)")
+        self._advance_version(old, new, reload=new == old)
+        self.memory.weights_filled()
+        self.last_update_reloaded = True
         return new
+
+    def update_weight_version(self, new: str, abort_all_requests: bool) -> bool:
+        """Name the current weights `new` (SGLang's /update_weight_version); False: it already was."""
+        old = self.weight_version
+        if new == old:
+            return False
+        if not new or len(new) > 128:
+            raise EngineControlError(f"new_version {new!r}: use 1-128 characters")
+        if abort_all_requests:
+            self.abort_all("aborted for a weight version change (abort_all_requests)")
+        self._advance_version(old, new)
+        return True
+
+    def check_weights(self, action: str, skip: list[str]) -> tuple[bool, str, WeightsReport]:
+        """/weights_checker (engine/weight_check.py says the algorithm)."""
+        from fastdeploy_r3.engine import weight_check
+
+        if action not in weight_check.ACTIONS:
+            raise EngineControlError(f"weights_checker action {action!r} is not supported; use one of "
+                                     f"{', '.join(weight_check.ACTIONS)}")
+        if "weights" in self.memory.released:
+            raise EngineControlError("the weights are released; resume them first", status=409)
+        results: list[WeightsChecksum] = self.call_workers(ChecksumWeights())
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise EngineControlError("; ".join(errors), invalid=False)
+        per_rank = [r.checksums for r in results]
+        if action == "snapshot":
+            self._weights_snapshot = per_rank
+            return True, "snapshot taken (sha256 per parameter per rank)", weight_check.report(per_rank)
+        if action == "compare":
+            if self._weights_snapshot is None:
+                raise EngineControlError("no snapshot to compare with; call action 'snapshot' first")
+            diff = weight_check.compare(self._weights_snapshot, per_rank, skip)
+            message = "weights equal the snapshot" if not diff else f"{len(diff)} parameters differ from the snapshot"
+            return not diff, message, weight_check.report(per_rank, diff)
+        return True, "sha256 per parameter per rank", weight_check.report(per_rank)
 
     def check_weights_usable(self) -> None:
         if self.weights_broken is not None:
             raise EngineControlError(f"{self.weights_broken}; push a complete update before sending requests",
-                                     invalid=False)
+                                     invalid=False, status=503)
+        why = self.memory.unavailable()
+        if why is not None:
+            raise EngineControlError(why, invalid=False, status=503)
+
+    def health(self) -> dict[str, str]:
+        """What /health should say about the control plane: {"weights": why requests are refused, ...}."""
+        out = {}
+        if self.weights_broken is not None:
+            out["weights"] = f"{self.weights_broken}; push a complete update"
+        elif (why := self.memory.unavailable()) is not None:
+            out["memory"] = why
+        if self.paused is not None:
+            out["paused"] = f"generation is paused ({self.paused}); /continue_generation resumes it"
+        return out
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _advance_version(self, old: str, new: str) -> None:
+    def _advance_version(self, old: str, new: str, reload: bool = False) -> None:
         for req in self.requests.unfinished_requests():
             req.weight_version_events.append(
                 WeightVersionEvent(old, len(req.output_token_ids), req.num_computed_tokens)
             )
             req.weight_version = new
         self.weight_version = new
-        self.cache.reset_root(root_hash(self.model_identity, new))
+        # a forced reload under the same name gets a root of its own: KV of the replaced weights is never hit
+        root_version = f"{new}\x00reload{self.num_weight_updates + 1}" if reload else new
+        self.cache.reset_root(root_hash(self.model_identity, root_version))
         self.weights_broken = None
         self.num_weight_updates += 1
         logger.info("weight version %s -> %s", old, new)
 
     def _next_version(self, old: str) -> str:
-        return str(int(old) + 1) if old.isdigit() else f"{old}+{self.num_weight_updates + 1}"
+        """The counter's next integer, never concatenated onto the old name."""
+        if old.isdigit():
+            self._version_counter = max(self._version_counter, int(old))
+        self._version_counter += 1
+        return str(self._version_counter)
 
     def _break_weights(self, message: str) -> None:
         self.weights_broken = message
         logger.error(message)
         self.abort_all(message)
 
-    def _call_workers(self, msg: object) -> list[WeightUpdateResult]:
-        return self.workers.call(msg, timeout=_WEIGHT_CALL_TIMEOUT_S)
+    def call_workers(self, msg: object) -> list:
+        """Every rank's answer to a control message; the engine heartbeats while they work."""
+        return self.workers.call(msg, timeout=_WEIGHT_CALL_TIMEOUT_S, while_waiting=self.heartbeat)
 
     @staticmethod
     def _raise_on_errors(results: list[WeightUpdateResult], what: str) -> None:

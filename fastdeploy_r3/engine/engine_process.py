@@ -19,6 +19,7 @@ import pickle
 import shutil
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,8 +47,13 @@ from fastdeploy_r3.engine.messages import (
     MetricsReply,
     OutputBatch,
     PauseGeneration,
+    ReleaseMemoryOccupation,
     RequestRejected,
+    ResumeMemoryOccupation,
+    UpdateWeightVersion,
+    WeightsCheck,
     WeightUpdate,
+    WeightUpdateSession,
 )
 from fastdeploy_r3.engine.scheduler import QueueFullError
 from fastdeploy_r3.lifecycle import (
@@ -68,6 +74,8 @@ if TYPE_CHECKING:
 
 # How often an idle engine wakes to check that its parent is still alive.
 _IDLE_POLL_MS = 500
+# How often an engine busy in a control call tells the API server it is alive
+_CONTROL_HEARTBEAT_S = 1.0
 # One attempt to hand a message to the API server; retried while the server lives (it may be slow or
 # stopped), given up the moment it is gone, so the engine never blocks in a send.
 SEND_TIMEOUT_MS = 1000
@@ -130,11 +138,38 @@ class _EngineLoop:
         self.output_sock = output_sock
         self.parent_pid = parent_pid
         self.running = True
+        self._deferred: list[object] = []  # what arrived during a control call, handled after it
+        self._last_beat = 0.0
+        svc.control.heartbeat = self._control_heartbeat
+
+    def _control_heartbeat(self) -> None:
+        """While the workers carry out a control call (a long load, a rendezvous): answer health queries so
+        that the stall watchdog and /health see a live engine; keep every other message for later."""
+        now = time.monotonic()
+        if now - self._last_beat < _CONTROL_HEARTBEAT_S:
+            return
+        self._last_beat = now
+        while True:
+            try:
+                data = self.input_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = pickle.loads(data)
+            if isinstance(msg, HealthQuery):
+                self.send(self._health(msg))
+            else:
+                self._deferred.append(msg)
+        self.send(HealthReply(-1, ok=True))  # unsolicited: proves the loop is alive
+
+    def _health(self, msg: HealthQuery) -> HealthReply:
+        return HealthReply(msg.query_id, ok=True, degraded={**self.svc.degraded(), **self.svc.control.health()})
 
     def send(self, msg: object) -> None:
         send_while_parent_lives(self.output_sock, msg, self.parent_pid)
 
     def handle(self, msg: object) -> None:
+        from fastdeploy_r3.engine.control import EngineControlError
+
         if isinstance(msg, AddRequest):
             try:
                 self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt)
@@ -142,6 +177,8 @@ class _EngineLoop:
                 self.send(RequestRejected(msg.request_id, str(e), ErrorKind.INVALID))
             except QueueFullError as e:
                 self.send(RequestRejected(msg.request_id, str(e), ErrorKind.OVERLOADED))
+            except EngineControlError as e:  # weights broken or memory released: 503 with the reason
+                self.send(RequestRejected(msg.request_id, str(e), ErrorKind.UNAVAILABLE))
             except Exception as e:  # noqa: BLE001 - the engine refused it; other requests are unaffected
                 self.send(RequestRejected(msg.request_id, f"{type(e).__name__}: {e}", ErrorKind.FAILED))
         elif isinstance(msg, AbortRequest):
@@ -149,7 +186,7 @@ class _EngineLoop:
         elif isinstance(msg, MetricsQuery):
             self.send(MetricsReply(msg.query_id, {k: float(v) for k, v in self.svc.metrics().items()}))
         elif isinstance(msg, HealthQuery):
-            self.send(HealthReply(msg.query_id, ok=True, degraded=self.svc.degraded()))
+            self.send(self._health(msg))
         elif isinstance(msg, ControlRequest):
             self.send(self.control(msg))
         elif isinstance(msg, Shutdown):
@@ -174,8 +211,12 @@ class _EngineLoop:
             elif isinstance(cmd, EngineStateQuery):
                 message = "ok"
             elif isinstance(cmd, WeightUpdate):
-                version = ctl.update_weights(cmd.source, cmd.weight_version, cmd.abort_all_requests)
-                message = f"weights updated; weight_version is {version}"
+                version = ctl.update_weights(cmd.source, cmd.weight_version, cmd.abort_all_requests, cmd.force)
+                message = (f"weights updated; weight_version is {version}" if ctl.last_update_reloaded else
+                           f"weight_version {version!r} is already current; nothing reloaded (force: true reloads)")
+            elif isinstance(cmd, (UpdateWeightVersion, ReleaseMemoryOccupation, ResumeMemoryOccupation, WeightsCheck,
+                                  WeightUpdateSession)):
+                return self.rl_control(msg)
             elif isinstance(cmd, InitWeightUpdateGroup):
                 ctl.init_weight_update_group(cmd)
                 message = f"joined weight update group {cmd.group_name!r}"
@@ -187,8 +228,38 @@ class _EngineLoop:
             ok, invalid = True, False
         except EngineControlError as e:
             ok, invalid, message = False, e.invalid, str(e)
-        state = EngineState(self.svc.weight_version, ctl.paused, len(self.svc.request_ids()))
-        return ControlReply(msg.query_id, ok, message, state, invalid)
+            return ControlReply(msg.query_id, ok, message, self._state(), invalid, e.status)
+        return ControlReply(msg.query_id, ok, message, self._state(), invalid)
+
+    def _state(self) -> EngineState:
+        return EngineState(self.svc.weight_version, self.svc.control.paused, len(self.svc.request_ids()))
+
+    def rl_control(self, msg: ControlRequest) -> ControlReply:
+        """The colocated-training and version commands (engine/control.py, engine/memory_control.py)."""
+        from fastdeploy_r3.engine.control import EngineControlError
+
+        ctl, cmd, report, ok = self.svc.control, msg.command, None, True
+        try:
+            if isinstance(cmd, UpdateWeightVersion):
+                changed = ctl.update_weight_version(cmd.new_version, cmd.abort_all_requests)
+                message = (f"weight_version is {cmd.new_version}" if changed else
+                           f"weight_version {cmd.new_version!r} is already current; nothing changed")
+            elif isinstance(cmd, ReleaseMemoryOccupation):
+                message, report = ctl.memory.release(cmd.tags)
+            elif isinstance(cmd, ResumeMemoryOccupation):
+                message, report = ctl.memory.resume(cmd.tags)
+            elif isinstance(cmd, WeightsCheck):
+                ok, message, report = ctl.check_weights(cmd.action, cmd.skip)
+            else:
+                assert isinstance(cmd, WeightUpdateSession)
+                was, ctl.update_session_open = ctl.update_session_open, cmd.begin
+                message = ("weight update session " + ("opened" if cmd.begin else "closed") +
+                           ("" if was != cmd.begin else " (it already was)") +
+                           "; weights load unpacked and need no post-processing on this engine")
+        except EngineControlError as e:
+            return ControlReply(msg.query_id, False, str(e), self._state(), e.invalid, e.status)
+        # a "compare" that finds differences is an answer, not a failure: 200 with success false
+        return ControlReply(msg.query_id, ok, message, self._state(), status=200, report=report)
 
     def drain(self, block_ms: int) -> None:
         """Handle every queued message; wait up to `block_ms` for the first one."""
@@ -205,6 +276,8 @@ class _EngineLoop:
         while self.running:
             if os.getppid() != self.parent_pid:
                 return  # orphaned, busy or not: nobody will read our outputs
+            while self._deferred and self.running:
+                self.handle(self._deferred.pop(0))
             busy = self.svc.has_work()
             self.drain(0 if busy else _IDLE_POLL_MS)
             if not self.running:

@@ -51,7 +51,8 @@ class EngineService:
         self.groups = RequestGroups(p.token_processor, moe_layer_ids)
         self.steps = StepBuilder(p.kv.block_table, p.kv.block_tags, p.token_processor.eos_token_ids)
         mc = config.model_config
-        self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version)
+        self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version,
+                                     has_kv_tiers=config.cache_config.uses_transfer_manager)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
         _live_engines.add(self)
 
@@ -98,6 +99,9 @@ class EngineService:
 
     def unfinished_requests(self) -> list[Request]:
         return self.groups.unfinished_requests()
+
+    def retract_running(self) -> None:
+        self.scheduler.retract_running()
 
     def request_ids(self) -> list[str]:
         return self.groups.ids()

@@ -26,7 +26,8 @@ __all__ = [
     "AbortRequest", "AddRequest", "ContinueGeneration", "ControlCommand", "ControlReply", "ControlRequest",
     "EngineCrashed", "EngineInfo", "ErrorKind", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
     "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "PauseGeneration",
-    "RequestRejected", "Shutdown", "WeightUpdate",
+    "ReleaseMemoryOccupation", "RequestRejected", "ResumeMemoryOccupation", "Shutdown", "UpdateWeightVersion",
+    "MemoryReport", "WeightUpdate", "WeightUpdateSession", "WeightsCheck", "WeightsReport",
 ]
 
 
@@ -59,7 +60,7 @@ class HealthQuery:
 
 @dataclass
 class PauseGeneration:
-    mode: str  # "abort" | "in_place"
+    mode: str  # "abort" | "in_place" | "retract"
 
 
 @dataclass
@@ -82,11 +83,46 @@ class WeightUpdate:
     source: UpdateWeights
     weight_version: str | None
     abort_all_requests: bool
+    force: bool = False  # reload even when weight_version is the current one (else: 200, nothing reloaded)
+
+
+@dataclass
+class UpdateWeightVersion:
+    """Name the weights in place (SGLang's /update_weight_version): a new version roots every cache."""
+
+    new_version: str
+    abort_all_requests: bool = False
+
+
+@dataclass
+class ReleaseMemoryOccupation:
+    tags: list[str]  # of worker/messages.py MEMORY_TAGS
+
+
+@dataclass
+class ResumeMemoryOccupation:
+    tags: list[str]
+
+
+@dataclass
+class WeightsCheck:
+    """/weights_checker: "checksum" | "snapshot" (remember the checksums) | "compare" (against the snapshot)."""
+
+    action: str
+    skip: list[str] = field(default_factory=list)  # parameter names left out of the comparison
+
+
+@dataclass
+class WeightUpdateSession:
+    """/begin_weight_update (begin=True) and /end_weight_update."""
+
+    begin: bool
 
 
 ControlCommand = (
     PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate
-    | InitWeightUpdateGroup | DestroyWeightUpdateGroup
+    | InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeightVersion | ReleaseMemoryOccupation
+    | ResumeMemoryOccupation | WeightsCheck | WeightUpdateSession
 )
 
 
@@ -138,6 +174,7 @@ class ErrorKind(enum.Enum):
     INVALID = "invalid"  # the request itself was wrong (HTTP 400)
     OVERLOADED = "overloaded"  # the waiting queue is full: retry later (HTTP 429)
     FAILED = "failed"  # the engine failed taking it (HTTP 500)
+    UNAVAILABLE = "unavailable"  # the engine cannot serve now (weights broken, memory released): HTTP 503
 
 
 @dataclass
@@ -171,12 +208,32 @@ class EngineState:
 
 
 @dataclass
+class WeightsReport:
+    """What /weights_checker found: SHA-256 per parameter per TP rank, and one digest of them all."""
+
+    checksums: list[dict[str, str]]  # per rank: parameter name -> sha256 hex of its bytes
+    engine_checksum: str  # sha256 over every rank's sorted (name, digest) pairs
+    mismatched: list[str] = field(default_factory=list)  # "compare": parameters that differ from the snapshot
+
+
+@dataclass
+class MemoryReport:
+    """What /release_memory_occupation and /resume_memory_occupation did, per TP rank."""
+
+    nbytes: list[int]  # freed / allocated
+    allocated_before: list[int]  # torch.cuda.memory_allocated around the call (0 on the CPU)
+    allocated_after: list[int]
+
+
+@dataclass
 class ControlReply:
     query_id: int
     success: bool
     message: str
     state: EngineState
     invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
+    status: int | None = None  # an HTTP status other than 200/400/500 (409: conflicts with the engine's state)
+    report: WeightsReport | MemoryReport | None = None
 
 
 @dataclass

@@ -172,6 +172,14 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
 
+    def retract_running(self) -> int:
+        """Every running request back to the front of the waiting queue, oldest first, its KV freed (cached
+        blocks stay cached): /pause_generation mode 'retract'. They recompute when scheduled again."""
+        running = list(self.running)
+        for req in reversed(running):
+            self._preempt(req)
+        return len(running)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)

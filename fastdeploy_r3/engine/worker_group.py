@@ -54,25 +54,28 @@ class WorkerGroup:
             except OSError as e:
                 raise self._gone(rank) from e
 
-    def collect(self, timeout: float | None = None) -> list[Any]:
-        """One answer per rank, in rank order."""
-        return [self._recv(rank, timeout) for rank in range(len(self._conns))]
+    def collect(self, timeout: float | None = None, while_waiting: Callable[[], None] | None = None) -> list[Any]:
+        """One answer per rank, in rank order. `while_waiting` runs every poll (a control call's heartbeat)."""
+        return [self._recv(rank, timeout, while_waiting) for rank in range(len(self._conns))]
 
-    def call(self, msg: object, timeout: float | None = None) -> list[Any]:
+    def call(self, msg: object, timeout: float | None = None,
+             while_waiting: Callable[[], None] | None = None) -> list[Any]:
         self.broadcast(msg)
-        return self.collect(timeout)
+        return self.collect(timeout, while_waiting)
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
                 raise EngineDeadError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
-    def _recv(self, rank: int, timeout: float | None) -> Any:
+    def _recv(self, rank: int, timeout: float | None, while_waiting: Callable[[], None] | None = None) -> Any:
         conn = self._conns[rank]
         deadline = None if timeout is None else time.monotonic() + timeout
         while not conn.poll(0.05):
             self.check_alive()
             self._also_check()
+            if while_waiting is not None:
+                while_waiting()
             if deadline is not None and time.monotonic() > deadline:
                 self._stuck.add(rank)
                 raise EngineDeadError(

@@ -68,6 +68,10 @@ class EngineRequestError(RuntimeError):
     """The engine refused a request for a reason other than bad input."""
 
 
+class EngineUnavailableError(EngineRequestError):
+    """The engine is alive but cannot serve now (memory released, weights missing or broken): HTTP 503."""
+
+
 class EngineOverloadedError(RuntimeError):
     """The engine's waiting queue is full; retry the request later (HTTP 429)."""
 
@@ -77,6 +81,7 @@ _REJECTIONS: dict[ErrorKind, type[Exception]] = {
     ErrorKind.INVALID: InvalidRequestError,
     ErrorKind.OVERLOADED: EngineOverloadedError,
     ErrorKind.FAILED: EngineRequestError,
+    ErrorKind.UNAVAILABLE: EngineUnavailableError,
 }
 
 

@@ -1,9 +1,10 @@
 """Every message between the engine process and its worker processes (pickled over a pipe).
 
     engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown;
-                       between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup
+                       between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup,
+                       ReleaseMemory, ResumeMemory, ChecksumWeights
     worker -> engine   WorkerReady (or WorkerFailed: the error that stopped the rank), RoutingAttached,
-                       StepOutput, WeightUpdateResult
+                       StepOutput, WeightUpdateResult, MemoryResult, WeightsChecksum
     a failed step      StepOutput.error: a WorkerError (kind + message), never a string to re-parse
 
 `Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
@@ -20,9 +21,10 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = [
-    "AttachRoutingBuffer", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "RoutingAttached",
-    "ScheduledRequestData", "Shutdown",
-    "StepInput", "StepOutput", "UpdateWeights", "WeightUpdateResult", "WorkerError", "WorkerFailed", "WorkerReady",
+    "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "MemoryResult",
+    "ReleaseMemory", "ResumeMemory", "RoutingAttached", "ScheduledRequestData", "Shutdown", "StepInput",
+    "StepOutput", "UpdateWeights", "WeightUpdateResult", "WeightsChecksum", "WorkerError", "WorkerFailed",
+    "WorkerReady",
 ]
 
 
@@ -148,6 +150,10 @@ class UpdateWeights:
     dtypes: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     tensors: list[tuple[str, object]] | None = None  # (HF name, torch.Tensor) for offline LLM.update_weights
+    # SGLang's /update_weights_from_tensor: one MultiprocessingSerializer payload per TP rank (base64 text
+    # or bytes of a pickle whose tensors travel as CUDA IPC handles / shared-memory files, never their data)
+    serialized_named_tensors: list[str | bytes] | None = None
+    load_format: str | None = None  # None | "direct" | "flattened_bucket" (SGLang's names)
 
 
 @dataclass
@@ -156,3 +162,43 @@ class WeightUpdateResult:
     error: str | None = None
     weights_changed: bool = False  # error after some parameters took new values
     num_tensors: int = 0
+
+
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
+@dataclass
+class ReleaseMemory:
+    """Free the memory of `tags` (SGLang's /release_memory_occupation); their contents are gone."""
+
+    tags: list[str]
+
+
+@dataclass
+class ResumeMemory:
+    """Allocate the memory of `tags` again; a resumed KV cache is empty, resumed weights hold no values
+    until a weight update fills them."""
+
+    tags: list[str]
+
+
+@dataclass
+class MemoryResult:
+    rank: int
+    error: str | None = None
+    nbytes: int = 0  # bytes freed (release) or allocated (resume) on this rank
+    # torch.cuda.memory_allocated of this rank's device around the call (0 on the CPU)
+    allocated_before: int = 0
+    allocated_after: int = 0
+
+
+@dataclass
+class ChecksumWeights:
+    """SHA-256 of every parameter this rank holds (/weights_checker)."""
+
+
+@dataclass
+class WeightsChecksum:
+    rank: int
+    checksums: dict[str, str] = field(default_factory=dict)  # parameter name -> sha256 hex of its bytes
+    error: str | None = None

@@ -21,11 +21,16 @@ from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, Forw
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher
 from fastdeploy_r3.worker.messages import (
+    ChecksumWeights,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
+    MemoryResult,
+    ReleaseMemory,
+    ResumeMemory,
     StepInput,
     StepOutput,
     UpdateWeights,
+    WeightsChecksum,
     WeightUpdateResult,
 )
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
@@ -61,42 +66,31 @@ class ModelRunner:
         self.sampler = StepSampler(config.model_config.vocab_size, config.scheduler_config.max_num_seqs,
                                    self.device)
         self.weight_updater = None  # WeightUpdater, once the model is loaded
+        self.memory = None  # MemoryOccupation, once the model is loaded
 
     # -- start-up -----------------------------------------------------------------------------------
 
     def load_model(self) -> None:
         from fastdeploy_r3.model_executor.model_loader import load_model
+        from fastdeploy_r3.worker.memory_occupation import MemoryOccupation
         from fastdeploy_r3.worker.weight_updater import WeightUpdater
 
         torch.manual_seed(self.config.model_config.seed)
         self.model = load_model(self.config.model_config, self.device, self.rank, self.world_size)
-        self.weight_updater = WeightUpdater(self.model, self.device, self.rank)
+        # each blocking step of a weight update ends before the engine's stall watchdog would fire
+        self.weight_updater = WeightUpdater(self.model, self.device, self.rank, self.dtype,
+                                            deadline_s=self.config.parallel_config.worker_step_timeout_s)
+        self.memory = MemoryOccupation(self)
 
-    def weight_control(
-        self, msg: InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights
-    ) -> WeightUpdateResult:
-        """Run one weight-update command between steps; failures come back as the result's error."""
-        from fastdeploy_r3.worker.weight_updater import WeightUpdateError
+    def control(
+        self, msg: InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights | ReleaseMemory | ResumeMemory
+        | ChecksumWeights,
+    ) -> WeightUpdateResult | MemoryResult | WeightsChecksum:
+        """Run one control command between steps. Whatever goes wrong comes back as the result's error
+        (the worker lives on with the weights it has), in words without paths, content or tracebacks."""
+        from fastdeploy_r3.worker.weight_loading import run_control
 
-        updater = self.weight_updater
-        assert updater is not None
-        try:
-            if isinstance(msg, InitWeightUpdateGroup):
-                updater.init_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
-                                   msg.group_name, msg.backend)
-                return WeightUpdateResult(self.rank)
-            if isinstance(msg, DestroyWeightUpdateGroup):
-                updater.destroy_group(msg.group_name)
-                return WeightUpdateResult(self.rank)
-            if msg.model_path is not None:
-                n = updater.from_disk(msg.model_path)
-            elif msg.group_name is not None:
-                n = updater.from_distributed(msg.names, msg.dtypes, msg.shapes, msg.group_name)
-            else:
-                n = updater.from_tensors(list(msg.tensors or []))  # type: ignore[arg-type]
-            return WeightUpdateResult(self.rank, num_tensors=n)
-        except WeightUpdateError as e:
-            return WeightUpdateResult(self.rank, error=str(e), weights_changed=e.weights_changed)
+        return run_control(self, msg)
 
     def kv_bytes_per_block(self) -> int:
         m = self.model

@@ -9,6 +9,7 @@
       ◄── StepOutput ───────────
       ── InitWeightUpdateGroup / UpdateWeights / DestroyWeightUpdateGroup ►  (between steps)
       ◄── WeightUpdateResult ───     new weights in place, each rank its shard
+      ── ReleaseMemory / ResumeMemory / ChecksumWeights ►  ◄── MemoryResult / WeightsChecksum
       ── Shutdown / pipe closed ►    free SHM, leave the TP group, exit
 
 Every rank runs every step (its forward all-reduces with the others); only rank 0 samples and writes R3.
@@ -29,6 +30,7 @@ from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import (
     cleanup_begins,
+    exit_when_orphaned,
     exit_with_parent,
     name_this_process,
     parent_gone,
@@ -36,8 +38,11 @@ from fastdeploy_r3.lifecycle import (
 )
 from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
+    ChecksumWeights,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
+    ReleaseMemory,
+    ResumeMemory,
     RoutingAttached,
     Shutdown,
     StepInput,
@@ -75,6 +80,8 @@ def worker_main(
     told_to_stop = False
     try:
         exit_with_parent(engine_pid)
+        # a rank stuck in native I/O never runs the SIGTERM handler: exit anyway, segments unlinked
+        exit_when_orphaned(engine_pid, lambda: unlink_all(engine_suffix))
         name_this_process(f"fdr3-worker{rank}")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         runner = (runner_cls or ModelRunner)(config, rank, world_size, engine_suffix)
@@ -102,8 +109,9 @@ def worker_main(
                     logger.exception("step %d failed", msg.step_id)
                     out = StepOutput(msg.step_id, {}, error=WorkerError.of(e))
                 conn.send(out)
-            elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights)):
-                conn.send(runner.weight_control(msg))
+            elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
+                                  ResumeMemory, ChecksumWeights)):
+                conn.send(runner.control(msg))
     except Exception as e:
         try:
             conn.send(WorkerFailed(rank, WorkerError.of(e), traceback.format_exc()))

@@ -3,7 +3,7 @@
     POST /generate                           rollouts (serving_generate.py)
     GET|POST /flush_cache                    forget every cached prefix (GPU pool, CPU tier)
     POST /abort_request                      {"rid"} or {"abort_all": true}
-    POST /pause_generation                   {"mode": "abort" | "in_place"}
+    POST /pause_generation                   {"mode": "abort" | "in_place" | "retract"}
     POST /continue_generation
     POST /update_weights_from_disk           {"model_path", "weight_version", "abort_all_requests", ...}
     POST /init_weights_update_group          {"master_address", "master_port", "rank_offset", "world_size",
@@ -12,14 +12,13 @@
     POST /destroy_weights_update_group       {"group_name"}
     GET  /get_weight_version
     (info endpoints, /v1/loads and /health_generate: server_info.py)
+    and the colocated-training / version calls of control_api.py
 
 Control answers are SGLang's `{"success": bool, "message": str}` (plus the engine's weight_version
 and pause state), status 200 on success, 400 when the command was refused, 500 when it failed.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +32,7 @@ from fastdeploy_r3.engine.messages import (
     PauseGeneration,
     WeightUpdate,
 )
+from fastdeploy_r3.entrypoints.native.control_api import add_control_routes, check_selector, control_answer
 from fastdeploy_r3.entrypoints.native.protocol import (
     AbortRequestBody,
     ContinueGenerationRequest,
@@ -59,11 +59,8 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from e
 
-    def answer(reply: ControlReply, **extra: Any) -> JSONResponse:
-        body = {"success": reply.success, "message": reply.message, "weight_version": reply.state.weight_version,
-                "paused": reply.state.paused is not None, **extra}
-        status = 200 if reply.success else (400 if reply.invalid else 500)
-        return JSONResponse(body, status_code=status)
+    answer = control_answer
+    add_control_routes(app, ctx)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request) -> Response:
@@ -96,7 +93,8 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> JSONResponse:
         check_load_format(body.load_format)
-        update = WeightUpdate(UpdateWeights(model_path=body.model_path), body.weight_version, body.abort_all_requests)
+        update = WeightUpdate(UpdateWeights(model_path=body.model_path), body.weight_version, body.abort_all_requests,
+                              body.force)
         reply = await control(update)
         return answer(reply, num_paused_requests=reply.state.num_requests)
 
@@ -113,8 +111,9 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest) -> JSONResponse:
         check_load_format(body.load_format)
+        check_selector(body.selector)
         source = UpdateWeights(group_name=body.group_name, names=body.names, dtypes=body.dtypes, shapes=body.shapes)
-        return answer(await control(WeightUpdate(source, body.weight_version, body.abort_all_requests)))
+        return answer(await control(WeightUpdate(source, body.weight_version, body.abort_all_requests, body.force)))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest) -> JSONResponse:

@@ -156,7 +156,7 @@ class GenerateRequest(_Strict):
 
 
 class PauseGenerationRequest(_Strict):
-    mode: Literal["abort", "in_place"] = "abort"
+    mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
 class ContinueGenerationRequest(_Strict):
@@ -173,6 +173,8 @@ class _WeightUpdateCommon(_Strict):
     flush_cache: bool = True
     abort_all_requests: bool = False
     torch_empty_cache: bool = False
+    # this server's extension: reload although weight_version is the current one (else 200, nothing reloaded)
+    force: bool = False
 
 
 class UpdateWeightsFromDiskRequest(_WeightUpdateCommon):
@@ -195,6 +197,7 @@ class UpdateWeightsFromDistributedRequest(_WeightUpdateCommon):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     load_format: str | None = None
+    selector: str = "all"  # miles: which of the engine's models takes the update (entrypoints/native/control_api.py)
 
 
 class DestroyWeightsUpdateGroupRequest(_Strict):

@@ -30,7 +30,12 @@ from functools import partial
 from typing import Any
 
 from fastdeploy_r3.blobstore.health import StoreUnavailableError
-from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineOverloadedError, EngineRequestError
+from fastdeploy_r3.entrypoints.engine_client import (
+    AsyncEngineClient,
+    EngineOverloadedError,
+    EngineRequestError,
+    EngineUnavailableError,
+)
 from fastdeploy_r3.entrypoints.openai.errors import (  # noqa: F401 - the serving modules import them from here
     OpenAIError,
     bad_request,
@@ -210,6 +215,8 @@ class OpenAIServing:
         except EngineOverloadedError as e:
             raise OpenAIError(429, f"the server is busy: {e}", "rate_limit_error",
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except EngineUnavailableError as e:  # memory released, weights missing: says what to call
+            raise engine_unavailable(str(e)) from e
         except EngineRequestError as e:
             raise internal_error("the engine could not accept the request", request_id, e) from e
         except EngineDeadError as e:
