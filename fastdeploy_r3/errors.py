@@ -1,4 +1,4 @@
-"""Errors shared by the configuration modules (config.py, hf_config.py) and everything that reads them."""
+"""Errors shared by the configuration modules (config/, r3/config.py) and everything that reads them."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0  # stop tokens, EOS and stop strings do not end a completion shorter than this
-    # penalties, as vLLM defines them (worker/logits_processor.py): off at 0, 0 and 1
+    # penalties, as vLLM defines them (worker/sample/penalties.py): off at 0, 0 and 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -7,16 +7,16 @@ import os
 import pytest
 import redis
 
-from fastdeploy_r3.blob_store import (
+from fastdeploy_r3.blobstore.base import (
     BlobStoreError,
     ChecksumError,
     ChecksummedBlobStore,
-    LocalBlobStore,
-    RedisBlobStore,
     checksummed,
     redact_url,
     verify_checksum,
 )
+from fastdeploy_r3.blobstore.local import LocalBlobStore
+from fastdeploy_r3.blobstore.redis import RedisBlobStore
 
 
 def test_local_store_round_trip_leaves_no_temp_files(tmp_path) -> None:

@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from fastdeploy_r3.cli_args import add_engine_args, engine_config_from_args
-from fastdeploy_r3.config import ConfigError, EngineConfig, ModelConfig, RoutingReplayConfig
+from fastdeploy_r3.config import ConfigError, EngineConfig, ModelConfig
+from fastdeploy_r3.config.cli import add_engine_args, engine_config_from_args
+from fastdeploy_r3.r3.config import RoutingReplayConfig
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,7 +51,6 @@ def test_flags_build_the_engine_config(fake_model_dir: Callable[..., str]) -> No
     assert cfg.cache_config.block_size == 8 and cfg.max_model_len == 64
     assert cfg.scheduler_config.enable_chunked_prefill is False and cfg.device == "cpu"
     assert cfg.routing_replay_config.enable_routing_replay and cfg.routing_replay_config.moe_top_k > 0
-    assert EngineConfig.from_cli_args(args).cache_config.block_size == 8
 
 
 def test_derived_fields_are_not_constructor_arguments(fake_model_dir: Callable[..., str]) -> None:

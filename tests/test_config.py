@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fastdeploy_r3.config import ConfigError, ModelConfig, RoutingReplayConfig, routing_dtype_for
+from fastdeploy_r3.config import ConfigError, ModelConfig
+from fastdeploy_r3.r3.config import RoutingReplayConfig, routing_dtype_for
 
 GLM45_LIKE = {
     "architectures": ["Glm4MoeForCausalLM"],

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from fastdeploy_r3.cache_manager.storage import FileStorageBackend
-from fastdeploy_r3.disk_budget import DiskBudget
+from fastdeploy_r3.blobstore.disk_budget import DiskBudget
+from fastdeploy_r3.blobstore.kv import FileStorageBackend
 from fastdeploy_r3.r3.stores import LocalRoutingStore
 
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from fastdeploy_r3.config import ConfigError, ModelConfig
-from fastdeploy_r3.hf_config import (
+from fastdeploy_r3.config.hf_config import (
     FAMILY_DEFAULTS,
     ROPE_DEFAULTS,
     GenerationDefaults,

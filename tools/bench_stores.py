@@ -5,7 +5,7 @@
 
 Payloads, shaped like Qwen3-30B-A3B (48 MoE layers, 4 KV heads of 128, bf16, top-8) by default:
 - KV: the request's tokens / block_size storage blobs (KV of one rank + the block's routing rows +
-  checksum, `encode_block`), through `make_storage_backend` as the CacheTransferManager uses it;
+  checksum, `encode_block`), through `open_blob_store` as the CacheTransferManager uses it;
 - R3 fused: one `[L, T, K]` uint8 `.npy` per request; R3 per layer: L `[T, K]` `.npy`s, through the
   routing stores as the server's delivery uses them.
 Servers are started here on 127.0.0.1: a throwaway redis-server, and a mooncake_master with one
@@ -36,7 +36,8 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 from mooncake_server import mooncake_holder, mooncake_master, mooncake_url  # noqa: E402
 from redis_server import redis_server  # noqa: E402
 
-from fastdeploy_r3.cache_manager.storage import BlockLayout, decode_block, encode_block, make_storage_backend  # noqa: E402
+from fastdeploy_r3.blobstore import open_blob_store  # noqa: E402
+from fastdeploy_r3.cache_manager.storage import BlockLayout, decode_block, encode_block  # noqa: E402
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore, RoutingStore  # noqa: E402
 
 T = TypeVar("T")
@@ -56,7 +57,7 @@ def _timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 def bench_kv(url: str, blobs: list[bytes], layout: BlockLayout, rounds: int) -> tuple[float, float, float, float]:
     """(put ms per block, get ms per block, put GB/s, get GB/s) of the request's blocks."""
-    store = make_storage_backend(url, "bench@v1")
+    store = open_blob_store(url, "bench@v1")
     keys = [f"{i:064x}" for i in range(len(blobs))]
     puts, gets, put_totals, get_totals = [], [], [], []
     try:
@@ -130,7 +131,7 @@ def main() -> None:
     table = []
     with tempfile.TemporaryDirectory(prefix="fdr3_bench_") as tmp, \
             _servers(holder_bytes=kv_total + 512 * 2**20) as (redis_url, mc_url):
-        from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore
+        from fastdeploy_r3.r3.stores.mooncake import MooncakeRoutingStore
 
         backends: dict[str, tuple[str, Callable[[bool], RoutingStore]]] = {
             "file": (f"file://{tmp}/kv", lambda fused: LocalRoutingStore(f"{tmp}/r3", use_fused_put=fused)),

@@ -31,6 +31,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from fastdeploy_r3.blobstore import open_blob_store
+from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError, validate_key
 from fastdeploy_r3.cache_manager.kv_tiers import KVTiers, cpu_kv_name, make_kv_tiers
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import pid_alive, unlink_quietly
@@ -39,12 +41,8 @@ from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
     CorruptBlockError,
-    KVStorageBackend,
-    StorageError,
     decode_block,
     encode_block,
-    make_storage_backend,
-    validate_key,
 )
 from fastdeploy_r3.cache_manager.transfer import (
     CacheTransferConfig,
@@ -136,7 +134,7 @@ class CacheTransferManager:
             rows_dtype=rows_dtype,
         )
         if cfg.storage_url:
-            self.storage = make_storage_backend(cfg.storage_url, cfg.storage_namespace, cfg.storage_timeout_s,
+            self.storage = open_blob_store(cfg.storage_url, cfg.storage_namespace, cfg.storage_timeout_s,
                                                 cfg.storage_must_answer, cfg.storage_ttl_s, cfg.storage_capacity_bytes)
 
     # ---- tasks -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@
 A waiting request is admitted once its lookup has answered; every other request keeps stepping in
 the meantime, so a slow or stopped store (Redis under SIGSTOP, a hung mount) costs the requests that
 wanted it at most `deadline_s` and costs nobody else anything. A lookup that misses its deadline
-marks the store degraded (store_health.py): later lookups answer "all missing" at once, except one
+marks the store degraded (blobstore/health.py): later lookups answer "all missing" at once, except one
 probe every `retry_after_s`, until the store answers again.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from fastdeploy_r3.store_health import StoreHealth
+from fastdeploy_r3.blobstore.health import StoreHealth
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastdeploy_r3.mooncake_store import MooncakeBlobStore
+from fastdeploy_r3.blobstore.mooncake import MooncakeBlobStore
 from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError
 from fastdeploy_r3.r3.rollout_id import validate_rollout_id
-from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore
+from fastdeploy_r3.r3.stores.mooncake import MooncakeRoutingStore
 
 
 def read_mooncake_rollout(

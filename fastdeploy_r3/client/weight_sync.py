@@ -22,7 +22,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from fastdeploy_r3.model_executor.weight_update_group import destroy_weight_update_group, init_weight_update_group
+from fastdeploy_r3.distributed.weight_update_group import destroy_weight_update_group, init_weight_update_group
 
 
 class WeightSyncError(RuntimeError):

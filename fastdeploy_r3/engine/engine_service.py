@@ -131,9 +131,9 @@ class EngineService:
         storage = None
         namespace = f"{mc.model_identity}|{mc.weight_version}"
         if cc.enable_prefix_caching and cc.kv_storage:
-            from fastdeploy_r3.cache_manager.storage import make_storage_backend
+            from fastdeploy_r3.blobstore import open_blob_store
 
-            storage = make_storage_backend(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s,
+            storage = open_blob_store(cc.kv_storage, namespace, cc.storage_timeout_s, ttl_s=cc.kv_storage_ttl_s,
                                            lookup_only=True)  # the CTM writes
             self._lookup = StorageLookup(storage, cc.storage_timeout_s, storage.health)
         transfer = None

@@ -21,7 +21,7 @@ from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 class WorkerGroup:
     def __init__(self, config: EngineConfig, engine_suffix: str, also_check: Callable[[], None] = lambda: None) -> None:
         """Spawn the ranks. `also_check` runs while waiting for answers (the engine's other children)."""
-        from fastdeploy_r3.model_executor.parallel_state import free_init_method
+        from fastdeploy_r3.distributed.parallel_state import free_init_method
         from fastdeploy_r3.spawn import spawn_context, start_process
         from fastdeploy_r3.worker.worker_process import worker_main
 

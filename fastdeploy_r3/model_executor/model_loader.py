@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.config import ConfigError, ModelConfig
-from fastdeploy_r3.dtypes import torch_dtype
-from fastdeploy_r3.hf_config import num_routed_experts_from_hf_config
+from fastdeploy_r3.config.dtypes import torch_dtype
+from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
 

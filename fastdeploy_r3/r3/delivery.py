@@ -13,7 +13,7 @@ is half delivered as if it were whole. `deliver` blocks (encoding, disk, network
 in a worker thread. The rollout id comes from r3/rollout_id.py's one rule.
 
 A put waits at most `store_timeout_s`; one that fails or misses it marks the store degraded
-(store_health.py), and while it is, puts fail at once with the reason (one probe every few seconds
+(blobstore/health.py), and while it is, puts fail at once with the reason (one probe every few seconds
 finds it back), so a dead store costs each request a clear error, not a wait. `store_problem()` is
 what /health and /ready report.
 """
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.blobstore.health import DeadlineCaller, StoreHealth, StoreUnavailableError
 from fastdeploy_r3.r3.codec import encode_routed_experts
+from fastdeploy_r3.r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, row_range, to_all_layers
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
-from fastdeploy_r3.store_health import DeadlineCaller, StoreHealth, StoreUnavailableError
 
 _PROBE_EVERY_S = 1.0
 

@@ -14,7 +14,7 @@ What an id may hold, and why no id can reach another one's entries (issue 11, F5
 The byte bound leaves room, under the 255-byte file-name limit of every common file system, for the
 `#63` of a choice, the `.npy` or `.layers` of the local store and the `.tmp.<pid>.<hex>` of its
 atomic writes. The stores build keys from these parts with separators that none of them can hold
-(r3/stores.py), so a rollout id can neither reach the KV tier's keys (`fdr3:kv:...`) nor another
+(r3/stores/), so a rollout id can neither reach the KV tier's keys (`fdr3:kv:...`) nor another
 deployment's namespace nor another layer's entry.
 """
 

@@ -16,7 +16,7 @@ from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBuf
 from fastdeploy_r3.cache_manager.shm import ShmSegment, shm_free_bytes, shm_name
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.dtypes import torch_dtype
+from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher
@@ -30,7 +30,7 @@ from fastdeploy_r3.worker.messages import (
 )
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
-from fastdeploy_r3.worker.step_sampler import StepSampler
+from fastdeploy_r3.worker.sample.sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastdeploy_r3.model_executor.model_loader import iter_safetensors, safetensors_files, safetensors_shapes
-from fastdeploy_r3.model_executor.models.base import WeightLoadingError
-from fastdeploy_r3.model_executor.weight_update_group import (
+from fastdeploy_r3.distributed.weight_update_group import (
     WeightUpdateGroupError,
     destroy_weight_update_group,
     init_weight_update_group,
 )
+from fastdeploy_r3.model_executor.model_loader import iter_safetensors, safetensors_files, safetensors_shapes
+from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 
 
 class WeightUpdateError(RuntimeError):

@@ -57,7 +57,7 @@ def worker_main(
     dist_init_method: str = "",
 ) -> None:
     """dist_init_method: the TP group's rendezvous (tcp://127.0.0.1:PORT); unused when world_size is 1."""
-    from fastdeploy_r3.model_executor.parallel_state import destroy_distributed, init_distributed
+    from fastdeploy_r3.distributed.parallel_state import destroy_distributed, init_distributed
     from fastdeploy_r3.worker.model_runner import ModelRunner
 
     # SIGTERM (from the engine's stop(), or from the kernel when the engine dies) unwinds into the

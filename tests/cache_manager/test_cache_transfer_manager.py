@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
+from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient, CacheTransferError
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import ShmSegment, list_segments, new_engine_suffix, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.slots import block_slots
-from fastdeploy_r3.cache_manager.storage import make_storage_backend
 from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig, KVCacheSpec, TransferKind, TransferTask
 
 TP, LAYERS, GPU_BLOCKS, CPU_BLOCKS, BS, HEADS, HEAD_DIM = 2, 2, 6, 4, 4, 2, 4
@@ -192,7 +192,7 @@ def test_corrupt_and_missing_blocks_are_failed_and_leave_gpu_slots_untouched(eng
 
 
 def _flip_stored_byte(storage_url: str, key: str) -> None:
-    store = make_storage_backend(storage_url, NAMESPACE)
+    store = open_blob_store(storage_url, NAMESPACE)
     blob = bytearray(store.get(key))
     blob[len(blob) // 2] ^= 0x01  # inside the KV payload
     store.blobs.put(store.blob_key(key), bytes(blob))  # under the engine's checks, as a bad disk would

@@ -14,19 +14,16 @@ import pytest
 from mooncake_server import mooncake_master, mooncake_url, raw_client
 from redis_server import redis_pid, redis_server
 
-from fastdeploy_r3.cache_manager.storage import (
-    BlockDecodeError,
-    BlockLayout,
+from fastdeploy_r3.blobstore import open_blob_store
+from fastdeploy_r3.blobstore.kv import (
     FileStorageBackend,
     InvalidStorageKeyError,
     MooncakeStorageBackend,
     RedisStorageBackend,
     StorageError,
-    decode_block,
-    encode_block,
-    make_storage_backend,
 )
-from fastdeploy_r3.mooncake_store import MooncakeBlobStore
+from fastdeploy_r3.blobstore.mooncake import MooncakeBlobStore
+from fastdeploy_r3.cache_manager.storage import BlockDecodeError, BlockLayout, decode_block, encode_block
 
 # 2 ranks, 3 layers, block_size 4, 2 kv heads, head dim 8, float32; R3 with L=2 MoE layers, K=2, uint8.
 LAYOUT = BlockLayout(
@@ -104,42 +101,42 @@ def _exercise_backend(store, other_namespace_store) -> None:
 
 
 def test_file_backend(tmp_path) -> None:
-    store = make_storage_backend(f"file://{tmp_path}", "qwen3-moe@v1")
+    store = open_blob_store(f"file://{tmp_path}", "qwen3-moe@v1")
     assert isinstance(store, FileStorageBackend)
-    _exercise_backend(store, make_storage_backend(f"file://{tmp_path}", "qwen3-moe@v2"))
+    _exercise_backend(store, open_blob_store(f"file://{tmp_path}", "qwen3-moe@v2"))
     assert not [p for p in tmp_path.rglob("*.tmp.*")]  # atomic writes leave no temp files
     # A new backend on the same directory keeps what is stored (never wiped on start).
-    assert make_storage_backend(f"file://{tmp_path}", "qwen3-moe@v1").get("ab") == b"v2"
+    assert open_blob_store(f"file://{tmp_path}", "qwen3-moe@v1").get("ab") == b"v2"
 
 
 def test_redis_backend(redis_url: str) -> None:
-    store = make_storage_backend(redis_url, "qwen3-moe@v1")
+    store = open_blob_store(redis_url, "qwen3-moe@v1")
     assert isinstance(store, RedisStorageBackend)
-    _exercise_backend(store, make_storage_backend(redis_url, "qwen3-moe@v2"))
-    assert make_storage_backend(redis_url, "qwen3-moe@v1").get("ab") == b"v2"
+    _exercise_backend(store, open_blob_store(redis_url, "qwen3-moe@v2"))
+    assert open_blob_store(redis_url, "qwen3-moe@v1").get("ab") == b"v2"
     store.delete(["ab"])
 
 
 def test_bad_urls_and_namespace_say_what_to_do(tmp_path) -> None:
     with pytest.raises(StorageError, match="file:///absolute/dir"):
-        make_storage_backend("s3://bucket/x", "m@v1")
+        open_blob_store("s3://bucket/x", "m@v1")
     with pytest.raises(StorageError, match="weight version"):
-        make_storage_backend(f"file://{tmp_path}", "")
+        open_blob_store(f"file://{tmp_path}", "")
     with pytest.raises(StorageError, match="unreachable"):
-        make_storage_backend("redis://127.0.0.1:1/0", "m@v1")
+        open_blob_store("redis://127.0.0.1:1/0", "m@v1")
     with pytest.raises(StorageError, match="unreachable"):
-        make_storage_backend("mooncake://127.0.0.1:1?protocol=tcp", "m@v1")
+        open_blob_store("mooncake://127.0.0.1:1?protocol=tcp", "m@v1")
     with pytest.raises(StorageError, match=r"unknown parameter\(s\) \['segmnt'\]"):
-        make_storage_backend("mooncake://127.0.0.1:1?segmnt=0", "m@v1")
+        open_blob_store("mooncake://127.0.0.1:1?segmnt=0", "m@v1")
     with pytest.raises(StorageError, match="at least 16MB"):
-        make_storage_backend("mooncake://127.0.0.1:1?segment=8MB", "m@v1")
+        open_blob_store("mooncake://127.0.0.1:1?segment=8MB", "m@v1")
     with pytest.raises(StorageError, match="needs a master address"):
-        make_storage_backend("mooncake:///x", "m@v1")
+        open_blob_store("mooncake:///x", "m@v1")
 
 
 def test_redis_backend_errors_never_show_the_password() -> None:
     with pytest.raises(StorageError, match="unreachable") as info:
-        make_storage_backend("redis://kv:hunter2@127.0.0.1:1/0", "m@v1")
+        open_blob_store("redis://kv:hunter2@127.0.0.1:1/0", "m@v1")
     assert "hunter2" not in str(info.value)
 
 
@@ -147,12 +144,12 @@ def test_redis_backend_errors_never_show_the_password() -> None:
 
 
 def test_mooncake_backend(mooncake_store_url: str) -> None:
-    store = make_storage_backend(mooncake_store_url, "qwen3-moe@v1")
+    store = open_blob_store(mooncake_store_url, "qwen3-moe@v1")
     assert isinstance(store, MooncakeStorageBackend)
-    _exercise_backend(store, make_storage_backend(mooncake_store_url, "qwen3-moe@v2"))
+    _exercise_backend(store, open_blob_store(mooncake_store_url, "qwen3-moe@v2"))
     store.close()
     # The holder keeps the objects: a new client (a restarted engine) finds what the closed one put.
-    again = make_storage_backend(mooncake_store_url, "qwen3-moe@v1")
+    again = open_blob_store(mooncake_store_url, "qwen3-moe@v1")
     assert again.get("ab") == b"v2"
     again.delete(["ab"])
     assert again.exists(["ab"]) == [False]
@@ -162,7 +159,7 @@ def test_mooncake_backend(mooncake_store_url: str) -> None:
 def test_mooncake_short_flipped_and_foreign_objects_are_misses(mooncake_store_url: str) -> None:
     """Objects under the backend's keys that are truncated, have one flipped byte, or are not block blobs
     come back as they are and fail the block codec (its checksum), so the loader counts them as misses."""
-    store = make_storage_backend(mooncake_store_url, "m@v1")
+    store = open_blob_store(mooncake_store_url, "m@v1")
     kv, rows = _block(3)
     good = encode_block(LAYOUT, kv, rows)
     flipped = bytearray(good)
@@ -190,8 +187,8 @@ def test_mooncake_objects_of_a_killed_producer_are_misses() -> None:
         url = mooncake_url(master, segment="16MB")
         producer = (
             "import os, signal\n"
-            "from fastdeploy_r3.cache_manager.storage import make_storage_backend\n"
-            f"store = make_storage_backend({url!r}, 'm@v1')\n"
+            "from fastdeploy_r3.blobstore import open_blob_store\n"
+            f"store = open_blob_store({url!r}, 'm@v1')\n"
             "store.put('beef', b'x' * 1000)\n"
             "assert store.get('beef') == b'x' * 1000\n"
             "print('stored', flush=True)\n"
@@ -200,7 +197,7 @@ def test_mooncake_objects_of_a_killed_producer_are_misses() -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         proc = subprocess.run([sys.executable, "-c", producer], capture_output=True, text=True, env=env, timeout=60)
         assert proc.returncode == -9 and "stored" in proc.stdout, proc.stderr[-2000:]
-        reader = make_storage_backend(mooncake_url(master, segment="0"), "m@v1")
+        reader = open_blob_store(mooncake_url(master, segment="0"), "m@v1")
         assert reader.get("beef") is None
         reader.close()
 
@@ -210,7 +207,7 @@ def test_mooncake_evicts_unpinned_blocks_silently_and_keeps_pinned_ones() -> Non
     some blocks that were stored are gone (misses, no error anywhere), the pinned object stays, and every
     block still there reads back whole."""
     with mooncake_master("--eviction_high_watermark_ratio=0.5") as master:
-        store = make_storage_backend(mooncake_url(master, segment="16MB"), "m@v1")
+        store = open_blob_store(mooncake_url(master, segment="16MB"), "m@v1")
         pinner = MooncakeBlobStore(mooncake_url(master, segment="0"), pin=True)
         pinner.put(store.blob_key("0f"), b"p" * 2**20)
         stored: list[int] = []
@@ -225,7 +222,7 @@ def test_mooncake_evicts_unpinned_blocks_silently_and_keeps_pinned_ones() -> Non
             assert i < 1000, "the master never evicted an unpinned block"
         # read through another client (another engine): the writer's own health may still be skipping the
         # store after its refused puts, which would make every read a miss for a few seconds
-        reader = make_storage_backend(mooncake_url(master, segment="0"), "m@v1")
+        reader = open_blob_store(mooncake_url(master, segment="0"), "m@v1")
         present = [i for i in stored if reader.get(f"{i + 16:x}") is not None]
         assert len(stored) > len(present) > 0, (stored, present)
         assert all(reader.get(f"{i + 16:x}") == bytes([i % 256]) * 2**20 for i in present)
@@ -237,7 +234,7 @@ def test_mooncake_evicts_unpinned_blocks_silently_and_keeps_pinned_ones() -> Non
 def test_a_stopped_redis_costs_one_timeout_then_is_skipped_until_it_answers() -> None:
     """F8 at the backend: Redis SIGSTOPped; the first call waits its 0.3 s timeout, the next ones none."""
     with redis_server() as url:
-        store = make_storage_backend(url, "qwen3-moe@v1", timeout_s=0.3)
+        store = open_blob_store(url, "qwen3-moe@v1", timeout_s=0.3)
         store.put("ab", b"block")
         store.health.retry_after_s = 0.5  # probe again after 0.5 s rather than 5 s
         pid = redis_pid(url)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from fastdeploy_r3.blobstore.health import DeadlineCaller, StoreHealth, StoreUnavailableError
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
-from fastdeploy_r3.store_health import DeadlineCaller, StoreHealth, StoreUnavailableError
 
 
 class HangingStore:

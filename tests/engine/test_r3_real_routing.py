@@ -22,8 +22,8 @@ import torch
 from mooncake_server import flush_all, raw_client
 
 from fastdeploy_r3 import LLM, SamplingParams
+from fastdeploy_r3.blobstore.kv import namespace_prefix
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain
-from fastdeploy_r3.cache_manager.storage import namespace_prefix
 from fastdeploy_r3.config import ModelConfig
 from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, softmax_topk

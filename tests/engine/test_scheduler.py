@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from fastdeploy_r3.blobstore.health import StoreHealth
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
@@ -9,7 +10,6 @@ from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind, Tran
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler
 from fastdeploy_r3.sampling_params import SamplingParams
-from fastdeploy_r3.store_health import StoreHealth
 
 
 def make(num_blocks: int, budget: int = 64, max_seqs: int = 8, caching: bool = True) -> Scheduler:

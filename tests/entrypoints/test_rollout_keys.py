@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import redis
 
-from fastdeploy_r3.cache_manager.storage import make_storage_backend
+from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.r3.rollout_id import (
     MAX_CHOICES,
     MAX_ROLLOUT_ID_BYTES,
@@ -90,7 +90,7 @@ def test_namespaces_cannot_hold_a_key_separator(namespace: str) -> None:
 
 def test_f7_a_rollout_id_shaped_like_a_kv_key_does_not_touch_the_kv_tier(redis_url: str) -> None:
     """F7: rollout id `kv:<ns>:<hash>` overwrote KV-storage blocks in the same Redis DB."""
-    kv = make_storage_backend(redis_url, "model|v0")
+    kv = open_blob_store(redis_url, "model|v0")
     kv_key = kv.blobs.key_prefix + "ab" * 16
     r = redis.Redis.from_url(redis_url)
     r.set(kv_key, b"kv-block")

@@ -17,11 +17,11 @@ from fastdeploy_r3.client import (
     read_mooncake_rollout,
     read_redis_rollout,
 )
-from fastdeploy_r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError
+from fastdeploy_r3.r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, previous_turn_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore, RoutingStoreError, make_routing_store
-from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore
+from fastdeploy_r3.r3.stores.mooncake import MooncakeRoutingStore
 
 MOE_LAYER_IDS = [1, 2, 3]  # layer 0 dense, as in GLM's first_k_dense_replace
 

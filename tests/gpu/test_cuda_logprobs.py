@@ -11,8 +11,8 @@ import torch
 from fake_model import make_fake_model
 
 from fastdeploy_r3 import LLM, SamplingParams
-from fastdeploy_r3.worker.logits_processor import TokenStats, apply_penalties
-from fastdeploy_r3.worker.token_logprobs import token_logprobs
+from fastdeploy_r3.worker.sample.logprobs import token_logprobs
+from fastdeploy_r3.worker.sample.penalties import TokenStats, apply_penalties
 
 pytestmark = pytest.mark.gpu
 

@@ -14,8 +14,8 @@ from fastdeploy_r3.model_executor.layers.fused_moe import grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, loop_experts
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
 from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks_torch, align_to_blocks_triton
-from fastdeploy_r3.worker.batch_sampler import SamplingBatch, sample_batch
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
+from fastdeploy_r3.worker.sample.draw import SamplingBatch, sample_batch
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

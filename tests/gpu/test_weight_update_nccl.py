@@ -25,8 +25,8 @@ def _free_port() -> int:
 
 
 def _trainer(new_dir: str, port: int) -> None:
+    from fastdeploy_r3.distributed.weight_update_group import destroy_weight_update_group, init_weight_update_group
     from fastdeploy_r3.model_executor.model_loader import iter_safetensors, safetensors_files
-    from fastdeploy_r3.model_executor.weight_update_group import destroy_weight_update_group, init_weight_update_group
 
     torch.cuda.set_device(1)
     group = init_weight_update_group("127.0.0.1", port, 0, 2, "wug", "nccl")

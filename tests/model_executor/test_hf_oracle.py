@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdeploy_r3.config import ModelConfig, moe_layer_ids_from_hf_config
+from fastdeploy_r3.config import ModelConfig
+from fastdeploy_r3.config.hf_config import moe_layer_ids_from_hf_config
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.model_loader import load_model
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastdeploy_r3.config import RoutingReplayConfig
 from fastdeploy_r3.outputs import CompletionOutput, RequestOutput
 from fastdeploy_r3.r3.codec import decode_routed_experts
+from fastdeploy_r3.r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3StoreFailedError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore

@@ -8,9 +8,9 @@ import pytest
 
 from fastdeploy_r3.client import read_local_rollout, read_local_rollout_meta, read_redis_rollout_meta, to_moe_layout
 from fastdeploy_r3.client.routed_experts import to_megatron_router_replay
-from fastdeploy_r3.config import RoutingReplayConfig
 from fastdeploy_r3.outputs import CompletionOutput, RequestOutput, WeightVersionSpan, weight_version_spans
 from fastdeploy_r3.r3.codec import decode_routed_experts
+from fastdeploy_r3.r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.delivery import R3Delivery
 from fastdeploy_r3.r3.layouts import R3PayloadError
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from redis_server import redis_pid, redis_server
 
-from fastdeploy_r3 import blob_store
-from fastdeploy_r3.config import RoutingReplayConfig
+from fastdeploy_r3.blobstore import base as blob_base
+from fastdeploy_r3.blobstore import local as blob_local
 from fastdeploy_r3.outputs import CompletionOutput, RequestOutput
+from fastdeploy_r3.r3.config import RoutingReplayConfig
 from fastdeploy_r3.r3.delivery import R3Delivery, R3StoreFailedError
 from fastdeploy_r3.r3.stores import LocalRoutingStore, RedisRoutingStore, RoutingStoreError
 
@@ -27,7 +28,7 @@ def rows(seed: int) -> np.ndarray:
 
 def disk_full_after(monkeypatch: pytest.MonkeyPatch, n_files: int) -> None:
     """The blob store's file creations fail with ENOSPC from the (n_files + 1)-th on."""
-    real_open, opened = blob_store.open_new_private, [0]
+    real_open, opened = blob_base.open_new_private, [0]
 
     def fake_open(path: str):
         opened[0] += 1
@@ -35,7 +36,9 @@ def disk_full_after(monkeypatch: pytest.MonkeyPatch, n_files: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device", path)
         return real_open(path)
 
-    monkeypatch.setattr(blob_store, "open_new_private", fake_open)
+    # write_atomic (base.py) and the per-layer staging directory (local.py) both create files through it
+    monkeypatch.setattr(blob_base, "open_new_private", fake_open)
+    monkeypatch.setattr(blob_local, "open_new_private", fake_open)
 
 
 def test_a_per_layer_put_that_fails_halfway_leaves_nothing_a_reader_can_see(tmp_path, monkeypatch) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.worker.batch_sampler import SamplingBatch, sample_batch, uniform_noise
+from fastdeploy_r3.worker.sample.draw import SamplingBatch, sample_batch, uniform_noise
 
 CPU = torch.device("cpu")
 

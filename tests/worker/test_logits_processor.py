@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from fastdeploy_r3.worker.logits_processor import TokenStats, apply_penalties, mask_tokens
+from fastdeploy_r3.worker.sample.penalties import TokenStats, apply_penalties, mask_tokens
 
 V = 6
 

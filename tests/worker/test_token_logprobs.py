@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from fastdeploy_r3.worker.token_logprobs import token_logprobs
+from fastdeploy_r3.worker.sample.logprobs import token_logprobs
 
 
 def test_chosen_rank_and_top_of_two_rows_with_temperature() -> None:

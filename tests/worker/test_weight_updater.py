@@ -54,7 +54,7 @@ def test_tensors_of_the_wrong_shape_are_refused(fake_model_dir) -> None:
 
 
 def _trainer(new_dir: str, port: int, world: int) -> None:
-    from fastdeploy_r3.model_executor.weight_update_group import destroy_weight_update_group, init_weight_update_group
+    from fastdeploy_r3.distributed.weight_update_group import destroy_weight_update_group, init_weight_update_group
 
     group = init_weight_update_group("127.0.0.1", port, 0, world, "wug", "gloo")
     for _, tensor in iter_safetensors(safetensors_files(new_dir)):

@@ -36,8 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastdeploy_r3.blob_store import redact_url
-from fastdeploy_r3.config import ConfigError, EngineConfig
+from fastdeploy_r3.blobstore.base import redact_url
+from fastdeploy_r3.config import ConfigError, add_engine_args, engine_config_from_args
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.native.api import add_native_routes
 from fastdeploy_r3.entrypoints.openai.disconnect import unless_gone
@@ -63,7 +63,7 @@ _HEALTH_TIMEOUT_S = 10.0
 
 def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(description="fastdeploy_r3 OpenAI-compatible server")
-    EngineConfig.add_cli_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -263,7 +263,7 @@ class EngineLostError(RuntimeError):
 
 
 async def run_server(args: argparse.Namespace) -> None:
-    config = EngineConfig.from_cli_args(args)  # ConfigError: bad flags, before anything starts
+    config = engine_config_from_args(args)  # ConfigError: bad flags, before anything starts
     namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
     store = make_routing_store(config.routing_replay_config, namespace)
     if isinstance(store, RedisRoutingStore):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.config import ConfigError
-from fastdeploy_r3.model_executor.parallel_state import all_reduce
+from fastdeploy_r3.distributed.parallel_state import all_reduce
 
 
 def divide(total: int, tp_size: int, what: str) -> int:

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.distributed.parallel_state import all_reduce
 from fastdeploy_r3.model_executor.forward_context import get_forward_context
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
-from fastdeploy_r3.model_executor.parallel_state import all_reduce
 
 
 def softmax_topk(

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fastdeploy_r3.hf_config import moe_layer_ids_from_hf_config, normalize_hf_config
+from fastdeploy_r3.config.hf_config import moe_layer_ids_from_hf_config, normalize_hf_config
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding

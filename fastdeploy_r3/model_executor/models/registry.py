@@ -6,7 +6,8 @@ import importlib
 
 from torch import nn
 
-from fastdeploy_r3.config import SUPPORTED_ARCHITECTURES, ConfigError
+from fastdeploy_r3.config import ConfigError
+from fastdeploy_r3.config.hf_config import SUPPORTED_ARCHITECTURES
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -14,10 +14,10 @@ there is no namespace: the cluster belongs to one deployment. `rid` is the rollo
 
 from __future__ import annotations
 
-from fastdeploy_r3.blob_store import BlobStoreError, ChecksummedBlobStore, redact_url
-from fastdeploy_r3.mooncake_store import MooncakeBlobStore, MooncakeURL
+from fastdeploy_r3.blobstore.base import BlobStoreError, ChecksummedBlobStore, redact_url
+from fastdeploy_r3.blobstore.mooncake import MooncakeBlobStore, MooncakeURL
 from fastdeploy_r3.r3.rollout_id import choice_rollout_id, validate_namespace, validate_rollout_id
-from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
+from fastdeploy_r3.r3.stores.base import RoutingStore, RoutingStoreError
 
 
 class MooncakeRoutingStore(RoutingStore):

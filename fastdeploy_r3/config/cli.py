@@ -15,7 +15,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from fastdeploy_r3.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy_r3.config.engine import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 # the dataclasses whose fields are engine flags, in --help order
 SECTIONS: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig)

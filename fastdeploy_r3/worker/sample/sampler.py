@@ -4,8 +4,8 @@ Shape legend: S = rows that sample this step, V = vocabulary, Q = prompt positio
 
     logits [S, V] float32
       └─ penalties (rows with any) ─ min_tokens mask (rows still short) ─► processed [S, V]
-           ├─ draw one id per row (batch_sampler.py, on the device)        ─► ids [S]
-           └─ logprobs of the rows that asked (token_logprobs.py)         ─► TokenLogprob per row
+           ├─ draw one id per row (draw.py, on the device)               ─► ids [S]
+           └─ logprobs of the rows that asked (logprobs.py)               ─► TokenLogprob per row
     hidden of prompt positions [Q, H] ─ logits ─ log_softmax (raw)        ─► prompt TokenLogprobs
 
 What a request needs beyond its chunk arrives with its first chunk (messages.ScheduledRequestData):
@@ -23,10 +23,10 @@ import torch
 
 from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
-from fastdeploy_r3.worker.batch_sampler import SampledIds, SamplingBatch, sample_batch
-from fastdeploy_r3.worker.logits_processor import TokenStats, apply_penalties, mask_tokens
 from fastdeploy_r3.worker.messages import ScheduledRequestData
-from fastdeploy_r3.worker.token_logprobs import token_logprobs
+from fastdeploy_r3.worker.sample.draw import SampledIds, SamplingBatch, sample_batch
+from fastdeploy_r3.worker.sample.logprobs import token_logprobs
+from fastdeploy_r3.worker.sample.penalties import TokenStats, apply_penalties, mask_tokens
 
 
 @dataclass
@@ -83,7 +83,7 @@ class StepSampler:
 
     def draw(self, processed: torch.Tensor, rows: list[ScheduledRequestData]) -> torch.Tensor:
         """processed [S, V] -> ids [S] int64 on its device: one batched draw for all rows
-        (batch_sampler.py: greedy rows take the argmax; the others race a counter-hash noise)."""
+        (draw.py: greedy rows take the argmax; the others race a counter-hash noise)."""
         states = [self._requests[r.request_id] for r in rows]
         for s, r in zip(states, rows):
             # the batched draw would turn these into silent garbage: raise, so the engine's bisection

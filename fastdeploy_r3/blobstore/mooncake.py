@@ -1,4 +1,4 @@
-"""Mooncake Store as a BlobStore (blob_store.py): the third backend beside the local directory and Redis.
+"""Mooncake Store as a BlobStore (blobstore/base.py): the third backend beside the local directory and Redis.
 
 Mooncake Store (`mooncake-transfer-engine`, `pip install fastdeploy_r3[mooncake]`) keeps objects in
 memory segments that its clients contribute; a master (`mooncake_master`) only holds metadata:
@@ -19,7 +19,7 @@ Behaviour measured on 0.3.13.post1 that this class turns into a plain contract:
   `force`.
 
 Values are stored as they are given, as LocalBlobStore and RedisBlobStore store them: integrity is
-the caller's, through blob_store.checksummed (the KV block codec ends every block with it; the
+the caller's, through base.checksummed (the KV block codec ends every block with it; the
 Mooncake R3 store wraps its values in ChecksummedBlobStore). So FastDeploy's bare arrays read back
 with a plain `get`.
 
@@ -36,7 +36,7 @@ import threading
 from dataclasses import dataclass, replace
 from urllib.parse import parse_qs, urlparse
 
-from fastdeploy_r3.blob_store import BlobStore, BlobStoreError
+from fastdeploy_r3.blobstore.base import BlobStore, BlobStoreError
 
 _SIZE_RE = re.compile(r"^(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}

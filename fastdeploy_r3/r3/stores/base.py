@@ -1,7 +1,7 @@
 """Routing stores: where R3 goes when it is not returned in the response (DESIGN.md §7).
 
 One put per finished request, with one `[T, L, K]` array per choice, on a BlobStore
-(fastdeploy_r3/blob_store.py):
+(blobstore/base.py):
 
     local      {local_store_dir}/{rid}.npy                       fused  [L, T, K]
                {local_store_dir}/{rid}.layers/layer_{layer}.npy  per layer [T, K]
@@ -9,13 +9,13 @@ One put per finished request, with one `[T, L, K]` array per choice, on a BlobSt
     p2pstore   {namespace}/{rid}                                 fused  [L, T, K]  (.npy bytes)
                {namespace}/{rid}/layer_{layer}                   per layer [T, K]
                {namespace}/{rollout_id}#meta                     weight version(s), layout (JSON)
-               (Mooncake, key_style=fastdeploy: {rid} / {rid}_{layer}; see r3/stores_mooncake.py)
+               (Mooncake, key_style=fastdeploy: {rid} / {rid}_{layer}; see r3/stores/mooncake.py)
 
 `rid` is the rollout id, or `{rollout_id}#{i}` for choice i of a request with n > 1 (r3/rollout_id.py);
 `layer` is the model's layer index (an entry of `moe_layer_ids`, or of every layer in the `all_layers`
 layout: then the fused entry is [num_hidden_layers, T, K] too), not the position among the MoE layers.
 Values are plain `.npy` files, without a checksum trailer, because trainers `np.load` them (Mooncake's
-are the exception: see r3/stores_mooncake.py).
+are the exception: see r3/stores/mooncake.py).
 
 Keys cannot run into each other (issue 11, F6/F7): a rollout id holds neither `/` nor `#`, a namespace
 neither `/` nor `:`, so `{namespace}/` is one deployment's and never the KV tier's (`fdr3:kv:...`),
@@ -27,35 +27,23 @@ another rollout's.
 Contract: `put` returns only when every array is durable in the store (the caller answers the
 request afterwards, so a trainer never looks for a key that is not there); it raises
 `RoutingStoreError` otherwise. Stores are never wiped at start: other deployments and earlier
-rollouts may share them. A backend is a BlobStore and a key scheme: Mooncake's is r3/stores_mooncake.py.
+rollouts may share them. A backend is a BlobStore and a key scheme: Mooncake's is r3/stores/mooncake.py.
 """
 
 from __future__ import annotations
 
 import abc
 import json
-import os
-import re
 from typing import Any
 
 import numpy as np
 
-from fastdeploy_r3.blob_store import (
-    DIR_MODE,
-    BlobStore,
-    BlobStoreError,
-    ChecksumError,
-    LocalBlobStore,
-    RedisBlobStore,
-)
-from fastdeploy_r3.config import RoutingReplayConfig
-from fastdeploy_r3.disk_budget import DiskBudget
+from fastdeploy_r3.blobstore.base import BlobStore, BlobStoreError, ChecksumError
 from fastdeploy_r3.r3.codec import RoutedExpertsDecodeError, load_npy, npy_bytes
 from fastdeploy_r3.r3.rollout_id import (
     any_n_rollout_ids,
     choice_rollout_id,
     previous_turn_rollout_id,
-    validate_namespace,
     validate_rollout_id,
 )
 
@@ -210,141 +198,3 @@ class RoutingStore(abc.ABC):
     def close(self) -> None:
         """Release connections; the stored data stays."""
         self.blobs.close()
-
-
-class LocalRoutingStore(RoutingStore):
-    """`.npy` files under one directory; every file appears whole (temp file + rename), and the files of
-    a per-layer rollout appear together (LocalBlobStore.put_many). Bounded, when asked, by a DiskBudget:
-    a rollout older than `ttl_s` is gone, and past `capacity_bytes` the least recently used rollouts go
-    first, each removed whole."""
-
-    def __init__(self, root: str, use_fused_put: bool = True, only_last_turn: bool = False,
-                 ttl_s: int | None = None, capacity_bytes: int | None = None) -> None:  # fmt: skip
-        blobs = LocalBlobStore(root)
-        super().__init__(blobs, None, use_fused_put, only_last_turn, blobs.root)
-        self.root = blobs.root
-        self._local = blobs
-        self.budget = DiskBudget(self.root, capacity_bytes, ttl_s, whole_dirs=True)
-
-    def put(
-        self,
-        rollout_id: str,
-        routed_experts: list[np.ndarray],
-        moe_layer_ids: list[int],
-        meta: dict[str, Any] | None = None,
-    ) -> list[str]:
-        try:
-            self.budget.admit(sum(a.nbytes + 128 for a in routed_experts))  # + .npy headers
-        except OSError as e:
-            raise RoutingStoreError(f"cannot make room for rollout {rollout_id!r} under {self.root}: {e}") from e
-        return super().put(rollout_id, routed_experts, moe_layer_ids, meta)
-
-    def _entries(self, rid: str) -> tuple[str, str]:
-        """The fused file and the per-layer directory of one stored choice."""
-        return self._local.path(self.fused_key(rid)), self._local.path(f"{rid}.layers")
-
-    def get(self, rollout_id: str, choice: int | None = None, moe_layer_ids: list[int] | None = None) -> np.ndarray:
-        rid = choice_rollout_id(rollout_id, choice)
-        for entry in self._entries(rid):
-            if self.budget.expired(entry):
-                raise KeyError(f"R3 of rollout {rid!r} under {self.root} expired (older than ttl_s)")
-        arr = super().get(rollout_id, choice, moe_layer_ids)
-        for entry in self._entries(rid):
-            self.budget.touch(entry)
-        return arr
-
-    def fused_key(self, rid: str) -> str:
-        return f"{rid}.npy"
-
-    def meta_key(self, rid: str) -> str:
-        return f"{rid}#meta.json"  # "#" is in no rollout id: no entry of another rollout can be named so
-
-    def layer_key(self, rid: str, layer: int) -> str:
-        return os.path.join(f"{rid}.layers", f"layer_{layer}.npy")
-
-    def entry_name(self, key: str) -> str:
-        return self._local.path(key)
-
-    def ping(self) -> None:
-        try:
-            st = os.statvfs(self.root)
-        except OSError as e:
-            raise RoutingStoreError(f"local_store_dir {self.root} is not there: {e}") from e
-        if not os.access(self.root, os.W_OK) or st.f_flag & os.ST_RDONLY:
-            raise RoutingStoreError(f"local_store_dir {self.root} is not writable")
-        if st.f_bavail * st.f_frsize < 1 << 20:
-            raise RoutingStoreError(f"local_store_dir {self.root} has less than 1 MiB free")
-
-    def stored_layers(self, rid: str) -> list[int]:
-        layer_dir = self._local.path(f"{rid}.layers")
-        names = os.listdir(layer_dir) if os.path.isdir(layer_dir) else []
-        return sorted(int(m.group(1)) for m in (re.fullmatch(r"layer_(\d+)\.npy", n) for n in names) if m)
-
-    def delete(self, rollout_id: str, moe_layer_ids: list[int]) -> None:
-        super().delete(rollout_id, moe_layer_ids)
-        for rid in any_n_rollout_ids(rollout_id):  # per-layer directories left empty
-            try:
-                os.rmdir(self._local.path(f"{rid}.layers"))
-            except OSError:
-                pass  # absent, or holds files another writer put there: leave it
-
-
-class RedisRoutingStore(RoutingStore):
-    """Redis keys `{namespace}/{rid}[/layer_{layer}]` holding `.npy` bytes, each expiring after `ttl_s`."""
-
-    def __init__(
-        self,
-        url: str,
-        namespace: str,
-        ttl_s: int = 3600,
-        use_fused_put: bool = True,
-        only_last_turn: bool = False,
-        timeout_s: float = 30.0,
-    ) -> None:
-        self.namespace = validate_namespace(namespace)
-        blobs = RedisBlobStore(url, f"{self.namespace}/", connect_timeout_s=min(10.0, timeout_s), timeout_s=timeout_s)
-        super().__init__(blobs, int(ttl_s), use_fused_put, only_last_turn, blobs.where)
-        self._redis_blobs = blobs
-
-    def fused_key(self, rid: str) -> str:
-        return rid
-
-    def meta_key(self, rid: str) -> str:
-        return f"{rid}#meta"  # "#" is in no rollout id: no entry of another rollout can be named so
-
-    def layer_key(self, rid: str, layer: int) -> str:
-        return f"{rid}/layer_{layer}"
-
-    def entry_name(self, key: str) -> str:
-        return self._redis_blobs.key_prefix + key
-
-    def ping(self) -> None:
-        """Fail at start-up, not at the first rollout, when the store cannot be reached."""
-        try:
-            self._redis_blobs.ping()
-        except BlobStoreError as e:
-            raise RoutingStoreError(f"cannot reach the R3 p2pstore: {e}") from e
-
-
-def make_routing_store(cfg: RoutingReplayConfig, namespace: str) -> RoutingStore | None:
-    """The store of a deployment, or None when R3 is off or returned in responses."""
-    if not cfg.enable_routing_replay or cfg.routing_store_type == "response":
-        return None
-    if cfg.routing_store_type == "local":
-        assert cfg.local_store_dir is not None  # RoutingReplayConfig.validate() checked
-        try:
-            # fail at start-up, not at the first rollout; a new directory is the server user's only
-            os.makedirs(cfg.local_store_dir, mode=DIR_MODE, exist_ok=True)
-        except OSError as e:
-            raise RoutingStoreError(f"local_store_dir {cfg.local_store_dir!r} cannot be created: {e}") from e
-        capacity = None if cfg.local_store_capacity_gib is None else int(cfg.local_store_capacity_gib * 2**30)
-        return LocalRoutingStore(cfg.local_store_dir, cfg.use_fused_put, cfg.only_last_turn, cfg.ttl_s, capacity)
-    if cfg.routing_store_type == "p2pstore":
-        assert cfg.p2pstore_url is not None
-        if cfg.p2pstore_url.startswith("mooncake://"):
-            from fastdeploy_r3.r3.stores_mooncake import MooncakeRoutingStore  # needs the mooncake extra
-
-            return MooncakeRoutingStore(cfg.p2pstore_url, namespace, cfg.use_fused_put, cfg.only_last_turn)
-        return RedisRoutingStore(cfg.p2pstore_url, namespace, cfg.ttl_s, cfg.use_fused_put, cfg.only_last_turn,
-                                 timeout_s=float(cfg.store_timeout_s))
-    raise RoutingStoreError(f"unknown routing_store_type {cfg.routing_store_type!r}")
