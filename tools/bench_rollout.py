@@ -1,0 +1,317 @@
+"""The rollout benchmark: an RL-shaped batch through the server's SGLang `/generate`, measured as the
+trainer sees it (wall time of the whole rollout, output tokens/s, TTFT and TPOT per sample).
+
+    python tools/bench_rollout.py --model DIR [--device cuda --load-format dummy] [--prompts 128 --n 8]
+        [--prompt-len 256:2048] [--max-tokens 4096] [--r3 on|off|both] [--ignore-eos]
+        [--concurrency 0] [--png rollout.png] [--out DIR] [--server-arg=--max-num-seqs=256 ...]
+    python tools/bench_rollout.py --url http://127.0.0.1:8000 ...          # a server already running
+    python tools/bench_rollout.py --model DIR --concurrency-sweep 1,64,256 --prompt-len 512 \
+        --max-tokens 256 --output-len fixed --ignore-eos                    # the concurrency table
+
+A rollout is P prompts x n samples. Prompt lengths are uniform in --prompt-len (random token ids, so
+no two prompts share a prefix; the n samples of one prompt do); output lengths are drawn from a
+log-normal with a long tail and capped at --max-tokens (`--output-len fixed`: every sample asks for
+--max-tokens). Each sample is one streamed `/generate` request (the way slime drives SGLang), at most
+--concurrency in flight (0: all at once). Per run it prints the rollout wall time, output tokens/s,
+TTFT p50/p99, TPOT p50/p99 and, when the engine exports its step counters on /metrics, the mean
+engine step beside the server TPOT. `--r3 both` runs R3 off and on alternately (--pairs times) on
+servers started here and prints their ratio. --png plots tokens/s and requests in flight over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the server launcher the tests use
+
+from api_server_process import api_server  # noqa: E402
+
+R3_ON = json.dumps({"enable_routing_replay": True, "routing_store_type": "response"})
+R3_OFF = json.dumps({"enable_routing_replay": False})
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    max_tokens: int
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # arrival time of each chunk's new tokens
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.tokens < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.tokens - 1)
+
+
+@dataclass
+class RunResult:
+    label: str
+    wall_s: float
+    samples: list[Sample]
+    step_ms: float | None
+    timeline: list[tuple[float, int, int]]  # (t, tokens so far, in flight)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def make_rollout(args: argparse.Namespace, vocab: int, seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    lo, hi = (int(x) for x in args.prompt_len.split(":")) if ":" in args.prompt_len else (int(args.prompt_len),) * 2
+    samples = []
+    for _ in range(args.prompts):
+        prompt = [int(t) for t in rng.integers(0, vocab, int(rng.integers(lo, hi + 1)))]
+        for _ in range(args.n):
+            if args.output_len == "fixed":
+                out = args.max_tokens
+            else:  # log-normal: median max_tokens / 8, a tail to the cap
+                out = int(min(args.max_tokens, max(1, rng.lognormal(np.log(args.max_tokens / 8), 1.0))))
+            samples.append(Sample(prompt, out))
+    return samples
+
+
+async def _one(client: httpx.AsyncClient, url: str, s: Sample, args: argparse.Namespace, r3: bool) -> None:
+    body = {
+        "input_ids": s.prompt_ids,
+        "sampling_params": {"max_new_tokens": s.max_tokens, "temperature": args.temperature,
+                            "ignore_eos": args.ignore_eos},
+        "stream": True,
+        "return_routed_experts": r3,
+    }
+    s.sent = time.monotonic()
+    try:
+        async with client.stream("POST", f"{url}/generate", json=body) as resp:
+            if resp.status_code != 200:
+                s.error = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    s.error = str(chunk["error"])[:200]
+                    return
+                done = chunk.get("meta_info", {}).get("completion_tokens", s.tokens)
+                now = time.monotonic()
+                s.token_times.extend([now] * (done - s.tokens))
+                s.tokens = done
+    except httpx.HTTPError as e:
+        s.error = f"{type(e).__name__}: {e}"
+
+
+_STEP_RE = re.compile(r"^fastdeploy_r3_engine_(steps|step_seconds)(?:_total)? ([0-9.eE+-]+)$", re.M)
+
+
+async def _step_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    with contextlib.suppress(httpx.HTTPError):
+        text = (await client.get(f"{url}/metrics")).text
+        return {m.group(1): float(m.group(2)) for m in _STEP_RE.finditer(text)}
+    return {}
+
+
+async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace, r3: bool, label: str) -> RunResult:
+    limit = args.concurrency or len(samples)
+    sem = asyncio.Semaphore(limit)
+    in_flight = 0
+    timeline: list[tuple[float, int, int]] = []
+    timeout = httpx.Timeout(args.request_timeout_s, connect=30.0)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        before = await _step_counters(client, url)
+        start = time.monotonic()
+
+        async def guarded(s: Sample) -> None:
+            nonlocal in_flight
+            async with sem:
+                in_flight += 1
+                try:
+                    await _one(client, url, s, args, r3)
+                finally:
+                    in_flight -= 1
+
+        async def sampler() -> None:
+            while True:
+                timeline.append((time.monotonic() - start, sum(s.tokens for s in samples), in_flight))
+                await asyncio.sleep(0.25)
+
+        watch = asyncio.create_task(sampler())
+        await asyncio.gather(*(guarded(s) for s in samples))
+        wall = time.monotonic() - start
+        watch.cancel()
+        timeline.append((wall, sum(s.tokens for s in samples), 0))
+        after = await _step_counters(client, url)
+    step_ms = None
+    if {"steps", "step_seconds"} <= before.keys() & after.keys() and after["steps"] > before["steps"]:
+        step_ms = 1e3 * (after["step_seconds"] - before["step_seconds"]) / (after["steps"] - before["steps"])
+    return RunResult(label, wall, samples, step_ms, timeline)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def row(r: RunResult) -> str:
+    ok = [s for s in r.samples if s.error is None]
+    ttft = [1e3 * s.ttft for s in ok if s.ttft is not None]
+    tpot = [1e3 * s.tpot for s in ok if s.tpot is not None]
+    step = f"{r.step_ms:.2f}" if r.step_ms is not None else "n/a"
+    return (f"| {r.label} | {len(r.samples)} | {len(r.samples) - len(ok)} | {r.wall_s:.1f} | {r.output_tokens} | "
+            f"{r.tok_s:.0f} | {_pct(ttft, 50):.0f} | {_pct(ttft, 99):.0f} | {_pct(tpot, 50):.2f} | "
+            f"{_pct(tpot, 99):.2f} | {step} |")
+
+
+HEADER = ("| run | samples | failed | wall s | output tokens | output tok/s | TTFT p50 ms | TTFT p99 ms | "
+          "TPOT p50 ms | TPOT p99 ms | engine step ms |\n"
+          "| --- | ------- | ------ | ------ | ------------- | ------------ | ----------- | ----------- | "
+          "----------- | ----------- | -------------- |")
+
+
+def plot(results: list[RunResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for r in results:
+        t = np.array([p[0] for p in r.timeline])
+        toks = np.array([p[1] for p in r.timeline], dtype=float)
+        w = min(4, len(t) - 1)  # a one-second window over the 0.25 s samples
+        if w < 1:
+            continue
+        rate = (toks[w:] - toks[:-w]) / np.maximum(t[w:] - t[:-w], 1e-9)
+        ax1.plot(t[w:], rate, label=r.label)
+        ax2.plot(t, [p[2] for p in r.timeline], label=r.label)
+    ax1.set_ylabel("output tok/s")
+    ax2.set_ylabel("requests in flight")
+    ax2.set_xlabel("seconds since the rollout started")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def vocab_size(model_dir: str | None) -> int:
+    if model_dir is None:
+        return 1000
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return min(int(json.load(f)["vocab_size"]) - 16, 50000)  # stay clear of the special tokens at the end
+
+
+@contextlib.contextmanager
+def target(args: argparse.Namespace, r3_config: str, log_dir: str):
+    if args.url:
+        yield args.url
+        return
+    # server_command says --device cpu; a later --device wins (argparse keeps the last value).
+    extra = [*args.server_arg, "--device", args.device, "--routing-replay-config", r3_config,
+             "--load-format", args.load_format]
+    with api_server(args.model, log_dir, *extra, timeout=args.start_timeout_s) as h:
+        yield h.url
+
+
+async def _main(args: argparse.Namespace) -> list[RunResult]:
+    vocab = vocab_size(args.model)
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="fdr3_rollout_") as log_dir:
+        if args.concurrency_sweep:
+            with target(args, R3_ON if args.r3 != "off" else R3_OFF, log_dir) as url:
+                await run_rollout(url, make_rollout(args, vocab, seed=99)[:4], args, False, "warm-up")
+                for c in (int(x) for x in args.concurrency_sweep.split(",")):
+                    args.concurrency = c
+                    sweep = argparse.Namespace(**{**vars(args), "prompts": c, "n": 1})
+                    results.append(await run_rollout(url, make_rollout(sweep, vocab), args, args.r3 != "off",
+                                                     f"concurrency {c}"))
+                    print(row(results[-1]), flush=True)
+            return results
+        modes = {"on": [True], "off": [False], "both": [False, True] * args.pairs}[args.r3]
+        for i, r3 in enumerate(modes):
+            with target(args, R3_ON if r3 else R3_OFF, log_dir) as url:
+                await run_rollout(url, make_rollout(args, vocab, seed=99)[:4], args, False, "warm-up")
+                label = f"R3 {'on' if r3 else 'off'}" + (f" #{i // 2 + 1}" if args.r3 == "both" else "")
+                results.append(await run_rollout(url, make_rollout(args, vocab), args, r3, label))
+                print(row(results[-1]), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (the server is started here)")
+    ap.add_argument("--url", help="a running server instead (then --r3 on|off only says what to ask for)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra server flag, repeatable")
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", default="256:2048", help="LO:HI (uniform) or one length")
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--output-len", choices=("lognormal", "fixed"), default="lognormal")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--r3", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--pairs", type=int, default=3, help="off/on pairs with --r3 both")
+    ap.add_argument("--concurrency", type=int, default=0, help="requests in flight at most (0: all)")
+    ap.add_argument("--concurrency-sweep", default="", help="e.g. 1,64,256: one rollout per value")
+    ap.add_argument("--request-timeout-s", type=float, default=3600.0)
+    ap.add_argument("--start-timeout-s", type=float, default=900.0)
+    ap.add_argument("--png", default="")
+    ap.add_argument("--out", default="", help="directory for results.json")
+    args = ap.parse_args(argv)
+    if not args.model and not args.url:
+        ap.error("give --model (a server is started here) or --url")
+    if args.url and args.r3 == "both":
+        ap.error("--r3 both starts its own servers: give --model, not --url")
+    results = asyncio.run(_main(args))
+    print()
+    print(f"rollout: {args.prompts} prompts x {args.n}, prompt {args.prompt_len}, max_tokens {args.max_tokens} "
+          f"({args.output_len}), temperature {args.temperature}, ignore_eos {args.ignore_eos}")
+    print(HEADER)
+    for r in results:
+        print(row(r))
+    on = [r.tok_s for r in results if r.label.startswith("R3 on")]
+    off = [r.tok_s for r in results if r.label.startswith("R3 off")]
+    if on and off and args.r3 == "both":
+        ratios = [a / b for a, b in zip(on, off)]
+        print(f"\nR3 on / off output tok/s: median {statistics.median(ratios):.3f}, "
+              f"spread {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} pairs")
+    if args.png:
+        os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
+        plot(results, args.png)
+        print(f"plot: {args.png}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "rollout.json"), "w") as f:
+            json.dump([{"label": r.label, "wall_s": r.wall_s, "output_tokens": r.output_tokens, "tok_s": r.tok_s,
+                        "step_ms": r.step_ms, "failed": sum(s.error is not None for s in r.samples),
+                        "errors": sorted({s.error for s in r.samples if s.error})[:5]} for r in results], f, indent=1)
+    return 1 if any(s.error for r in results for s in r.samples) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
