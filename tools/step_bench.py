@@ -7,7 +7,7 @@
 
 R3 on/off is switched per step by attaching or detaching the runner's routing capture, so a paired A/B
 runs in one process on one model: "on" captures every MoE layer's top-k and scatters the rows into the
-registered SHM routing_host_buffer (DESIGN §5.2), "off" does neither.
+registered SHM routing_host_buffer, "off" does neither.
 
 Roofline bytes of a decode step (what must be read at least once): the experts the step's tokens were
 routed to (counted per layer from the step's R3 rows), every other weight except the embedding table

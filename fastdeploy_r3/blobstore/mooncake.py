@@ -194,9 +194,12 @@ class MooncakeBlobStore(BlobStore):
 
     def put_if_absent(self, key: str, value: bytes | memoryview, ttl_s: int | None = None) -> bool:
         """Mooncake's own put keeps the value of an existing key, and the master admits one put per key:
-        reading back whose value is there says who won (values must be unique to their writer)."""
+        a key already there is not ours; otherwise reading back whose value is there says who won a race
+        (values must be unique to their writer)."""
         data = bytes(value)
         with self._lock:
+            if self._store.is_exist(key) == 1:
+                return False
             self._store.put(key, data, self._config)
         return self.get(key) == data
 

@@ -2,7 +2,11 @@
 storage tier, and the process that moves blocks (with their R3 rows) between tiers.
 
     block_pool.py, block_hash.py, slots.py   the GPU pool, content hashes of full blocks, slot arithmetic
-    prefix_cache_manager.py                  block tables and prefix hits over the tiers
+    prefix_cache_manager.py                  block tables, the hash chain, prefix hits (bookkeeping only)
+    kv_connector.py, cpu_tier.py, storage_tier.py   the KV connector interface and its two tiers (a PD
+                                             transfer is the next implementation)
+    block_copy.py                            the one owner of "routing rows move with their KV"
+    transfer_supervisor.py                   the CTM over its life (lost, replaced, deadlines)
     routing_buffer.py, routing_cache_manager.py   R3 rows addressed by KV slot, gathered per request
     cache_transfer_manager.py, cache_transfer_client.py, transfer.py, kv_tiers.py   the CTM subprocess
                                              and its typed messages (swap out / in, storage load / put)

@@ -5,8 +5,8 @@ Row i of a request is the routing of the token at position i; it lives where tha
 at slots_of(block_table, i, block_size) (cache_manager/slots.py).
 
 Each slot carries the provenance tag of the computation that wrote it; the engine records the tag of
-each block of the table (block_tags). A row is data only if its tag equals its block's tag (DESIGN.md
-§5.4-5.5). Stateless: the caller owns block tables and tags, this class only checks and copies.
+each block of the table (block_tags). A row is data only if its tag equals its block's tag;
+anything else fails closed. Stateless: the caller owns block tables and tags, this class only checks and copies.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The slot formula: where the token at a position of a request lives, in the KV cache and in every
-R3 row buffer addressed like it (DESIGN.md §4).
+R3 row buffer addressed like it.
 
     block_table = [7, 2, 5]          block_size = 4
     position:  0 1 2 3 | 4 5 6 7 | 8 9 ...

@@ -233,14 +233,13 @@ class EngineControl:
             raise EngineControlError(why, invalid=False, status=503)
 
     def health(self) -> dict[str, str]:
-        """What /health should say about the control plane: {"weights": why requests are refused, ...}."""
+        """What /health should say about the control plane: {"weights" or "memory": why requests are
+        refused}. A pause is not a fault: /health reports it as its status ("paused"), not as degraded."""
         out = {}
         if self.weights_broken is not None:
             out["weights"] = f"{self.weights_broken}; push a complete update"
         elif (why := self.memory.unavailable()) is not None:
             out["memory"] = why
-        if self.paused is not None:
-            out["paused"] = f"generation is paused ({self.paused}); /continue_generation resumes it"
         return out
 
     # -- internals ----------------------------------------------------------------------------------

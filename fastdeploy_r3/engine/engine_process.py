@@ -1,4 +1,4 @@
-"""The engine in its own process, driven over ZMQ by the API server (DESIGN.md §3).
+"""The engine in its own process, driven over ZMQ by the API server (docs/architecture.md, "Processes").
 
     api_server ──PUSH  {ipc_dir}/input ──►  PULL  engine process (EngineService)
     api_server ◄─PULL  {ipc_dir}/output ◄── PUSH
@@ -143,8 +143,8 @@ class _EngineLoop:
         svc.control.heartbeat = self._control_heartbeat
 
     def _control_heartbeat(self) -> None:
-        """While the workers carry out a control call (a long load, a rendezvous): answer health queries so
-        that the stall watchdog and /health see a live engine; keep every other message for later."""
+        """While the workers carry out a control call (a long load, a rendezvous): answer health and state
+        queries so that the stall watchdog and /health see a live engine; keep every other message for later."""
         now = time.monotonic()
         if now - self._last_beat < _CONTROL_HEARTBEAT_S:
             return
@@ -157,6 +157,8 @@ class _EngineLoop:
             msg = pickle.loads(data)
             if isinstance(msg, HealthQuery):
                 self.send(self._health(msg))
+            elif isinstance(msg, ControlRequest) and isinstance(msg.command, EngineStateQuery):
+                self.send(ControlReply(msg.query_id, True, "ok", self._state(), False))  # read-only: /health asks it
             else:
                 self._deferred.append(msg)
         self.send(HealthReply(-1, ok=True))  # unsolicited: proves the loop is alive

@@ -25,7 +25,7 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     def __init__(self, model: str, r3_namespace: str = "fdr3", **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, **engine_kwargs)
-        # local / p2pstore delivery (DESIGN.md §7): the same stores, keys and policy as the API server's
+        # local / p2pstore delivery: the same stores, keys and policy as the API server's
         self.routing_store = make_routing_store(self.config.routing_replay_config, r3_namespace)
         self.r3_delivery = R3Delivery(self.config.routing_replay_config, self.routing_store)
         try:

@@ -1,4 +1,4 @@
-"""RoutingCapture: the forward context's routing sink, one per worker (DESIGN.md §5.1).
+"""RoutingCapture: the forward context's routing sink, one per worker (docs/architecture.md, "The R3 data path").
 
 Shape legend: T = tokens of the step (real ones; a CUDA graph may launch more), L = MoE layers,
 K = experts per token.

@@ -1,4 +1,4 @@
-"""Worker rank 0's R3 write (DESIGN.md §5.2): a step's rows and tags into the SHM routing_host_buffer
+"""Worker rank 0's R3 write: a step's rows and tags into the SHM routing_host_buffer
 at the step's slot_mapping, before the step's tokens leave the worker.
 
     RoutingWriter          rows_of(capture, T), then write(rows, slot_mapping, tags, positions)

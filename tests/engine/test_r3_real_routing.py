@@ -1,4 +1,4 @@
-"""R3 with real routing (DESIGN.md §9): rows served from any KV tier are the rows recorded when that KV
+"""R3 with real routing: rows served from any KV tier are the rows recorded when that KV
 was computed, bit for bit, and every row is the routing of the same tokens computed alone.
 
 Tiny qwen3_moe, float32 on CPU, block_size 4, token-id prompts sharing a 6-block prefix:

@@ -65,12 +65,11 @@ class ServerAddress:
     port: int
 
 
-def server_args(ctx: ServingContext, address: ServerAddress, app: FastAPI) -> dict[str, Any]:
+def server_args(ctx: ServingContext, address: ServerAddress) -> dict[str, Any]:
     """This server's settings under SGLang's ServerArgs names (the static part of /server_info)."""
     cfg = ctx.engine.config
     mc, cc, sc, pc, rr = (cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.parallel_config,
                           cfg.routing_replay_config)  # fmt: skip
-    paths = {getattr(r, "path", None) for r in app.routes}
     return {
         "model_path": mc.model, "tokenizer_path": mc.tokenizer or mc.model, "served_model_name": ctx.served_model_name,
         "host": address.host, "port": address.port, "nnodes": 1, "node_rank": 0, "dist_init_addr": None,
@@ -81,8 +80,7 @@ def server_args(ctx: ServingContext, address: ServerAddress, app: FastAPI) -> di
         "max_running_requests": sc.max_num_seqs, "chunked_prefill_size":
         sc.max_num_batched_tokens if sc.enable_chunked_prefill else -1,
         "random_seed": mc.seed, "skip_server_warmup": True, "disaggregation_mode": "null", "encoder_only": False,
-        # what the server can do, read off its routes: true the moment an endpoint exists
-        "enable_memory_saver": "/release_memory_occupation" in paths,
+        "enable_memory_saver": ctx.enable_memory_saver,
         # SGLang returns R3 only from a server started with this flag; here R3 on is enough, and
         # --enable-return-routed-experts makes it the default of every /generate
         "enable_return_routed_experts": rr.enable_routing_replay,
@@ -110,7 +108,7 @@ def add_info_routes(app: FastAPI, ctx: ServingContext, address: ServerAddress) -
             "internal_states": [{"weight_version": state.weight_version, "num_requests": state.num_requests}],
             "version": _version(),
         }
-        return JSONResponse(redacted({**server_args(ctx, address, app), **live}))
+        return JSONResponse(redacted({**server_args(ctx, address), **live}))
 
     async def model_info() -> JSONResponse:
         mc, rr = ctx.engine.config.model_config, ctx.engine.config.routing_replay_config

@@ -93,6 +93,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                         f"endpoints stop at {MAX_CHOICES} whatever this says, one R3 key per choice)")
     parser.add_argument("--max-batch-size", type=int, default=RequestBounds.max_batch_size,
                         help="the most prompts x n of one /generate call (default: %(default)s)")
+    parser.add_argument("--enable-memory-saver", action="store_true",
+                        help="say so in /server_info (SGLang's flag: slime and miles compare it with their offload "
+                        "setting); /release_memory_occupation and /resume_memory_occupation work either way")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="every /generate answer carries routed_experts unless the request sends "
                         "return_routed_experts: false (SGLang's flag; a router that drops unknown fields, as "
@@ -334,7 +337,8 @@ async def run_server(args: argparse.Namespace) -> None:
                              request_timeout_s=args.request_timeout_s,
                              longest_token_chars=longest_token_chars(tokenizer),
                              bounds=RequestBounds(args.max_n, args.max_batch_size),
-                             enable_return_routed_experts=args.enable_return_routed_experts)
+                             enable_return_routed_experts=args.enable_return_routed_experts,
+                             enable_memory_saver=args.enable_memory_saver)
         app = build_app(ctx, args.api_key, namespace, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
                         enable_docs=args.enable_docs, metrics_without_api_key=args.metrics_without_api_key,
                         health_without_api_key=args.health_without_api_key,

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response bodies, plus the R3 extras (DESIGN.md §7).
+"""OpenAI-compatible request and response bodies, plus the R3 extras.
 
 R3 extras on requests: `return_routed_experts`, `routed_experts_start`, `rollout_id`,
 `overwrite_rollout`, `routing_layout`; on responses: each choice's `routed_experts` (base64 `.npy`,

@@ -1,5 +1,5 @@
 """What /v1/completions and /v1/chat/completions share: checks that map to HTTP errors, running a
-request through the engine, and R3 delivery (DESIGN.md §7).
+request through the engine, and R3 delivery.
 
 R3 delivery is r3/delivery.py's (shared with offline `LLM`); here it runs in a worker thread, awaited
 before the response (or the stream's final chunks) goes out, so the event loop never encodes or waits
@@ -95,6 +95,7 @@ class ServingContext:
     longest_token_chars: int = FALLBACK_LONGEST_TOKEN_CHARS
     bounds: RequestBounds = field(default_factory=RequestBounds)
     enable_return_routed_experts: bool = False  # /generate answers carry R3 unless a request says false
+    enable_memory_saver: bool = False  # SGLang's flag, as /server_info reports it (release/resume work anyway)
     delivery: R3Delivery = field(init=False)
     prompt_bound: PromptCharBound = field(init=False)
     rollout_claims: RolloutClaims = field(init=False)

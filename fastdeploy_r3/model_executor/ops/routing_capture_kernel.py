@@ -1,4 +1,4 @@
-"""Triton kernels of the R3 capture path (DESIGN.md §5.1-5.2), each beside its pure-torch reference.
+"""Triton kernels of the R3 capture path, each beside its pure-torch reference.
 
 Shape legend: T = tokens in the step (maybe padded for a CUDA graph), L = MoE layers, K = experts per
 token, S = slots of the host buffer.
