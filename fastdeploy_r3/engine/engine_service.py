@@ -50,9 +50,8 @@ class EngineService:
         moe_layer_ids = list(rr.moe_layer_ids or []) if rr.enable_routing_replay else None
         self.groups = RequestGroups(p.token_processor, moe_layer_ids)
         self.steps = StepBuilder(p.kv.block_table, p.kv.block_tags, p.token_processor.eos_token_ids)
-        mc = config.model_config
-        self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version,
-                                     has_kv_tiers=config.cache_config.uses_transfer_manager)
+        mc, has_tiers = config.model_config, config.cache_config.uses_transfer_manager
+        self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version, has_tiers)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
         _live_engines.add(self)
 
@@ -65,10 +64,7 @@ class EngineService:
     num_gpu_blocks = property(lambda self: self.parts.num_gpu_blocks)
     num_cpu_blocks = property(lambda self: self.parts.num_cpu_blocks)
     max_model_len = property(lambda self: self.parts.max_model_len)  # the config's, lowered to what the KV holds
-
-    @property
-    def weight_version(self) -> str:
-        return self.control.weight_version
+    weight_version = property(lambda self: self.control.weight_version)  # EngineControl owns it
 
     # -- requests -----------------------------------------------------------------------------------
 
