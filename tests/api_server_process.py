@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -93,3 +95,21 @@ def api_server(
     finally:
         stop_process(proc, 60)
         log.close()
+
+
+def stream_generate(server: ServerHandle, body: dict) -> tuple[threading.Thread, list[dict]]:
+    """POST a streamed /generate from a thread; return once its first chunk is in (the list keeps filling)."""
+    chunks: list[dict] = []
+
+    def run() -> None:
+        with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[len("data: "):]))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    while not chunks:
+        assert t.is_alive()
+        threading.Event().wait(0.01)
+    return t, chunks

@@ -7,13 +7,12 @@ weights is hit."""
 from __future__ import annotations
 
 import base64
-import json
 import threading
 
 import httpx
 import numpy as np
 import pytest
-from api_server_process import ServerHandle
+from api_server_process import ServerHandle, stream_generate
 from safetensors.torch import load_file
 
 from fastdeploy_r3.client.tensor_transport import flattened_bucket, serialize, serialize_named_tensors
@@ -171,22 +170,8 @@ def test_kv_cache_alone_released_and_resumed_serves_the_same_weights(server: Ser
 
 
 def _stream(server: ServerHandle, max_new_tokens: int) -> tuple[threading.Thread, list[dict]]:
-    body = {"input_ids": PROMPT, "stream": True, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
-    chunks: list[dict] = []
-
-    def run() -> None:
-        with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunks.append(json.loads(line[len("data: "):]))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    while not chunks:
-        assert t.is_alive()
-        threading.Event().wait(0.01)
-    return t, chunks
+    return stream_generate(server, {"input_ids": PROMPT, "return_routed_experts": True, "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
 
 
 def test_release_is_refused_while_requests_hold_the_cache(server: ServerHandle) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from api_server_process import ServerHandle, api_server, free_port
+from api_server_process import ServerHandle, api_server, free_port, stream_generate
 
 from fastdeploy_r3.sampling_params import SamplingParams
 
@@ -146,24 +146,8 @@ def test_every_tp_rank_takes_its_shard_of_a_broadcast(fake_model_dir, tmp_path) 
 
 
 def _stream_until_first_token(server: ServerHandle) -> tuple[threading.Thread, list[dict]]:
-    import json
-
-    body = {"input_ids": PROMPT, "stream": True, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}
-    chunks: list[dict] = []
-
-    def run() -> None:
-        with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunks.append(json.loads(line[len("data: "):]))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    while not chunks:
-        assert t.is_alive()
-        threading.Event().wait(0.01)
-    return t, chunks
+    return stream_generate(server, {"input_ids": PROMPT, "return_routed_experts": True, "sampling_params": {
+        "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}})
 
 
 def test_in_place_pause_finishes_under_the_new_weights_and_says_so(server: ServerHandle, fake_model_dir) -> None:
