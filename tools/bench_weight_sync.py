@@ -62,11 +62,19 @@ def post(url: str, path: str, body: dict) -> dict:
     return r.json()
 
 
-def push_from_tensor(url: str, items: list[tuple[str, Any]], bucket_bytes: int, version: str) -> float:
-    """Seconds for every bucket of `items` to be loaded (direct format: views, no copy on this side)."""
+def progress(msg: str) -> None:
+    """One line per phase on stderr, flushed: a run cut short by a time limit still says how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def push_from_tensor(url: str, items: list[tuple[str, Any]], bucket_bytes: int, version: str,
+                     load_format: str = "direct") -> float:
+    """Seconds for every bucket of `items` to be loaded. "direct": every tensor its own handle (views, no
+    copy on this side); "flattened_bucket": each bucket copied into one buffer first (one handle per
+    bucket, what slime sends when it can), the copy counted in the time."""
     import torch
 
-    from fastdeploy_r3.client.tensor_transport import serialize_named_tensors
+    from fastdeploy_r3.client.tensor_transport import flattened_bucket, serialize, serialize_named_tensors
 
     buckets, cur, size = [], [], 0
     for name, t in items:
@@ -78,9 +86,17 @@ def push_from_tensor(url: str, items: list[tuple[str, Any]], bucket_bytes: int, 
     if cur:
         buckets.append(cur)
     start = time.perf_counter()
-    for bucket in buckets:
-        post(url, "/update_weights_from_tensor",
-             {"serialized_named_tensors": [serialize_named_tensors(bucket)], "weight_version": version})
+    for i, bucket in enumerate(buckets):
+        if load_format == "flattened_bucket":
+            payload = serialize(flattened_bucket(bucket))
+        else:
+            payload = serialize_named_tensors(bucket)
+        body = {"serialized_named_tensors": [payload], "weight_version": version}
+        if load_format != "direct":
+            body["load_format"] = load_format
+        post(url, "/update_weights_from_tensor", body)
+        if i % 8 == 7:
+            progress(f"  {load_format}: {i + 1}/{len(buckets)} buckets, {time.perf_counter() - start:.1f} s")
     elapsed = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
@@ -107,7 +123,9 @@ def timed(url: str, path: str, body: dict) -> tuple[float, dict]:
 
 
 def run(args: argparse.Namespace, model_dir: str, log_dir: str) -> dict:
+    progress("building the trainer's copy of the weights")
     model, items = trainer_weights(model_dir, args)
+    progress(f"trainer ready: {len(items)} tensors")
     nbytes = sum(t.numel() * t.element_size() for _, t in items)
     rows: list[dict] = []
 
@@ -117,25 +135,46 @@ def run(args: argparse.Namespace, model_dir: str, log_dir: str) -> dict:
 
     with api_server(model_dir, log_dir, *server_args(args), timeout=args.start_timeout) as server:
         url = server.url
-        for i in range(args.repeats):
-            row("update_weights_from_tensor", push_from_tensor(url, items, args.bucket_mb << 20, f"tensor-{i}"),
-                f"buckets of {args.bucket_mb} MiB, direct")
-        backends = ["nccl", "gloo"] if args.device == "cuda" else ["gloo"]
+        progress("server ready")
+        for fmt in args.tensor_formats.split(","):
+            for i in range(args.repeats):
+                row(f"update_weights_from_tensor ({fmt})",
+                    push_from_tensor(url, items, args.bucket_mb << 20, f"tensor-{fmt}-{i}", fmt),
+                    f"buckets of {args.bucket_mb} MiB")
+                progress(f"row: {rows[-1]}")
+        backends, dist_items = ["gloo"], items
+        if args.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < 2:
+                # seen on the H200 (NCCL 2.28): ncclInvalidUsage for two ranks of one communicator on one GPU,
+                # and the trainer's side of the half-made communicator never returns
+                backends = []
+                rows.append({"op": "update_weights_from_distributed (nccl)", "seconds": None, "gb_per_s": None,
+                             "note": "not measured: NCCL refuses two ranks on one GPU; needs a second GPU"})
+            else:
+                backends = ["nccl"]
+                dist_items = [(n, t.to("cuda:1")) for n, t in items]  # the trainer's copy on the other GPU
+                torch.cuda.set_device(1)  # the trainer's NCCL rank lives there
         for backend in backends:
             try:
-                seconds = push_from_distributed(url, items, backend, f"dist-{backend}")
+                seconds = push_from_distributed(url, dist_items, backend, f"dist-{backend}")
             except Exception as e:  # noqa: BLE001 - e.g. NCCL refusing two ranks on one GPU: say so, go on
                 rows.append({"op": f"update_weights_from_distributed ({backend})", "seconds": None,
                              "gb_per_s": None, "note": f"failed: {type(e).__name__}: {str(e)[:120]}"})
                 continue
             row(f"update_weights_from_distributed ({backend})", seconds, "trainer = group rank 0")
+            progress(f"row: {rows[-1]}")
             break
         seconds, answer = timed(url, "/release_memory_occupation", {"tags": None})
         freed = sum(r["bytes"] for r in answer.get("ranks", []))
         row("release_memory_occupation", seconds, f"{freed / 2**30:.2f} GiB freed (kv_cache + weights)", 0)
         seconds, answer = timed(url, "/resume_memory_occupation", {"tags": None})
         row("resume_memory_occupation", seconds, "allocation only: weights pushed next", 0)
-        row("update_weights_from_tensor after resume", push_from_tensor(url, items, args.bucket_mb << 20, "resumed"))
+        progress(f"released and resumed: {rows[-2:]}")
+        fmt = args.tensor_formats.split(",")[-1]
+        row(f"update_weights_from_tensor ({fmt}) after resume",
+            push_from_tensor(url, items, args.bucket_mb << 20, "resumed", fmt))
         out = post(url, "/generate", {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 2,
                                                                                   "ignore_eos": True}})
         assert len(out["output_ids"]) == 2, out  # the server serves the pushed weights
@@ -178,10 +217,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 for a preset, float32 for the fake model")
     ap.add_argument("--bucket-mb", type=int, default=1024, help="bytes of tensors per /update_weights_from_tensor")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tensor-formats", default="direct,flattened_bucket",
+                    help="load formats of /update_weights_from_tensor to time, comma-separated")
     ap.add_argument("--num-gpu-blocks", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=1200)
+    ap.add_argument("--work-dir", default=None, help="keep the model and the server logs here (default: a temp dir)")
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -191,6 +233,9 @@ def main() -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = args.dtype or ("bfloat16" if args.preset else "float32")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.work_dir:  # the server's logs outlive the run
+            os.makedirs(args.work_dir, exist_ok=True)
+            tmp = args.work_dir
         if args.preset:
             from model_presets import write_preset
 

@@ -146,15 +146,38 @@ def iter_checked_safetensors(files: list[str], device: torch.device | str) -> It
 
 def check_tensor(name: str, tensor: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
     """`tensor` in model_dtype after the dtype and finiteness rules; CheckpointError otherwise."""
+    _check_dtype(name, tensor)
+    if not bool(torch.isfinite(tensor).all()):
+        raise CheckpointError(f"weight {name!r} holds NaN or inf values; the trainer's weights are broken")
+    return lossless_cast(name, tensor, model_dtype)
+
+
+def check_tensors(named: list[tuple[str, torch.Tensor]], model_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """check_tensor over many tensors with one device sync: a trainer's bucket holds hundreds of expert
+    tensors, and a sync per tensor was most of a colocated update's time. The sum of squares of a tensor
+    (one fused multi-tensor kernel) is finite only if every value is; where it is not, the exact
+    per-tensor rule decides (a huge finite weight can overflow the sum without being refused)."""
+    for name, t in named:
+        _check_dtype(name, t)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        if t.numel():
+            by_kind.setdefault((t.device, t.dtype), []).append(i)
+    for idx in by_kind.values():
+        norms = torch._foreach_norm([named[i][1] for i in idx], 2)
+        if not bool(torch.stack(norms).isfinite().all()):
+            for i in idx:
+                check_tensor(*named[i], model_dtype)
+    return [(name, lossless_cast(name, t, model_dtype)) for name, t in named]
+
+
+def _check_dtype(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point():
         raise CheckpointError(
             f"weight {name!r} is {str(tensor.dtype).removeprefix('torch.')}; only floating point weights are loaded"
         )
     if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise CheckpointError(f"weight {name!r} is float8; this engine loads fp16, bf16, fp32 or fp64 weights")
-    if not bool(torch.isfinite(tensor).all()):
-        raise CheckpointError(f"weight {name!r} holds NaN or inf values; the trainer's weights are broken")
-    return lossless_cast(name, tensor, model_dtype)
 
 
 def lossless_cast(name: str, tensor: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:

@@ -37,6 +37,7 @@ from fastdeploy_r3.model_executor.checkpoint_safety import (
     FLOAT_DTYPES,
     CheckpointError,
     check_tensor,
+    check_tensors,
     iter_checked_safetensors,
     safe_checkpoint_files,
     safetensors_header,
@@ -184,7 +185,7 @@ class WeightUpdater:
         """Full checkpoint tensors handed over in memory (a subset is fine); all checked before any copy."""
         self._check({name: tuple(t.shape) for name, t in named_tensors}, require_all=False)
         try:
-            checked = [(name, check_tensor(name, t, self.model_dtype)) for name, t in named_tensors]
+            checked = check_tensors(named_tensors, self.model_dtype)
         except CheckpointError as e:
             raise WeightUpdateError(f"weight update refused, no weight changed: {e}") from e
         return self._load(iter(checked), strict=False, source="the given tensors")

@@ -20,8 +20,8 @@ def test_weight_sync_bench_runs_on_cpu(tmp_path: Path) -> None:
     assert "| operation | seconds | GB/s | note |" in proc.stdout
     res = json.loads(out.read_text())
     ops = [r["op"] for r in res["rows"]]
-    assert ops == ["update_weights_from_tensor", "update_weights_from_distributed (gloo)",
-                   "release_memory_occupation", "resume_memory_occupation",
-                   "update_weights_from_tensor after resume"]
+    assert ops == ["update_weights_from_tensor (direct)", "update_weights_from_tensor (flattened_bucket)",
+                   "update_weights_from_distributed (gloo)", "release_memory_occupation",
+                   "resume_memory_occupation", "update_weights_from_tensor (flattened_bucket) after resume"]
     assert all(r["seconds"] > 0 for r in res["rows"]) and res["weight_bytes"] > 0
     assert png.stat().st_size > 0

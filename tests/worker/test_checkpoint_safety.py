@@ -62,3 +62,20 @@ def test_bfloat16_weights_load_into_a_float32_model_exactly(fake_model_dir, tmp_
     save_file(tensors, str(tmp_path / "model.safetensors"))
     WeightUpdater(model, torch.device("cpu"), 0).from_disk(str(tmp_path))
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"].float())
+
+
+def test_one_broken_tensor_in_a_trainers_bucket_is_named_and_a_huge_finite_one_loads() -> None:
+    """A bucket is checked with one fused pass; the exact rule still decides which tensor is broken,
+    and a finite weight whose sum of squares overflows is not refused for it."""
+    from fastdeploy_r3.model_executor.checkpoint_safety import CheckpointError, check_tensors
+
+    bucket = [(f"model.layers.0.mlp.experts.{e}.up_proj.weight", torch.ones(2, 3, dtype=torch.bfloat16) * e)
+              for e in range(8)]
+    bucket[5][1][1, 2] = float("nan")
+    with pytest.raises(CheckpointError, match=r"experts\.5\.up_proj.*NaN or inf"):
+        check_tensors(bucket, torch.bfloat16)
+    huge = [("model.norm.weight", torch.full((4,), 3e38, dtype=torch.bfloat16)),
+            ("lm_head.weight", torch.ones(2, 2, dtype=torch.float32))]
+    checked = check_tensors(huge, torch.bfloat16)
+    assert [n for n, _ in checked] == ["model.norm.weight", "lm_head.weight"]
+    assert checked[1][1].dtype == torch.bfloat16 and torch.equal(checked[0][1], huge[0][1])

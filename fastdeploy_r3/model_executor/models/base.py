@@ -231,7 +231,14 @@ class MoeCausalLM(nn.Module):
         return name
 
     def checkpoint_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every name (and shape) an HF checkpoint of this model holds; tied lm_head omitted."""
+        """Every name (and shape) an HF checkpoint of this model holds; tied lm_head omitted. Built once:
+        the model's structure never changes, and a trainer's update calls this once per bucket."""
+        cached = self.__dict__.get("_checkpoint_weight_shapes")
+        if cached is None:
+            cached = self.__dict__["_checkpoint_weight_shapes"] = self._build_checkpoint_weight_shapes()
+        return cached
+
+    def _build_checkpoint_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {}
         gate_name, up_name, down_name = self.expert_proj_names
         for mod_name, module in self.named_modules():
@@ -321,7 +328,9 @@ class MoeCausalLM(nn.Module):
         is required.
         """
         expected = self.checkpoint_weight_shapes()
-        tensors = dict(self._loadable_tensors())
+        modules = self.__dict__.get("_modules_by_name")  # the structure never changes; one walk per model
+        if modules is None:
+            modules = self.__dict__["_modules_by_name"] = dict(self.named_modules())
         loaded: set[str] = set()
         gate_name, up_name, down_name = self.expert_proj_names
         for ckpt_name, w in weights:
@@ -345,19 +354,21 @@ class MoeCausalLM(nn.Module):
             qkv = _QKV_KEY.match(name)
             if m is not None:
                 proj = {gate_name: "gate", up_name: "up", down_name: "down"}[m["proj"]]
-                self.get_submodule(m["prefix"]).load_expert(int(m["expert"]), proj, w)
+                modules[m["prefix"]].load_expert(int(m["expert"]), proj, w)
             elif qkv is not None:
-                self.get_submodule(f"{qkv['attn']}.qkv_proj").load_shard(qkv["shard"], qkv["param"], w)
+                modules[f"{qkv['attn']}.qkv_proj"].load_shard(qkv["shard"], qkv["param"], w)
             else:
                 module_name, param_name = name.rsplit(".", 1)
-                module = self.get_submodule(module_name)
+                module = modules[module_name]
                 if isinstance(module, ShardedLinear):
                     module.load_shard(param_name, w)
                 else:
-                    tensors[name].copy_(w)
+                    getattr(module, param_name).copy_(w)  # a parameter or the GLM bias buffer
             loaded.add(ckpt_name)
+        if not strict:
+            return  # a subset is fine: nothing to look for
         missing = sorted(n for n in set(expected) - loaded if self.holds_checkpoint_weight(n))
-        if missing and strict:
+        if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
 
