@@ -55,8 +55,16 @@ def trainer_weights(model_dir: str, args: argparse.Namespace) -> tuple[Any, list
     return model, list(model.checkpoint_weights())
 
 
+_HTTP: httpx.Client | None = None
+
+
 def post(url: str, path: str, body: dict) -> dict:
-    r = httpx.post(f"{url}{path}", json=body, timeout=3600)
+    global _HTTP
+    if _HTTP is None:
+        from fastdeploy_r3.client.weight_sync import http_client
+
+        _HTTP = http_client(3600)  # one keep-alive connection, Nagle off, as a trainer's client should be
+    r = _HTTP.post(f"{url}{path}", json=body)
     if r.status_code != 200:
         raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:500]}")
     return r.json()

@@ -105,3 +105,30 @@ def test_sigterm_answers_every_held_request_then_exits(server: ServerHandle) -> 
     assert "shutting down (SIGTERM)" in json.loads(lines[-2][len("data: "):])["error"]["message"]
     assert len(lines) > 2  # tokens were streamed before the pause
     assert server.proc.wait(30) is not None
+
+
+def test_the_servers_connections_have_nagle_off() -> None:
+    """The listening socket is bound by the server itself; asyncio switches Nagle off only on sockets whose
+    proto is TCP, and with Nagle on each response waited ~40 ms for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from fastdeploy_r3.entrypoints.openai.api_server import _bind
+
+    async def story() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        listener = _bind("127.0.0.1", 0)
+        server = await asyncio.start_server(accepted, sock=listener)
+        _, writer = await asyncio.open_connection(*listener.getsockname())
+        value = await asyncio.wait_for(seen, 10)
+        writer.close()
+        server.close()
+        return value
+
+    assert asyncio.run(story()) != 0

@@ -288,7 +288,9 @@ def build_app(
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto is TCP, and
+    # with Nagle on every response waited ~40 ms for the client's delayed ACK (each control call, each chunk)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
