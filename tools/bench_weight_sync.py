@@ -156,8 +156,8 @@ def run(args: argparse.Namespace, model_dir: str, log_dir: str) -> dict:
 
             if torch.cuda.device_count() < 2:
                 # seen on the H200 (NCCL 2.28): ncclInvalidUsage for two ranks of one communicator on one GPU,
-                # and the trainer's side of the half-made communicator never returns
-                backends = []
+                # and the trainer's side of the half-made communicator never returns. One GPU times the path
+                # over gloo instead, which stages CUDA tensors through host memory
                 rows.append({"op": "update_weights_from_distributed (nccl)", "seconds": None, "gb_per_s": None,
                              "note": "not measured: NCCL refuses two ranks on one GPU; needs a second GPU"})
             else:
@@ -171,7 +171,8 @@ def run(args: argparse.Namespace, model_dir: str, log_dir: str) -> dict:
                 rows.append({"op": f"update_weights_from_distributed ({backend})", "seconds": None,
                              "gb_per_s": None, "note": f"failed: {type(e).__name__}: {str(e)[:120]}"})
                 continue
-            row(f"update_weights_from_distributed ({backend})", seconds, "trainer = group rank 0")
+            staged = ", CUDA tensors staged through host" if backend == "gloo" and args.device == "cuda" else ""
+            row(f"update_weights_from_distributed ({backend})", seconds, "trainer = group rank 0" + staged)
             progress(f"row: {rows[-1]}")
             break
         seconds, answer = timed(url, "/release_memory_occupation", {"tags": None})
