@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -53,6 +53,16 @@ class AttentionMetadata:
 class RoutingCaptureSink(Protocol):
     def capture(self, moe_index: int, topk_ids: torch.Tensor) -> None:
         """Record the [T, K] top-k expert ids chosen by MoE layer number moe_index (0..L-1)."""
+
+
+@runtime_checkable
+class StepBufferSink(Protocol):
+    """A routing capture that lends its step buffer to a kernel that writes the ids itself (the fused
+    routing kernel, ops/fused_routing.py), instead of receiving them through capture()."""
+
+    def capture_buffer(self, moe_index: int, num_tokens: int) -> torch.Tensor:
+        """The step buffer [max_tokens, L, K] whose rows [:num_tokens] of layer moe_index the caller writes
+        before the step's rows are read; the layer counts as captured (same checks as capture())."""
 
 
 @dataclass
