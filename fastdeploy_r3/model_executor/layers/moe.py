@@ -27,7 +27,12 @@ from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, groupe
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import pick_config, triton_experts
-from fastdeploy_r3.model_executor.ops.fused_routing import RouterSpec, RoutingResult, fused_routing
+from fastdeploy_r3.model_executor.ops.fused_routing import (
+    RouterSpec,
+    RoutingResult,
+    fused_routing,
+    fused_routing_enabled,
+)
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 from fastdeploy_r3.model_executor.quantization import MoEMethod, moe_method
@@ -249,6 +254,7 @@ class SparseMoeBlock(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.fused_routing = fused_routing_enabled()  # route_fused() wherever Triton runs
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router weight [E, H]
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
@@ -320,7 +326,7 @@ class SparseMoeBlock(nn.Module):
         blocks = None
         # R3 records the router's LOGICAL ids, right after the top-k, before the experts map them to ranks
         # and slots (expert_placement.py): a rank or slot number must never reach a routing row
-        if forced is None and use_triton(x):
+        if forced is None and self.fused_routing and use_triton(x):
             routed = self.route_fused(x, sink, slot_mapping, self.experts.triton_block_m(x, self.top_k))
             topk_weights, topk_ids, blocks = routed.topk_weights, routed.topk_ids, routed.blocks  # [T, K], [T, K]
         else:

@@ -29,6 +29,7 @@ No host sync anywhere: every size depends on (T, E, K, block_m) only, so a CUDA 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,16 @@ import torch
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_tail, max_padded_rows
 from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
 
+FUSED_ROUTING_ENV = "FDR3_FUSED_ROUTING"  # "0": the torch routers + capture kernel on every device
 ONE_LAUNCH_MAX_TOKENS = 32  # decode: one program is faster than two launches (tools/bench_moe.py --routing)
-BLOCK_T = 16  # tokens per routing tile
+BLOCK_T = 16  # tokens per routing tile (fewer for a smaller batch on the one-launch path)
+
+
+def fused_routing_enabled() -> bool:
+    """Whether MoE layers built now route through this kernel where Triton runs (the default). FDR3_FUSED_ROUTING=0
+    keeps the unfused torch sequence, for comparing the two (tests/gpu/test_fused_routing_gpu.py) or ruling
+    the kernel out; worker processes inherit the variable."""
+    return os.environ.get(FUSED_ROUTING_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -300,6 +309,8 @@ def fused_routing(
     align = (blocks.sorted_ids, blocks.block_expert, blocks.num_padded) if blocks else (cursor, cursor, cursor)
     sizes = (blocks.sorted_ids.shape[0], blocks.block_expert.shape[0]) if blocks else (0, 0)
     one = num_tokens <= ONE_LAUNCH_MAX_TOKENS if one_launch is None else one_launch
+    # a decode batch of a few tokens takes a tile its size (>= 2: no one-lane tiles), not 16 mostly-masked rows
+    block_t = BLOCK_T if not one else max(2, min(BLOCK_T, triton.next_power_of_2(num_tokens)))
     programs = 1 if one else triton.cdiv(num_tokens, BLOCK_T)
     partial = counts if one else torch.empty(programs, block_e, dtype=torch.int32, device=dev)  # [P, BE]
     _fused_routing_kernel[(programs,)](
@@ -311,7 +322,7 @@ def fused_routing(
         float(spec.routed_scaling_factor), 1e-20 if sigmoid else 0.0, *sizes,
         TOP_K=top_k, SIGMOID=sigmoid, RENORMALIZE=spec.renormalize, N_GROUP=spec.n_group,
         TOPK_GROUP=spec.topk_group, CAPTURE=capture_buffer is not None, HAS_SLOTS=slot_mapping is not None,
-        ONE_PROGRAM=one, ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_T=BLOCK_T, BLOCK_E=block_e,
+        ONE_PROGRAM=one, ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(spec.n_group),
         num_warps=4 if one else 2,
     )  # fmt: skip
