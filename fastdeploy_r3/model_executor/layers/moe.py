@@ -254,7 +254,7 @@ class SparseMoeBlock(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
-        self.fused_routing = fused_routing_enabled()  # route_fused() wherever Triton runs
+        self.use_fused_routing = fused_routing_enabled()  # route_fused() wherever Triton runs
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router weight [E, H]
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
@@ -326,7 +326,7 @@ class SparseMoeBlock(nn.Module):
         blocks = None
         # R3 records the router's LOGICAL ids, right after the top-k, before the experts map them to ranks
         # and slots (expert_placement.py): a rank or slot number must never reach a routing row
-        if forced is None and self.fused_routing and use_triton(x):
+        if forced is None and self.use_fused_routing and use_triton(x):
             routed = self.route_fused(x, sink, slot_mapping, self.experts.triton_block_m(x, self.top_k))
             topk_weights, topk_ids, blocks = routed.topk_weights, routed.topk_ids, routed.blocks  # [T, K], [T, K]
         else:
