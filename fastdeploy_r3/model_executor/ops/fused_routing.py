@@ -95,7 +95,7 @@ def _route_tile(
     x = tl.load(logits_ptr + t.to(tl.int64)[:, None] * stride_t + e[None, :],
                 mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BT, BE]
     if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-x))  # [BT, BE] the weights' source
+        scores = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))  # [BT, BE] the weights' source
         bias = tl.load(bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)  # [BE]
         sel = tl.where(e_ok[None, :], scores + bias[None, :], float("-inf"))  # [BT, BE] the choice's source
         if TOPK_GROUP < N_GROUP:
@@ -127,7 +127,8 @@ def _route_tile(
     else:
         x = tl.where(e_ok[None, :], x, float("-inf"))  # [BT, BE]
         num = tl.exp(x - tl.max(x, axis=1)[:, None])  # [BT, BE]
-        scores = num / tl.sum(num, axis=1)[:, None]  # [BT, BE] softmax, as torch computes it
+        # softmax as torch computes it; div_rn: IEEE division (plain `/` is a 2-ulp approximation on CUDA)
+        scores = tl.math.div_rn(num, tl.broadcast_to(tl.sum(num, axis=1)[:, None], num.shape))  # [BT, BE]
         sel = scores
     kk = tl.arange(0, BLOCK_K)  # [BK]
     weights = tl.zeros((t.shape[0], BLOCK_K), tl.float32)  # [BT, BK]
@@ -145,7 +146,7 @@ def _route_tile(
         ids = tl.where(kk[None, :] == k, idx[:, None], ids)
         avail = avail & ~hit
     if RENORMALIZE:
-        weights = weights / (tl.sum(weights, axis=1)[:, None] + eps)
+        weights = tl.math.div_rn(weights, tl.broadcast_to(tl.sum(weights, axis=1)[:, None] + eps, weights.shape))
     weights = weights * scaling
     chosen = ~avail & e_ok[None, :] & t_ok[:, None]  # [BT, BE]
     return weights, ids, chosen
