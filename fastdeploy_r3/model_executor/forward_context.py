@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -55,7 +55,6 @@ class RoutingCaptureSink(Protocol):
         """Record the [T, K] top-k expert ids chosen by MoE layer number moe_index (0..L-1)."""
 
 
-@runtime_checkable
 class StepBufferSink(Protocol):
     """A routing capture that lends its step buffer to a kernel that writes the ids itself (the fused
     routing kernel, ops/fused_routing.py), instead of receiving them through capture()."""

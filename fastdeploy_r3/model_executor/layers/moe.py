@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.distributed.parallel_state import all_reduce
-from fastdeploy_r3.model_executor.forward_context import RoutingCaptureSink, StepBufferSink, get_forward_context
+from fastdeploy_r3.model_executor.forward_context import RoutingCaptureSink, get_forward_context
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
@@ -255,6 +255,11 @@ class SparseMoeBlock(nn.Module):
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.use_fused_routing = fused_routing_enabled()  # route_fused() wherever Triton runs
+        self.router_spec = (
+            RouterSpec(top_k, "softmax", renormalize)
+            if router == "softmax"
+            else RouterSpec(top_k, "sigmoid", renormalize, n_group, topk_group, routed_scaling_factor)
+        )
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router weight [E, H]
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
@@ -287,21 +292,19 @@ class SparseMoeBlock(nn.Module):
                     block_m: int | None) -> RoutingResult:  # fmt: skip
         """route() in one kernel launch (ops/fused_routing.py) that also writes the R3 capture row of every
         real token into the sink's step buffer and aligns the ids for the Triton experts (block_m)."""
-        buffer = None
-        if isinstance(sink, StepBufferSink):
-            buffer = sink.capture_buffer(self.moe_index, x.shape[0])  # [max_tokens, L, K]
+        # a StepBufferSink (forward_context.py; worker/routing_capture.py) lends its step buffer. getattr, not
+        # a runtime-checkable protocol: isinstance against one costs ~20 us a layer on the host
+        lend = getattr(sink, "capture_buffer", None)  # StepBufferSink.capture_buffer
+        buffer = None if lend is None else lend(self.moe_index, x.shape[0])  # [max_tokens, L, K]
         if slot_mapping is not None and slot_mapping.shape != (x.shape[0],):
             slot_mapping = None  # not this forward's tokens (a caller's own batch): write every row
         if self.router == "softmax":
-            spec = RouterSpec(self.top_k, "softmax", self.renormalize)
             router_logits = self.gate(x)  # [T, E]
             bias = None
         else:
-            spec = RouterSpec(self.top_k, "sigmoid", self.renormalize, self.n_group, self.topk_group,
-                              self.routed_scaling_factor)  # fmt: skip
             router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E], float32 like route()
             bias = self.gate.e_score_correction_bias
-        routed = fused_routing(router_logits, spec, bias, buffer, self.moe_index, slot_mapping, block_m)
+        routed = fused_routing(router_logits, self.router_spec, bias, buffer, self.moe_index, slot_mapping, block_m)
         if sink is not None and buffer is None:
             sink.capture(self.moe_index, routed.topk_ids)  # a sink without a step buffer takes the ids
         return routed
