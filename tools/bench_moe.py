@@ -1,6 +1,12 @@
 """The routed experts alone, per batch size: Triton kernels vs torch._grouped_mm vs the expert roofline.
 
     python tools/bench_moe.py [--layers 48] [--batches 1,16,64,256] [--dtype bfloat16] [--out DIR]
+    python tools/bench_moe.py --routing [--router softmax|sigmoid] [--batches 1,16,64,256,4096]
+
+--routing times the routing alone instead (router logits -> ids, weights, R3 capture write, alignment),
+per MoE layer: the unfused sequence the layers ran before ops/fused_routing.py (softmax, torch.topk,
+renormalise, the capture kernel, align_to_blocks: ~6 launches) against the fused kernel, as picked
+(auto) and forced to one launch / two launches (which says where ONE_LAUNCH_MAX_TOKENS belongs).
 
 Qwen3-30B-A3B expert shape (E=128, K=8, H=2048, I=768), one weight set per layer, softmax top-8 routing
 on random hidden states. Per batch size and backend: all layers eager, and all layers replayed from one
@@ -24,6 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fastdeploy_r3.model_executor.layers.fused_moe import grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.moe import softmax_topk
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, pick_config, triton_experts
+from fastdeploy_r3.model_executor.ops.fused_routing import RouterSpec, fused_routing
+from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks
+from fastdeploy_r3.model_executor.ops.routing_capture_kernel import capture_topk_ids
 
 E, K, H, INTER = 128, 8, 2048, 768
 SWEEP = [
@@ -78,14 +87,71 @@ def graphed(fn):  # noqa: ANN001, ANN201
     return graph.replay
 
 
+def unfused_routing(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None, buffer: torch.Tensor,
+                    moe_index: int, block_m: int) -> None:  # fmt: skip
+    """The sequence a MoE layer ran before the fused kernel (torch.topk, as it was: no stated tie rule)."""
+    if spec.scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, spec.top_k, dim=-1)  # [T, K]
+    else:
+        scores = logits.float().sigmoid()  # [T, E] (one group: no group mask, as GLM-4.5-Air)
+        ids = (scores + bias).topk(spec.top_k, dim=-1)[1]  # [T, K]
+        weights = scores.gather(1, ids)
+    if spec.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    capture_topk_ids(buffer, moe_index, ids)
+    align_to_blocks(ids, logits.shape[1], block_m)
+
+
+def bench_routing(args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> None:
+    """Per MoE layer (all layers in one CUDA graph, as a decode step replays them): unfused vs fused."""
+    if args.router == "softmax":
+        spec, bias = RouterSpec(K, "softmax", renormalize=True), None  # Qwen3-30B-A3B
+    else:
+        spec, bias = RouterSpec(K, "sigmoid", True), torch.randn(E, device=dev) * 0.1  # GLM-4.5-Air
+    print(f"\nrouting, {args.router}, E={E} K={K}, {args.layers} layers, {args.dtype} logits: us per layer")
+    print("| batch | unfused | fused (auto) | fused one launch | fused two launches | unfused / auto |")
+    print("| ----- | ------- | ------------ | ---------------- | ------------------ | -------------- |")
+    for bs in (int(b) for b in args.batches.split(",")):
+        us = routing_times(bs, spec, bias, args.layers, dev, dtype)
+        print(f"| {bs:5d} | {us['unfused']:7.1f} | {us['auto']:12.1f} | {us['one']:16.1f} | {us['two']:18.1f} | "
+              f"{us['unfused'] / us['auto']:14.2f} |", flush=True)
+
+
+def routing_times(bs: int, spec: RouterSpec, bias: torch.Tensor | None, num_layers: int, dev: torch.device,
+                  dtype: torch.dtype) -> dict[str, float]:  # fmt: skip
+    """Microseconds per layer of each routing variant at batch bs, all layers replayed from one graph."""
+    logits = [torch.randn(bs, E, device=dev).to(dtype) for _ in range(num_layers)]  # [T, E] per layer
+    buffer = torch.zeros(bs, num_layers, K, dtype=torch.int32, device=dev)  # the R3 step buffer
+    slots = torch.arange(bs, device=dev)
+    block_m = pick_config(bs, K, E).block_m
+    variants = {
+        "unfused": lambda i: unfused_routing(logits[i], spec, bias, buffer, i, block_m),
+        "auto": lambda i: fused_routing(logits[i], spec, bias, buffer, i, slots, block_m),
+        "one": lambda i: fused_routing(logits[i], spec, bias, buffer, i, slots, block_m, one_launch=True),
+        "two": lambda i: fused_routing(logits[i], spec, bias, buffer, i, slots, block_m, one_launch=False),
+    }
+    us = {}
+    for name, route in variants.items():
+        with torch.inference_mode():
+            replay = graphed(lambda route=route: [route(i) for i in range(num_layers)])
+            us[name] = time_fn(replay, reps=20) / num_layers * 1e6
+    return us
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--out", default=None, help="directory for moe_bench.json")
+    ap.add_argument("--routing", action="store_true", help="time the routing (unfused vs fused) instead")
+    ap.add_argument("--router", default="softmax", choices=("softmax", "sigmoid"))
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.routing:
+        bench_routing(args, dev, getattr(torch, args.dtype))
+        return
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     bw = copy_bandwidth(dev)

@@ -55,6 +55,15 @@ class RoutingCaptureSink(Protocol):
         """Record the [T, K] top-k expert ids chosen by MoE layer number moe_index (0..L-1)."""
 
 
+class StepBufferSink(Protocol):
+    """A routing capture that lends its step buffer to a kernel that writes the ids itself (the fused
+    routing kernel, ops/fused_routing.py), instead of receiving them through capture()."""
+
+    def capture_buffer(self, moe_index: int, num_tokens: int) -> torch.Tensor:
+        """The step buffer [max_tokens, L, K] whose rows [:num_tokens] of layer moe_index the caller writes
+        before the step's rows are read; the layer counts as captured (same checks as capture())."""
+
+
 @dataclass
 class RoutingReplay:
     """Routing forced on every MoE layer (R3 replayed in a trainer's forward): topk_ids [T, L, K].

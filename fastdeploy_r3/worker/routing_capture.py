@@ -7,7 +7,8 @@ One step, as the model runner drives it:
 
     capture.begin_step(T, positions)          # positions [T] needed in debug mode
     with set_forward_context(ForwardContext(..., routing_capture=capture)):
-        model(...)                            # every MoE layer: capture.capture(moe_index, topk_ids [T', K])
+        model(...)                            # every MoE layer: capture.capture(moe_index, topk_ids [T', K]),
+                                              # or the fused routing kernel writes capture_buffer() itself
     writer.write(writer.rows_of(capture, T), slot_mapping, tags, positions)   # rank 0 (worker/routing_writer.py)
 
 The model layers reach it only through the forward context (model_executor/ never imports it).
@@ -67,6 +68,23 @@ class RoutingCapture:
 
     def capture(self, moe_index: int, topk_ids: torch.Tensor) -> None:
         """Record MoE layer moe_index's top-k ids [T', K] (T' >= T: a CUDA graph may pad). Host checks only."""
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.top_k:
+            raise RoutingReplayError(
+                f"MoE layer {moe_index} captured ids of shape {tuple(topk_ids.shape)}; expected [T, {self.top_k}]"
+            )
+        self._check_capture(moe_index, topk_ids.shape[0], topk_ids.device)
+        capture_topk_ids_dispatch(self.buffer, moe_index, topk_ids)  # buffer[:T', moe_index] = topk_ids
+        self._captured |= 1 << moe_index
+
+    def capture_buffer(self, moe_index: int, num_tokens: int) -> torch.Tensor:
+        """The fused routing kernel's way in (ops/fused_routing.py writes buffer[t, moe_index] = ids[t] for
+        each real token t < num_tokens itself, in the launch that routes): the checks of capture(), the
+        layer counted as captured, and the step buffer [max_num_batched_tokens, L, K] int32 returned."""
+        self._check_capture(moe_index, num_tokens, self.buffer.device)
+        self._captured |= 1 << moe_index
+        return self.buffer
+
+    def _check_capture(self, moe_index: int, num_tokens: int, device: torch.device) -> None:
         if self._num_tokens is None:
             raise RoutingReplayError("routing captured outside a step; call begin_step() before the forward")
         if not 0 <= moe_index < self.num_moe_layers:
@@ -76,20 +94,14 @@ class RoutingCapture:
             )
         if self._captured >> moe_index & 1:
             raise RoutingReplayError(f"MoE layer {moe_index} captured twice in one step; each layer captures once")
-        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.top_k:
+        if not self._num_tokens <= num_tokens <= self.max_num_batched_tokens:
             raise RoutingReplayError(
-                f"MoE layer {moe_index} captured ids of shape {tuple(topk_ids.shape)}; expected [T, {self.top_k}]"
-            )
-        if not self._num_tokens <= topk_ids.shape[0] <= self.max_num_batched_tokens:
-            raise RoutingReplayError(
-                f"MoE layer {moe_index} captured {topk_ids.shape[0]} tokens in a step of {self._num_tokens} "
+                f"MoE layer {moe_index} captured {num_tokens} tokens in a step of {self._num_tokens} "
                 f"(capture buffer holds {self.max_num_batched_tokens})"
             )
-        if topk_ids.device != self.buffer.device:
-            raise RoutingReplayError(f"MoE layer {moe_index} captured ids on {topk_ids.device}, "
+        if device != self.buffer.device:
+            raise RoutingReplayError(f"MoE layer {moe_index} captured ids on {device}, "
                                      f"the capture buffer is on {self.buffer.device}")
-        capture_topk_ids_dispatch(self.buffer, moe_index, topk_ids)  # buffer[:T', moe_index] = topk_ids
-        self._captured |= 1 << moe_index
 
     def mark_graph_replay(self) -> None:
         """A replayed CUDA graph runs the kernels it recorded without calling capture(): count them done.

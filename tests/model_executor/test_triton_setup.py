@@ -32,8 +32,8 @@ def test_only_the_shim_imports_triton() -> None:
 
 @pytest.mark.parametrize(("value", "interpreted"), [("true", True), ("0", False)])
 def test_one_interpret_rule_for_attention_moe_alignment_and_r3_capture(value: str, interpreted: bool) -> None:
-    """TRITON_INTERPRET=true (a value triton itself accepts): the attention, MoE-alignment and R3-capture
-    kernels all run interpreted on CPU tensors; with 0 all three take their torch references."""
+    """TRITON_INTERPRET=true (a value triton itself accepts): the attention, MoE-alignment, R3-capture and
+    fused-routing kernels all run interpreted on CPU tensors; with 0 all four take their torch references."""
     pytest.importorskip("triton")
     body = textwrap.dedent(f"""
         import os
@@ -42,10 +42,12 @@ def test_one_interpret_rule_for_attention_moe_alignment_and_r3_capture(value: st
         from triton.runtime.interpreter import InterpretedFunction
         from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
         from fastdeploy_r3.model_executor.layers.attention import Attention
-        from fastdeploy_r3.model_executor.ops import moe_align, paged_prefill, routing_capture_kernel, triton_setup
+        from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
+        from fastdeploy_r3.model_executor.ops import fused_routing, moe_align, paged_prefill, routing_capture_kernel
+        from fastdeploy_r3.model_executor.ops import triton_setup
 
         kernels = (paged_prefill._prefill_kernel, moe_align._align_kernel,
-                   routing_capture_kernel._capture_topk_ids_kernel)
+                   routing_capture_kernel._capture_topk_ids_kernel, fused_routing._fused_routing_kernel)
         calls = []
         for kernel in kernels:
             kernel.run = (lambda run, name: lambda *a, **k: (calls.append(name), run(*a, **k))[1])(
@@ -65,10 +67,17 @@ def test_one_interpret_rule_for_attention_moe_alignment_and_r3_capture(value: st
         buffer = torch.zeros(4, 1, 2, dtype=torch.int32)
         routing_capture_kernel.capture_topk_ids_dispatch(buffer, 0, ids)
         assert buffer[:2, 0].tolist() == [[2, 0], [2, 1]]
+        # a MoE layer's routing: 2 tokens, 4 experts, top-2 (the experts themselves: the CPU loop either way)
+        block = SparseMoeBlock(8, 4, 2, 4, moe_index=0)
+        for p in block.parameters():
+            torch.nn.init.normal_(p)
+        with set_forward_context(ForwardContext(None, [])):
+            block(torch.randn(2, 8))
 
         assert triton_setup.INTERPRET is {interpreted}
         assert all(isinstance(kernel, InterpretedFunction) for kernel in kernels) is {interpreted}
-        expected = ["_prefill_kernel", "_align_kernel", "_capture_topk_ids_kernel"] if {interpreted} else []
+        expected = ["_prefill_kernel", "_align_kernel", "_capture_topk_ids_kernel", "_fused_routing_kernel"]
+        expected = expected if {interpreted} else []
         assert calls == expected, calls
         print("OK")
     """)

@@ -4,7 +4,9 @@ Shape legend: T = tokens, H = hidden size, E = routed experts, K = experts per t
 I = expert intermediate size, G = expert groups.
 
 Right after top-k the layer reports its LOGICAL expert ids [T, K] to the forward context's routing
-capture (R3); nothing after that point may change which experts a token uses.
+capture (R3); nothing after that point may change which experts a token uses. Where Triton runs (CUDA,
+or the interpreter) route_fused() does routing, the capture write and the experts' alignment in one
+kernel (ops/fused_routing.py); route() and the capture call are the CPU path and the reference.
 
 Tensor parallel over N ranks: the router is replicated (every rank picks the same experts from the
 same input, so any rank's R3 rows are every rank's); each expert is split on I, w13 by rows and w2 by
@@ -19,13 +21,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.distributed.parallel_state import all_reduce
-from fastdeploy_r3.model_executor.forward_context import get_forward_context
+from fastdeploy_r3.model_executor.forward_context import RoutingCaptureSink, get_forward_context
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
-from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import pick_config, triton_experts
+from fastdeploy_r3.model_executor.ops.fused_routing import (
+    RouterSpec,
+    RoutingResult,
+    fused_routing,
+    fused_routing_enabled,
+)
+from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
+from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 from fastdeploy_r3.model_executor.quantization import MoEMethod, moe_method
+
+
+def topk_lower_id_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk over the last dim with a stated tie rule: equal scores rank the lower expert id first.
+
+    torch.topk's own order among ties depends on the device and the input size (on the CPU, 4 equal
+    scores out of 128 come back as 60, 7, 100, 5), and an R3 row must not: the fused routing kernel
+    (ops/fused_routing.py) follows this rule too. A stable descending sort is that rule.
+    """
+    values, ids = torch.sort(scores, dim=-1, descending=True, stable=True)  # [..., E], [..., E]
+    return values[..., :k], ids[..., :k]
 
 
 def softmax_topk(
@@ -37,7 +58,7 @@ def softmax_topk(
     Returns (topk_weights [T, K] float32, topk_ids [T, K] int64).
     """
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, K], [T, K]
+    topk_weights, topk_ids = topk_lower_id_first(probs, top_k)  # [T, K], [T, K]
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids
@@ -63,13 +84,13 @@ def grouped_sigmoid_topk(
     biased = scores + e_score_correction_bias.float()  # [T, E]
     per_group = biased.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)  # [T, G]
-    group_ids = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_ids = topk_lower_id_first(group_scores, topk_group)[1]  # [T, topk_group]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)  # [T, G]
     expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(num_tokens, num_experts)  # [T, E]
     biased = biased.masked_fill(expert_mask == 0, float("-inf"))  # [T, E]
     # sorted (HF's reference uses sorted=False): the unsorted order is the device's choice, and R3 rows of
     # the same routing must not depend on whether the step ran on the CPU or a GPU
-    topk_ids = biased.topk(top_k, dim=-1, sorted=True)[1]  # [T, K], by biased score, best first
+    topk_ids = topk_lower_id_first(biased, top_k)[1]  # [T, K], by biased score, best first
     topk_weights = scores.gather(1, topk_ids)  # [T, K]
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -147,33 +168,44 @@ class StackedExperts(nn.Module):
             assert proj == "down", proj
             self.w2[slot].copy_(full[:, start : start + inter])
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_weights [T, K], topk_ids [T, K] logical ids -> [T, H], through the quantization method."""
+    def triton_block_m(self, x: torch.Tensor, top_k: int) -> int | None:
+        """The block of rows the Triton backend will align this batch to (so the routing kernel can align
+        for it), or None where another backend will run it."""
+        if not self.placement.is_identity or choose_backend(self.backend, x) != "triton":
+            return None
+        return pick_config(x.shape[0], top_k, self.num_experts).block_m
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                blocks: MoeBlocks | None = None) -> torch.Tensor:  # fmt: skip
+        """x [T, H], topk_weights [T, K], topk_ids [T, K] logical ids -> [T, H], through the quantization method.
+
+        blocks: topk_ids already aligned (by the fused routing kernel) for the Triton backend, if it runs."""
         if not self.placement.is_identity:
             # the backends index w13 / w2 by logical id; another placement needs the EP token dispatch
             raise ExpertPlacementError(f"rank {self.placement.ep_rank} holds {self.placement.num_local_experts} of "
                                        f"{self.num_experts} experts: expert parallelism needs a token dispatch, which "
                                        "is not built; run with the identity placement")
-        return self.quant_method.apply(self, x, topk_weights, topk_ids)
+        return self.quant_method.apply(self, x, topk_weights, topk_ids, blocks)
 
     def run_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                    topk_ids: torch.Tensor, blocks: MoeBlocks | None = None) -> torch.Tensor:  # fmt: skip
         """The experts on plain weights, by the backend fused_moe.py picks for this batch."""
         backend = choose_backend(self.backend, x)
         if backend == "triton":
-            return triton_experts(x, w13, w2, topk_weights, topk_ids)
+            return triton_experts(x, w13, w2, topk_weights, topk_ids, blocks=blocks)
         if backend == "grouped_mm":
             return grouped_mm_experts(x, w13, w2, topk_weights, topk_ids)
         return loop_experts(x, w13, w2, topk_weights, topk_ids)
 
 
-def _capture_routing(moe_index: int, topk_ids: torch.Tensor) -> None:
+def _routing_sink() -> tuple[RoutingCaptureSink | None, torch.Tensor | None]:
+    """The forward context's routing capture and the step's slot_mapping [T] (< 0: a padded token)."""
     try:
         ctx = get_forward_context()
     except RuntimeError:
-        return
-    if ctx.routing_capture is not None:
-        ctx.routing_capture.capture(moe_index, topk_ids)
+        return None, None
+    meta = ctx.attn_metadata
+    return ctx.routing_capture, None if meta is None else meta.slot_mapping
 
 
 def _replayed_ids(moe_index: int, num_tokens: int) -> torch.Tensor | None:
@@ -222,6 +254,12 @@ class SparseMoeBlock(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.use_fused_routing = fused_routing_enabled()  # route_fused() wherever Triton runs
+        self.router_spec = (
+            RouterSpec(top_k, "softmax", renormalize)
+            if router == "softmax"
+            else RouterSpec(top_k, "sigmoid", renormalize, n_group, topk_group, routed_scaling_factor)
+        )
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router weight [E, H]
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
@@ -250,6 +288,27 @@ class SparseMoeBlock(nn.Module):
             self.routed_scaling_factor,
         )
 
+    def route_fused(self, x: torch.Tensor, sink: RoutingCaptureSink | None, slot_mapping: torch.Tensor | None,
+                    block_m: int | None) -> RoutingResult:  # fmt: skip
+        """route() in one kernel launch (ops/fused_routing.py) that also writes the R3 capture row of every
+        real token into the sink's step buffer and aligns the ids for the Triton experts (block_m)."""
+        # a StepBufferSink (forward_context.py; worker/routing_capture.py) lends its step buffer. getattr, not
+        # a runtime-checkable protocol: isinstance against one costs ~20 us a layer on the host
+        lend = getattr(sink, "capture_buffer", None)  # StepBufferSink.capture_buffer
+        buffer = None if lend is None else lend(self.moe_index, x.shape[0])  # [max_tokens, L, K]
+        if slot_mapping is not None and slot_mapping.shape != (x.shape[0],):
+            slot_mapping = None  # not this forward's tokens (a caller's own batch): write every row
+        if self.router == "softmax":
+            router_logits = self.gate(x)  # [T, E]
+            bias = None
+        else:
+            router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E], float32 like route()
+            bias = self.gate.e_score_correction_bias
+        routed = fused_routing(router_logits, self.router_spec, bias, buffer, self.moe_index, slot_mapping, block_m)
+        if sink is not None and buffer is None:
+            sink.capture(self.moe_index, routed.topk_ids)  # a sink without a step buffer takes the ids
+        return routed
+
     def replay_weights(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], forced topk_ids [T, K] -> their router weights [T, K] float32, as route() would
         weigh them had it chosen them (same normalisation and scaling)."""
@@ -266,15 +325,22 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         forced = _replayed_ids(self.moe_index, x.shape[0])  # [T, K] or None
-        if forced is None:
-            topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
+        sink, slot_mapping = _routing_sink()
+        blocks = None
+        # R3 records the router's LOGICAL ids, right after the top-k, before the experts map them to ranks
+        # and slots (expert_placement.py): a rank or slot number must never reach a routing row
+        if forced is None and self.use_fused_routing and use_triton(x):
+            routed = self.route_fused(x, sink, slot_mapping, self.experts.triton_block_m(x, self.top_k))
+            topk_weights, topk_ids, blocks = routed.topk_weights, routed.topk_ids, routed.blocks  # [T, K], [T, K]
         else:
-            topk_ids = forced.to(device=x.device, dtype=torch.int64)  # [T, K]
-            topk_weights = self.replay_weights(x, topk_ids)  # [T, K]
-        # R3 records the router's LOGICAL ids, here, before the experts map them to ranks and slots
-        # (expert_placement.py): a rank or slot number must never reach a routing row
-        _capture_routing(self.moe_index, topk_ids)
-        out = self.experts(x, topk_weights, topk_ids)  # [T, H], this rank's partial sum
+            if forced is None:
+                topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
+            else:
+                topk_ids = forced.to(device=x.device, dtype=torch.int64)  # [T, K]
+                topk_weights = self.replay_weights(x, topk_ids)  # [T, K]
+            if sink is not None:
+                sink.capture(self.moe_index, topk_ids)
+        out = self.experts(x, topk_weights, topk_ids, blocks)  # [T, H], this rank's partial sum
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)  # [T, H]
         return all_reduce(out)  # [T, H]

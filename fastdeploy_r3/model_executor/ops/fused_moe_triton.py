@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks
+from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_to_blocks
 from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
 
 
@@ -135,10 +135,12 @@ def triton_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: TritonMoeConfig | None = None,
+    blocks: MoeBlocks | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K] -> [T, H] in x.dtype.
 
-    Same function as moe.loop_experts; no host sync (graph-safe).
+    Same function as moe.loop_experts; no host sync (graph-safe). blocks: topk_ids already aligned (the
+    fused routing kernel does it in its own launch); used when aligned for this batch's block size.
     """
     require_triton("triton_experts")
     num_tokens, hidden = x.shape
@@ -151,7 +153,8 @@ def triton_experts(
     if w13.stride(2) != 1 or w2.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError("triton_experts: x, w13 and w2 must be contiguous in their last dimension")
     cfg = config or pick_config(num_tokens, top_k, num_experts)
-    blocks = align_to_blocks(topk_ids, num_experts, cfg.block_m)
+    if blocks is None or blocks.block_m != cfg.block_m:
+        blocks = align_to_blocks(topk_ids, num_experts, cfg.block_m)
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # [N, I]

@@ -102,6 +102,46 @@ def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @jit
+def align_tail(
+    ids_ptr,  # [N] flat expert ids, contiguous
+    counts,  # [BINS] int32 rows of each expert (bins >= E are ignored)
+    sorted_ids_ptr,  # [P] int32
+    block_expert_ptr,  # [NB] int32
+    num_padded_ptr,  # [1] int32
+    cursor_ptr,  # [BINS] int32 scratch: next free position of each expert
+    num_rows,  # N
+    num_experts,  # E
+    total_rows,  # P
+    num_blocks,  # NB
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,  # power of two >= E
+):
+    """The layout of align_to_blocks from per-expert counts, in the calling program (any N: chunked loops).
+    Shared by _align_kernel and the fused routing kernel (ops/fused_routing.py)."""
+    e = tl.arange(0, BINS)  # [BINS]
+    counts = tl.where(e < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BINS]
+    end = tl.cumsum(padded, 0)  # [BINS]
+    tl.store(cursor_ptr + e, end - padded)
+    for p0 in range(0, total_rows, 1024):
+        p = p0 + tl.arange(0, 1024)
+        tl.store(sorted_ids_ptr + p, tl.full((1024,), 0, tl.int32) + num_rows, mask=p < total_rows)
+    for b0 in range(0, num_blocks, 64):
+        b = b0 + tl.arange(0, 64)  # [64]
+        before = (end[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < num_experts)  # [64, BINS]
+        expert = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_experts - 1)  # [64]
+        tl.store(block_expert_ptr + b, expert, mask=b < num_blocks)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tl.debug_barrier()  # padding and cursors in place before any row claims its position
+    for n0 in range(0, num_rows, 1024):
+        n = n0 + tl.arange(0, 1024)  # [1024]
+        valid = n < num_rows
+        ids = tl.load(ids_ptr + n, mask=valid, other=0).to(tl.int32)  # [1024]
+        pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)  # distinct positions within each expert
+        tl.store(sorted_ids_ptr + pos, n, mask=valid)
+
+
+@jit
 def _align_kernel(
     topk_ids_ptr,  # [N] flat, contiguous
     sorted_ids_ptr,  # [P] int32
@@ -115,28 +155,12 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     BINS: tl.constexpr,  # power of two > E: the last bin takes the lanes past N
     ROWS: tl.constexpr,  # power of two >= N
-    BLOCKS: tl.constexpr,  # power of two >= NB
-    FILL: tl.constexpr,
 ):
     n = tl.arange(0, ROWS)  # [ROWS]
-    valid = n < num_rows
-    ids = tl.load(topk_ids_ptr + n, mask=valid, other=BINS - 1).to(tl.int32)  # [ROWS]
-    e = tl.arange(0, BINS)  # [BINS]
-    counts = tl.where(e < num_experts, tl.histogram(ids, BINS), 0)  # [BINS]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BINS]
-    end = tl.cumsum(padded, 0)  # [BINS]
-    tl.store(cursor_ptr + e, end - padded)
-    for p0 in range(0, total_rows, FILL):
-        p = p0 + tl.arange(0, FILL)
-        tl.store(sorted_ids_ptr + p, tl.full((FILL,), 0, tl.int32) + num_rows, mask=p < total_rows)
-    tl.debug_barrier()  # padding and cursors in place before any row claims its position
-    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)  # [ROWS] distinct positions within each expert
-    tl.store(sorted_ids_ptr + pos, n, mask=valid)
-    b = tl.arange(0, BLOCKS)  # [BLOCKS]
-    before = (end[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < num_experts)  # [BLOCKS, BINS]
-    expert = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_experts - 1)  # [BLOCKS]
-    tl.store(block_expert_ptr + b, expert, mask=b < num_blocks)
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    ids = tl.load(topk_ids_ptr + n, mask=n < num_rows, other=BINS - 1).to(tl.int32)  # [ROWS]
+    counts = tl.histogram(ids, BINS)  # [BINS]
+    align_tail(topk_ids_ptr, counts, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, cursor_ptr,
+               num_rows, num_experts, total_rows, num_blocks, BLOCK_M, BINS)
 
 
 def align_to_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeBlocks:
@@ -156,7 +180,6 @@ def align_to_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     _align_kernel[(1,)](
         topk_ids.contiguous(), sorted_ids, block_expert, num_padded, cursor,
         num_rows, num_experts, total, num_blocks,
-        BLOCK_M=block_m, BINS=bins, ROWS=triton.next_power_of_2(num_rows),
-        BLOCKS=triton.next_power_of_2(num_blocks), FILL=1024, num_warps=8,
+        BLOCK_M=block_m, BINS=bins, ROWS=triton.next_power_of_2(num_rows), num_warps=8,
     )
     return MoeBlocks(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded, block_m=block_m)

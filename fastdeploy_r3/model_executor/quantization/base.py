@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
+
 
 class QuantizationMethod(abc.ABC):
     """How one kind of layer holds and uses its weights under one quantization scheme (the layer kinds
@@ -54,6 +56,9 @@ class MoEMethod(QuantizationMethod):
 
     @abc.abstractmethod
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H] (this rank's partial sum under TP)."""
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        blocks: MoeBlocks | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H] (this rank's partial sum under TP).
+
+        blocks: topk_ids already aligned for the Triton experts (ops/moe_align.py); a method may ignore it."""

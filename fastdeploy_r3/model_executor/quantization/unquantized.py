@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMethod
 
 
@@ -24,7 +25,8 @@ class UnquantizedMoEMethod(MoEMethod):
         layer.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        blocks: MoeBlocks | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         # the layer picks the kernel for plain weights (loop / grouped_mm / Triton: layers/fused_moe.py)
-        return layer.run_experts(x, layer.w13, layer.w2, topk_weights, topk_ids)
+        return layer.run_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks)
