@@ -41,7 +41,9 @@ from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_tail, ma
 from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
 
 FUSED_ROUTING_ENV = "FDR3_FUSED_ROUTING"  # "0": the torch routers + capture kernel on every device
-ONE_LAUNCH_MAX_TOKENS = 32  # decode: one program is faster than two launches (tools/bench_moe.py --routing)
+# H200, E=128 K=8 (bench_moe.py --routing): one launch 6.8 / 11.0 / 18.4 us a layer at T = 1 / 16 / 32,
+# two launches 10.3 / 11.9 / 13.9
+ONE_LAUNCH_MAX_TOKENS = 16
 BLOCK_T = 16  # tokens per routing tile (fewer for a smaller batch on the one-launch path)
 
 
