@@ -56,6 +56,7 @@ from fastdeploy_r3.engine.messages import (
     WeightUpdateSession,
 )
 from fastdeploy_r3.engine.scheduler import QueueFullError
+from fastdeploy_r3.engine.step_counters import Stopwatch
 from fastdeploy_r3.lifecycle import (
     EngineDeadError,
     Shutdown,
@@ -285,6 +286,7 @@ class _EngineLoop:
             if not self.running:
                 return
             if self.svc.has_work():
+                steps_before = self.svc.step_counters.steps
                 try:
                     outputs = self.svc.step()
                 except EngineDeadError as e:
@@ -293,7 +295,10 @@ class _EngineLoop:
                     self.send(EngineCrashed(str(e)))
                     return
                 if outputs:
+                    watch = Stopwatch()
                     self.send(OutputBatch(outputs))
+                    if self.svc.step_counters.steps != steps_before:  # a model step's outputs
+                        self.svc.step_counters.add_send(watch.lap())
 
 
 def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) -> None:

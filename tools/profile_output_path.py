@@ -1,0 +1,93 @@
+"""Where the engine's output path spends its time per decode step, on the CPU with a tiny fake model.
+
+    python tools/profile_output_path.py --running 64 256 [--steps 20] [--r3] [--stop] [--cprofile]
+
+An EngineService runs in this process (its workers are processes, as in the server); `running`
+requests decode together (ignore_eos). Per decode step it prints the engine's step counters
+(engine/step_counters.py: schedule / worker / output) and what crossing to the API server costs:
+packing the step's outputs for the wire (engine side) and unpacking them (server side), measured on
+the step's own outputs. `--stop` gives every request a stop string (the path that detokenizes in
+the engine), `--cprofile` the top functions of the output part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pickle
+import pstats
+import tempfile
+import time
+
+from fake_model import make_fake_model
+
+from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.engine_service import EngineService
+from fastdeploy_r3.engine.messages import OutputBatch
+from fastdeploy_r3.sampling_params import SamplingParams
+
+
+def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_cprofile: bool) -> dict[str, float]:
+    rr = {"enable_routing_replay": r3}
+    config = EngineConfig.from_kwargs(
+        model_dir, block_size=16, max_num_seqs=running, max_num_batched_tokens=max(2048, running * 16),
+        device="cpu", dtype="float32", routing_replay_config=rr,
+    )
+    svc = EngineService(config)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True,
+                                stop=["zzzz-never"] if stop else None)
+        for i in range(running):
+            svc.add_request(f"r{i}", [1 + (i + j) % 200 for j in range(16)], params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in svc.unfinished_requests()):
+            svc.step()  # prefill
+        svc.step()
+        before = dict(svc.metrics())
+        pack_s = unpack_s = 0.0
+        nbytes = 0
+        prof = cProfile.Profile() if use_cprofile else None
+        for _ in range(steps):
+            if prof is not None:
+                prof.enable()
+            deltas = svc.step()
+            if prof is not None:
+                prof.disable()
+            t0 = time.perf_counter()
+            data = pickle.dumps(OutputBatch(deltas), protocol=pickle.HIGHEST_PROTOCOL)
+            t1 = time.perf_counter()
+            pickle.loads(data)
+            unpack_s += time.perf_counter() - t1
+            pack_s += t1 - t0
+            nbytes += len(data)
+        after = svc.metrics()
+        n = after["steps"] - before["steps"]
+        row = {k: 1e3 * (after[f"step_{k}_seconds"] - before[f"step_{k}_seconds"]) / n
+               for k in ("schedule", "worker", "output")}
+        row.update(pack=1e3 * pack_s / steps, unpack=1e3 * unpack_s / steps, kib=nbytes / steps / 1024)
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(r"token_processor|request_groups|detok|outputs",
+                                                                    12)
+        return row
+    finally:
+        svc.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--running", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--r3", action="store_true")
+    ap.add_argument("--stop", action="store_true")
+    ap.add_argument("--cprofile", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_fake_model("qwen3_moe", tmp)
+        print("running  schedule_ms  worker_ms  output_ms  pack_ms  unpack_ms  wire_KiB   (per decode step)")
+        for running in args.running:
+            r = profile(model_dir, running, args.steps, args.r3, args.stop, args.cprofile)
+            print(f"{running:7d}  {r['schedule']:11.2f}  {r['worker']:9.2f}  {r['output']:9.2f}  "
+                  f"{r['pack']:7.2f}  {r['unpack']:9.2f}  {r['kib']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
