@@ -5,9 +5,10 @@
 An EngineService runs in this process (its workers are processes, as in the server); `running`
 requests decode together (ignore_eos). Per decode step it prints the engine's step counters
 (engine/step_counters.py: schedule / worker / output) and what crossing to the API server costs:
-packing the step's outputs for the wire (engine side) and unpacking them (server side), measured on
-the step's own outputs. `--stop` gives every request a stop string (the path that detokenizes in
-the engine), `--cprofile` the top functions of the output part.
+packing the step's outputs for the wire (engine side: engine/output_wire.py + pickle) and unpacking
+them with the detokenization the engine left (server side), measured on the step's own outputs.
+`--stop` gives every request a stop string (the path that detokenizes in the engine), `--cprofile`
+the top functions of the output part.
 """
 
 from __future__ import annotations
@@ -22,18 +23,21 @@ import time
 from fake_model import make_fake_model
 
 from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.detokenizer import DeltaDetokenizer
 from fastdeploy_r3.engine.engine_service import EngineService
 from fastdeploy_r3.engine.messages import OutputBatch
 from fastdeploy_r3.sampling_params import SamplingParams
 
 
-def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_cprofile: bool) -> dict[str, float]:
+def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_cprofile: bool,
+            engine_detokenizes: bool) -> dict[str, float]:
     rr = {"enable_routing_replay": r3}
     config = EngineConfig.from_kwargs(
         model_dir, block_size=16, max_num_seqs=running, max_num_batched_tokens=max(2048, running * 16),
         device="cpu", dtype="float32", routing_replay_config=rr,
     )
     svc = EngineService(config)
+    svc.token_processor.detokenize_all = engine_detokenizes
     try:
         params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True,
                                 stop=["zzzz-never"] if stop else None)
@@ -41,7 +45,9 @@ def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_
             svc.add_request(f"r{i}", [1 + (i + j) % 200 for j in range(16)], params)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in svc.unfinished_requests()):
             svc.step()  # prefill
-        svc.step()
+        detoks = {f"r{i}": DeltaDetokenizer(svc.tokenizer, params) for i in range(running)}
+        for d in svc.step():
+            detoks[d.request_id].fill(d)
         before = dict(svc.metrics())
         pack_s = unpack_s = 0.0
         nbytes = 0
@@ -53,9 +59,10 @@ def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_
             if prof is not None:
                 prof.disable()
             t0 = time.perf_counter()
-            data = pickle.dumps(OutputBatch(deltas), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(OutputBatch.of(deltas), protocol=pickle.HIGHEST_PROTOCOL)
             t1 = time.perf_counter()
-            pickle.loads(data)
+            for d in pickle.loads(data).unpack():  # the API server: unpack, detokenize what the engine left
+                detoks[d.request_id].fill(d)
             unpack_s += time.perf_counter() - t1
             pack_s += t1 - t0
             nbytes += len(data)
@@ -65,8 +72,8 @@ def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_
                for k in ("schedule", "worker", "output")}
         row.update(pack=1e3 * pack_s / steps, unpack=1e3 * unpack_s / steps, kib=nbytes / steps / 1024)
         if prof is not None:
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(r"token_processor|request_groups|detok|outputs",
-                                                                    12)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(r"engine_service|token_processor|request_groups|detok|outputs",
+                                                                    25)
         return row
     finally:
         svc.shutdown()
@@ -79,14 +86,16 @@ def main() -> None:
     ap.add_argument("--r3", action="store_true")
     ap.add_argument("--stop", action="store_true")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--engine-detokenizes", action="store_true",
+                    help="detokenize every request in the engine loop (the in-process LLM's way)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_fake_model("qwen3_moe", tmp)
-        print("running  schedule_ms  worker_ms  output_ms  pack_ms  unpack_ms  wire_KiB   (per decode step)")
+        print("running  schedule_ms  worker_ms  output_ms  pack_ms  unpack+detok_ms  wire_KiB   (per decode step)")
         for running in args.running:
-            r = profile(model_dir, running, args.steps, args.r3, args.stop, args.cprofile)
+            r = profile(model_dir, running, args.steps, args.r3, args.stop, args.cprofile, args.engine_detokenizes)
             print(f"{running:7d}  {r['schedule']:11.2f}  {r['worker']:9.2f}  {r['output']:9.2f}  "
-                  f"{r['pack']:7.2f}  {r['unpack']:9.2f}  {r['kib']:8.1f}")
+                  f"{r['pack']:7.2f}  {r['unpack']:15.2f}  {r['kib']:8.1f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from fastdeploy_r3.engine.request import Request
 from fastdeploy_r3.engine.token_processor import TokenProcessor
-from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, weight_version_spans
+from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, WeightVersionSpan, weight_version_spans
 from fastdeploy_r3.r3.layouts import row_range
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
@@ -120,11 +120,9 @@ class RequestGroups:
                     error=out.error,
                     logprobs=logprobs,
                     finish_message=out.finish_message,
-                    weight_versions=weight_version_spans(
-                        [(e.version, e.num_output_tokens) for e in req.weight_version_events], req.weight_version,
-                        out.num_sent_tokens,
-                    ),
-                    spans_weight_versions=req.spans_weight_versions,
+                    weight_versions=_spans(req, out.num_sent_tokens),
+                    spans_weight_versions=bool(req.weight_version_events) and req.spans_weight_versions,
+                    text_rule=out.text_rule,
                 )
             )
         delta = RequestDelta(
@@ -145,6 +143,14 @@ class RequestGroups:
             delta.prompt, delta.prompt_token_ids = group.prompt, group.prompt_token_ids
             delta.moe_layer_ids = None if self.moe_layer_ids is None else list(self.moe_layer_ids)
         return delta
+
+
+def _spans(req: Request, num_sent_tokens: int) -> list[WeightVersionSpan]:
+    """weight_version_spans of the request; without a weight update (every step but a few), one span."""
+    if not req.weight_version_events:
+        return [WeightVersionSpan(req.weight_version, 0, num_sent_tokens)]
+    return weight_version_spans([(e.version, e.num_output_tokens) for e in req.weight_version_events],
+                                req.weight_version, num_sent_tokens)
 
 
 def validate_prompt(ids: list[int], params: SamplingParams, max_len: int, vocab: int) -> None:
