@@ -97,7 +97,10 @@ class RequestGroups:
     def _make_delta(self, group: RequestGroup) -> RequestDelta:
         """What is new for this request since its previous delta; the prompt goes with the first one."""
         comps = []
+        all_finished = True
         for i, req in enumerate(group.children):
+            finished = req.is_finished  # once: a property over the status enum, on the hot path
+            all_finished = all_finished and finished
             out = self.outputs.output(req)
             if out.delta_finished:
                 continue  # its finishing delta went out already
@@ -105,7 +108,7 @@ class RequestGroups:
             text, token_ids = self.outputs.take_delta(req)
             logprobs = None if out.logprobs is None else out.logprobs[sent : sent + len(token_ids)]
             finish_reason = None
-            if req.is_finished:
+            if finished:
                 finish_reason, out.delta_finished = req.status.value, True
             comps.append(
                 CompletionDelta(
@@ -114,7 +117,7 @@ class RequestGroups:
                     token_ids=token_ids,
                     finish_reason=finish_reason,
                     stop_reason=out.stop_reason,
-                    routed_experts=out.routed_experts if req.is_finished else None,
+                    routed_experts=out.routed_experts if finished else None,
                     routed_experts_start=row_range(req.num_prompt_tokens, out.num_sent_tokens,
                                                    req.sampling_params.routed_experts_start)[0],
                     error=out.error,
@@ -128,7 +131,7 @@ class RequestGroups:
         delta = RequestDelta(
             request_id=group.request_id,
             outputs=comps,
-            finished=all(r.is_finished for r in group.children),
+            finished=all_finished,
             num_cached_tokens=max(group.children[0].num_cached_tokens, 0),
         )
         first_child = group.children[0]  # every choice scores the same prompt: send the first one's
