@@ -5,7 +5,7 @@
 
 An EngineService runs in this process (its workers are processes, as in the server); `running`
 requests decode together (ignore_eos). Per decode step it prints the engine's step counters
-(engine/step_counters.py: schedule / worker / output) and what crossing to the API server costs:
+(engine/step_counters.py: schedule / input / worker / output) and what crossing to the API server costs:
 packing the step's outputs for the wire (engine side: engine/output_wire.py + pickle) and unpacking
 them with the detokenization the engine left (server side), measured on the step's own outputs.
 `--stop` gives every request a stop string (the path that detokenizes in the engine), `--cprofile`
@@ -73,7 +73,7 @@ def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_
         after = svc.metrics()
         n = after["steps"] - before["steps"]
         row = {k: 1e3 * (after[f"step_{k}_seconds"] - before[f"step_{k}_seconds"]) / n
-               for k in ("schedule", "worker", "output")}
+               for k in ("schedule", "input", "worker", "output")}
         row.update(pack=1e3 * pack_s / steps, unpack=1e3 * unpack_s / steps, kib=nbytes / steps / 1024)
         if prof is not None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(r"engine_service|token_processor|request_groups|detok|outputs",
@@ -144,10 +144,10 @@ def main() -> None:
                     way = "engine detok, objects" if old else "server detok, packed"
                     print(f"{running:7d}  {way:26s}  {r['output']:16.2f}  {r['pack']:14.2f}  {r['unpack']:22.2f}")
             return
-        print("running  schedule_ms  worker_ms  output_ms  pack_ms  unpack+detok_ms  wire_KiB   (per decode step)")
+        print("running  schedule_ms  input_ms  worker_ms  output_ms  pack_ms  unpack+detok_ms  wire_KiB")
         for running in args.running:
             r = profile(model_dir, running, args.steps, args.r3, args.stop, args.cprofile, args.engine_detokenizes)
-            print(f"{running:7d}  {r['schedule']:11.2f}  {r['worker']:9.2f}  {r['output']:9.2f}  "
+            print(f"{running:7d}  {r['schedule']:11.2f}  {r['input']:8.2f}  {r['worker']:9.2f}  {r['output']:9.2f}  "
                   f"{r['pack']:7.2f}  {r['unpack']:15.2f}  {r['kib']:8.1f}")
 
 

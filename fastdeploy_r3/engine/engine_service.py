@@ -55,7 +55,7 @@ class EngineService:
         self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version, has_tiers)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
         self.step_counters = StepCounters()  # where each step's wall time goes (/metrics)
-        self._worker_seconds = 0.0  # in the workers' calls, bisection retries included
+        self._input_seconds = self._worker_seconds = 0.0  # building inputs / in the workers' calls, retries included
         _live_engines.add(self)
 
     # the parts most callers reach for
@@ -119,7 +119,7 @@ class EngineService:
         touched: set[str] = set(self._pending_outputs)
         self._pending_outputs.clear()
         res = self.parts.resources
-        watch, worker_before = Stopwatch(), self._worker_seconds
+        watch, input_before, worker_before = Stopwatch(), self._input_seconds, self._worker_seconds
         try:
             self.workers.check_alive()
             self.kv.poll_transfers()
@@ -141,8 +141,8 @@ class EngineService:
             raise EngineDeadError(self._dead) from e
         deltas = self.groups.collect(touched)
         if out.chunks:
-            worker_s = self._worker_seconds - worker_before
-            self.step_counters.add_step(schedule_s, worker_s, watch.lap() - worker_s, len(deltas))
+            input_s, worker_s = self._input_seconds - input_before, self._worker_seconds - worker_before
+            self.step_counters.add_step(schedule_s, input_s, worker_s, watch.lap() - input_s - worker_s, len(deltas))
         return deltas
 
     def _run_step(self, out: SchedulerOutput) -> None:
@@ -166,8 +166,9 @@ class EngineService:
     def _run_batch(self, chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
         """One worker step over `chunks` (step_isolation.py calls it again on parts of a failed step)."""
         watch = Stopwatch()
-        outs = self.workers.call(self.steps.build(chunks, retry),
-                                 timeout=self.config.parallel_config.worker_step_timeout_s)
+        step_input = self.steps.build(chunks, retry)
+        self._input_seconds += watch.lap()
+        outs = self.workers.call(step_input, timeout=self.config.parallel_config.worker_step_timeout_s)
         self._worker_seconds += watch.lap()
         errors = [o.error for o in outs if o.error is not None]
         if errors:

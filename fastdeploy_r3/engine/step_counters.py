@@ -1,13 +1,15 @@
 """Where the engine loop's wall time goes, step by step, for /metrics and tools/bench_rollout.py.
 
-One model step of the loop, timed in four parts (host time; `worker` is the workers' call, the
+One model step of the loop, timed in five parts (host time; `worker` is the workers' call, the
 device's time included):
 
-    |- schedule -|------- worker -------|- output -|- send -|
-    |<------------------ step_seconds ---------------------->|
+    |- schedule -|- input -|------- worker -------|- output -|- send -|
+    |<------------------------- step_seconds ------------------------->|
 
     schedule  Scheduler.schedule (admission, blocks, preemption)
-    worker    building the step's inputs and the workers' call (failed-step bisection included)
+    input     building the step's inputs (engine/step_builder.py)
+    worker    the workers' call: sending the inputs, the forward, sampling, the answer
+              (input and worker include the re-runs of a failed step's bisection)
     output    token processing (stops, detokenization, R3 gather at finish) and the step's deltas
     send      packing the step's outputs and handing them to the API server (engine/engine_process.py)
 
@@ -27,18 +29,21 @@ class StepCounters:
     steps: int = 0
     step_seconds: float = 0.0
     schedule_seconds: float = 0.0
+    input_seconds: float = 0.0
     worker_seconds: float = 0.0
     output_seconds: float = 0.0
     send_seconds: float = 0.0
     step_outputs: int = 0  # request deltas the steps produced
 
-    def add_step(self, schedule_s: float, worker_s: float, output_s: float, num_outputs: int) -> None:
+    def add_step(self, schedule_s: float, input_s: float, worker_s: float, output_s: float,
+                 num_outputs: int) -> None:
         """One model step's parts (the send is added by the loop that sends, with add_send)."""
         self.steps += 1
         self.schedule_seconds += schedule_s
+        self.input_seconds += input_s
         self.worker_seconds += worker_s
         self.output_seconds += output_s
-        self.step_seconds += schedule_s + worker_s + output_s
+        self.step_seconds += schedule_s + input_s + worker_s + output_s
         self.step_outputs += num_outputs
 
     def add_send(self, seconds: float) -> None:
@@ -52,6 +57,7 @@ class StepCounters:
             "steps": self.steps,
             "step_seconds": self.step_seconds,
             "step_schedule_seconds": self.schedule_seconds,
+            "step_input_seconds": self.input_seconds,
             "step_worker_seconds": self.worker_seconds,
             "step_output_seconds": self.output_seconds,
             "step_send_seconds": self.send_seconds,
