@@ -5,6 +5,7 @@ these from the engine's per-step deltas with one assembler (see `OutputAssembler
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,6 +73,24 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
 
 
+class TextRule(enum.IntEnum):
+    """Who turns a delta's token ids into text. The engine detokenizes only requests with stop strings
+    (it must see their text to stop them); the others' deltas leave it to the receiver, which replays
+    exactly what the engine would have done, token by token (engine/detokenizer.py DeltaDetokenizer):
+
+        IN_TEXT               `text` holds it (the engine detokenized)
+        PUSH                  push each token id; the request goes on
+        PUSH_FLUSH            push each, then flush what was held back (finished at its length)
+        PUSH_BUT_LAST_FLUSH   push all but the last, then flush: the last is a stop token whose text is
+                              trimmed (it stays in token_ids), as vLLM does
+    """
+
+    IN_TEXT = 0
+    PUSH = 1
+    PUSH_FLUSH = 2
+    PUSH_BUT_LAST_FLUSH = 3
+
+
 @dataclass
 class CompletionDelta:
     """One choice's progress in one engine step: only what is new since its previous delta."""
@@ -88,6 +107,7 @@ class CompletionDelta:
     finish_message: str | None = None
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)  # so far (a few entries)
     spans_weight_versions: bool = False
+    text_rule: TextRule = TextRule.IN_TEXT  # not IN_TEXT: `text` is "" until the receiver detokenizes
 
 
 @dataclass

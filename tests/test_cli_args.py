@@ -37,7 +37,7 @@ def test_defaults_types_and_choices_follow_the_fields() -> None:
     assert (args.quantization, args.kv_cache_dtype) == ("none", "auto")
     with pytest.raises(SystemExit):  # argparse: invalid choice
         parser().parse_args(["--model", "m", "--quantization", "fp8"])
-    assert (args.max_model_len, args.dtype, args.max_num_seqs) == (None, "float32", 64)
+    assert (args.max_model_len, args.dtype, args.max_num_seqs) == (None, "float32", None)  # None: the device decides
     assert args.routing_replay_config is None
     with pytest.raises(SystemExit):
         parser().parse_args(["--model", "m", "--dtype", "float64"])  # choices=MODEL_DTYPES

@@ -72,6 +72,7 @@ class RunResult:
     samples: list[Sample]
     step_ms: float | None
     timeline: list[tuple[float, int, int]]  # (t, tokens so far, in flight)
+    step_split_ms: dict[str, float] = field(default_factory=dict)  # mean ms per step of each STEP_PARTS
 
     @property
     def output_tokens(self) -> int:
@@ -126,7 +127,10 @@ async def _one(client: httpx.AsyncClient, url: str, s: Sample, args: argparse.Na
         s.error = f"{type(e).__name__}: {e}"
 
 
-_STEP_RE = re.compile(r"^fastdeploy_r3_engine_(steps|step_seconds)(?:_total)? ([0-9.eE+-]+)$", re.M)
+_STEP_RE = re.compile(
+    r"^fastdeploy_r3_engine_(steps|step_seconds|step_(?:schedule|input|worker|output|send)_seconds)(?:_total)? "
+    r"([0-9.eE+-]+)$", re.M)
+STEP_PARTS = ("schedule", "input", "worker", "output", "send")  # engine/step_counters.py
 
 
 async def _step_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -169,7 +173,11 @@ async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace,
         after = await _step_counters(client, url)
     step_ms = None
     if {"steps", "step_seconds"} <= before.keys() & after.keys() and after["steps"] > before["steps"]:
-        step_ms = 1e3 * (after["step_seconds"] - before["step_seconds"]) / (after["steps"] - before["steps"])
+        steps = after["steps"] - before["steps"]
+        step_ms = 1e3 * (after["step_seconds"] - before["step_seconds"]) / steps
+        split = {p: 1e3 * (after[k] - before[k]) / steps for p in STEP_PARTS
+                 if (k := f"step_{p}_seconds") in before.keys() & after.keys()}
+        return RunResult(label, wall, samples, step_ms, timeline, split)
     return RunResult(label, wall, samples, step_ms, timeline)
 
 
@@ -294,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for r in results:
         print(row(r))
+    for r in results:
+        if r.step_split_ms:
+            print(f"engine step, {r.label}: " + ", ".join(f"{p} {ms:.2f} ms" for p, ms in r.step_split_ms.items()))
     on = [r.tok_s for r in results if r.label.startswith("R3 on")]
     off = [r.tok_s for r in results if r.label.startswith("R3 off")]
     if on and off and args.r3 == "both":

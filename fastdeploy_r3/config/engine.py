@@ -33,6 +33,12 @@ from fastdeploy_r3.config.hf_config import (
     token_ids,
 )
 from fastdeploy_r3.config.quantization import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
+from fastdeploy_r3.config.scheduler_defaults import (
+    DeviceBudget,
+    kv_bytes_per_token,
+    scheduler_defaults,
+    weight_bytes_estimate,
+)
 from fastdeploy_r3.errors import ConfigError
 from fastdeploy_r3.r3.config import RoutingReplayConfig
 
@@ -203,8 +209,11 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = flag(64, "most requests running in one step")
-    max_num_batched_tokens: int = flag(2048, "most tokens forwarded in one step")
+    # None: what the device affords (config/scheduler_defaults.py), settled by EngineConfig
+    max_num_seqs: int | None = flag(None, "most requests running in one step (default: 64 on CPU; on CUDA 256, "
+                                          "capped by the KV cache)")
+    max_num_batched_tokens: int | None = flag(None, "most tokens forwarded in one step (default: 2048 on CPU; "
+                                                    "on CUDA 8192, capped by the KV cache)")
     enable_chunked_prefill: bool = flag(True, "split long prompts over several steps")
     max_waiting_requests: int = flag(
         1024, "most requests (choices of n > 1 count one each) waiting to be scheduled; the server answers "
@@ -212,6 +221,8 @@ class SchedulerConfig:
     )
 
     def validate(self, max_model_len: int) -> None:
+        """Called once both sizes are settled (EngineConfig fills what was left unset)."""
+        assert self.max_num_seqs is not None and self.max_num_batched_tokens is not None
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}; use at least 1")
         if self.max_num_batched_tokens < 1:
@@ -281,7 +292,14 @@ class EngineConfig:
         # each part's checks, those that span parts, and the two fields that depend on others (the R3
         # shape, the device), settled here before anyone holds the config
         mc = self.model_config
+        if self.device == "auto":
+            import torch
+
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device={self.device!r}; use 'cpu', 'cuda' or 'auto'")
         self.cache_config.validate()
+        self._settle_scheduler_sizes()
         self.scheduler_config.validate(self.max_model_len)
         self.parallel_config.validate()
         self.parallel_config.validate_for_model(mc.hf_config)
@@ -294,12 +312,32 @@ class EngineConfig:
         rr.validate()
         if rr.moe_layer_ids is None:
             object.__setattr__(self, "routing_replay_config", rr.postprocess(mc))
-        if self.device == "auto":
-            import torch
 
-            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"device={self.device!r}; use 'cpu', 'cuda' or 'auto'")
+    def _settle_scheduler_sizes(self) -> None:
+        """max_num_seqs / max_num_batched_tokens left unset: what the device affords; a given one stays."""
+        sc = self.scheduler_config
+        if sc.max_num_seqs is not None and sc.max_num_batched_tokens is not None:
+            return
+        seqs, tokens = scheduler_defaults(self.device_budget(), self.max_model_len, sc.enable_chunked_prefill)
+        object.__setattr__(self, "scheduler_config", replace(
+            sc, max_num_seqs=sc.max_num_seqs if sc.max_num_seqs is not None else seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens if sc.max_num_batched_tokens is not None else tokens))
+
+    def device_budget(self) -> DeviceBudget:
+        """What the scheduler defaults are derived from: this device's memory, the model's sizes."""
+        if self.device != "cuda":
+            return DeviceBudget("cpu")
+        import torch
+
+        mc, cc, tp = self.model_config, self.cache_config, self.parallel_config.tensor_parallel_size
+        dtype_bytes = torch.empty(0, dtype=getattr(torch, mc.dtype)).element_size()
+        return DeviceBudget(
+            "cuda", memory_bytes=torch.cuda.get_device_properties(0).total_memory,
+            memory_utilization=cc.gpu_memory_utilization,
+            weight_bytes=weight_bytes_estimate(mc.hf_config, mc.moe_layer_ids, dtype_bytes, tp),
+            kv_bytes_per_token=kv_bytes_per_token(mc.hf_config, dtype_bytes, tp), block_size=cc.block_size,
+            num_gpu_blocks_override=cc.num_gpu_blocks_override,
+        )
 
     # -- construction -------------------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from fastdeploy_r3.outputs import RequestDelta, TextRule
+from fastdeploy_r3.sampling_params import SamplingParams
+
 REPLACEMENT_CHAR = "\ufffd"
 
 # A UTF-8 character has at most 4 bytes, so a byte-level tokenizer completes it within 4 tokens.
@@ -70,3 +73,42 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         return window_text[len(prefix_text) :]
+
+
+class Decoding:
+    """The tokenizer's decode with a request's skip_special_tokens and spaces_between_special_tokens."""
+
+    def __init__(self, tokenizer: object, skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:  # the default needs no keyword: any decode(ids, skip_...) works
+            self.kwargs["spaces_between_special_tokens"] = False
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, **self.kwargs)  # type: ignore[attr-defined]
+
+
+class DeltaDetokenizer:
+    """The receiver's half of detokenization (the API server, off the engine loop): fills in the text
+    of one request's deltas whose engine left it (TextRule, outputs.py), token by token as
+    engine/token_processor.py would have, so the text is the same to the character."""
+
+    def __init__(self, tokenizer: object, params: SamplingParams) -> None:
+        self._decoding = Decoding(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+        self._choices: dict[int, IncrementalDetokenizer] = {}
+
+    def fill(self, delta: RequestDelta) -> RequestDelta:
+        for c in delta.outputs:
+            rule = c.text_rule
+            if rule is TextRule.IN_TEXT:
+                continue
+            detok = self._choices.get(c.index)
+            if detok is None:
+                detok = self._choices[c.index] = IncrementalDetokenizer(self._decoding)
+            ids = c.token_ids[:-1] if rule is TextRule.PUSH_BUT_LAST_FLUSH else c.token_ids
+            parts = [detok.push([token_id]) for token_id in ids]  # one by one: the engine's windows
+            if rule is not TextRule.PUSH:
+                parts.append(detok.flush())
+            c.text, c.text_rule = "".join(parts), TextRule.IN_TEXT
+        return delta

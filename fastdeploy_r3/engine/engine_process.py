@@ -56,6 +56,7 @@ from fastdeploy_r3.engine.messages import (
     WeightUpdateSession,
 )
 from fastdeploy_r3.engine.scheduler import QueueFullError
+from fastdeploy_r3.engine.step_counters import Stopwatch
 from fastdeploy_r3.lifecycle import (
     EngineDeadError,
     Shutdown,
@@ -285,19 +286,25 @@ class _EngineLoop:
             if not self.running:
                 return
             if self.svc.has_work():
+                steps_before = self.svc.step_counters.steps
                 try:
                     outputs = self.svc.step()
                 except EngineDeadError as e:
                     # a child of the engine died: the engine failed every in-flight request
-                    self.send(OutputBatch(self.svc.fail_all()))
+                    self.send(OutputBatch.of(self.svc.fail_all()))
                     self.send(EngineCrashed(str(e)))
                     return
                 if outputs:
-                    self.send(OutputBatch(outputs))
+                    watch = Stopwatch()
+                    self.send(OutputBatch.of(outputs))
+                    if self.svc.step_counters.steps != steps_before:  # a model step's outputs
+                        self.svc.step_counters.add_send(watch.lap())
 
 
-def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) -> None:
-    """Entry point of the spawned engine process."""
+def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_pid: int,
+                       server_detokenizes: bool = False) -> None:
+    """Entry point of the spawned engine process. server_detokenizes: the API server turns the token ids
+    of requests without stop strings into text (engine/detokenizer.py DeltaDetokenizer), off this loop."""
     # The API server drives shutdown (Ctrl-C reaches the whole process group); SIGTERM sent to this
     # process alone, or by the kernel when the API server dies (exit_with_parent), must still run
     # EngineService.shutdown() so no child or SHM segment outlives it.
@@ -306,7 +313,7 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
     try:
         exit_with_parent(parent_pid)
         name_this_process("fdr3-engine")
-        _serve(config, addresses, parent_pid)
+        _serve(config, addresses, parent_pid, server_detokenizes)
     finally:
         # Terminated by a signal: the API server died (the parent-death signal may come before it has
         # quite exited), or it is stopping this engine and removes the directory too (harmlessly twice).
@@ -314,7 +321,7 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
             addresses.remove()  # its owner is gone and will not remove it
 
 
-def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) -> None:
+def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int, server_detokenizes: bool) -> None:
     ctx = zmq.Context()
     input_sock = ctx.socket(zmq.PULL)
     input_sock.bind(addresses.input)
@@ -331,6 +338,7 @@ def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int) ->
         from fastdeploy_r3.engine.engine_service import EngineService
 
         svc = EngineService(config)
+        svc.token_processor.detokenize_all = not server_detokenizes
     except BaseException as e:  # noqa: BLE001 - any start-up failure is reported to the API server
         with contextlib.suppress(zmq.ZMQError):
             send(EngineStartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))

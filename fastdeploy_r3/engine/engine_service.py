@@ -27,6 +27,7 @@ from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.request_groups import RequestGroups, validate_prompt
 from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, SchedulerOutput
 from fastdeploy_r3.engine.step_builder import StepBuilder
+from fastdeploy_r3.engine.step_counters import StepCounters, Stopwatch
 from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import RequestDelta
@@ -53,6 +54,8 @@ class EngineService:
         mc, has_tiers = config.model_config, config.cache_config.uses_transfer_manager
         self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version, has_tiers)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
+        self.step_counters = StepCounters()  # where each step's wall time goes (/metrics)
+        self._input_seconds = self._worker_seconds = 0.0  # building inputs / in the workers' calls, retries included
         _live_engines.add(self)
 
     # the parts most callers reach for
@@ -116,6 +119,7 @@ class EngineService:
         touched: set[str] = set(self._pending_outputs)
         self._pending_outputs.clear()
         res = self.parts.resources
+        watch, input_before, worker_before = Stopwatch(), self._input_seconds, self._worker_seconds
         try:
             self.workers.check_alive()
             self.kv.poll_transfers()
@@ -125,6 +129,7 @@ class EngineService:
             out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
             if not out.chunks and res.lookup is not None and self.kv.has_pending_lookups():
                 res.lookup.wait(0.01)  # nothing to run but lookups: do not spin
+            schedule_s = watch.lap()
             if out.chunks:
                 self._run_step(out)
                 for chunk in out.chunks:
@@ -134,7 +139,11 @@ class EngineService:
         except Exception as e:
             self._die(f"{type(e).__name__}: {e}")
             raise EngineDeadError(self._dead) from e
-        return self.groups.collect(touched)
+        deltas = self.groups.collect(touched)
+        if out.chunks:
+            input_s, worker_s = self._input_seconds - input_before, self._worker_seconds - worker_before
+            self.step_counters.add_step(schedule_s, input_s, worker_s, watch.lap() - input_s - worker_s, len(deltas))
+        return deltas
 
     def _run_step(self, out: SchedulerOutput) -> None:
         # a failed step is bisected so that only the requests that make it fail fail
@@ -156,8 +165,11 @@ class EngineService:
 
     def _run_batch(self, chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
         """One worker step over `chunks` (step_isolation.py calls it again on parts of a failed step)."""
-        outs = self.workers.call(self.steps.build(chunks, retry),
-                                 timeout=self.config.parallel_config.worker_step_timeout_s)
+        watch = Stopwatch()
+        step_input = self.steps.build(chunks, retry)
+        self._input_seconds += watch.lap()
+        outs = self.workers.call(step_input, timeout=self.config.parallel_config.worker_step_timeout_s)
+        self._worker_seconds += watch.lap()
         errors = [o.error for o in outs if o.error is not None]
         if errors:
             return StepAttempt(error=errors[0])
@@ -222,6 +234,7 @@ class EngineService:
             "r3_bytes": r3.bytes_delivered,
             "r3_failures": r3.failures,
             "r3_gather_seconds": r3.gather_seconds,
+            **self.step_counters.as_metrics(),
         }
 
     def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""Every message between the API server and the engine process (the ZMQ boundary), pickled.
+"""Every message between the API server and the engine process (the ZMQ boundary), pickled (a step's
+outputs packed into flat arrays first: engine/output_wire.py).
 
     api_server -> engine   AddRequest, AbortRequest, MetricsQuery, HealthQuery, ControlRequest, Shutdown
     engine -> api_server   EngineReady | EngineStartupFailed, then OutputBatch, RequestRejected,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from fastdeploy_r3.engine.output_wire import PackedDeltas, pack_deltas, unpack_deltas
 from fastdeploy_r3.lifecycle import Shutdown
 from fastdeploy_r3.outputs import RequestDelta
 from fastdeploy_r3.sampling_params import SamplingParams
@@ -163,9 +165,17 @@ class EngineStartupFailed:
 
 @dataclass
 class OutputBatch:
-    """One engine step's deltas, for every request that advanced (see outputs.RequestDelta)."""
+    """One engine step's deltas, for every request that advanced, packed (engine/output_wire.py);
+    `OutputBatch.of(deltas)` packs, `.unpack()` gives the outputs.RequestDelta list back."""
 
-    outputs: list[RequestDelta]
+    packed: PackedDeltas
+
+    @classmethod
+    def of(cls, deltas: list[RequestDelta]) -> OutputBatch:
+        return cls(pack_deltas(deltas))
+
+    def unpack(self) -> list[RequestDelta]:
+        return unpack_deltas(self.packed)
 
 
 class ErrorKind(enum.Enum):

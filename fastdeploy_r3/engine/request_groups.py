@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from fastdeploy_r3.engine.request import Request
 from fastdeploy_r3.engine.token_processor import TokenProcessor
-from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, weight_version_spans
+from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, WeightVersionSpan, weight_version_spans
 from fastdeploy_r3.r3.layouts import row_range
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
@@ -97,7 +97,10 @@ class RequestGroups:
     def _make_delta(self, group: RequestGroup) -> RequestDelta:
         """What is new for this request since its previous delta; the prompt goes with the first one."""
         comps = []
+        all_finished = True
         for i, req in enumerate(group.children):
+            finished = req.is_finished  # once: a property over the status enum, on the hot path
+            all_finished = all_finished and finished
             out = self.outputs.output(req)
             if out.delta_finished:
                 continue  # its finishing delta went out already
@@ -105,7 +108,7 @@ class RequestGroups:
             text, token_ids = self.outputs.take_delta(req)
             logprobs = None if out.logprobs is None else out.logprobs[sent : sent + len(token_ids)]
             finish_reason = None
-            if req.is_finished:
+            if finished:
                 finish_reason, out.delta_finished = req.status.value, True
             comps.append(
                 CompletionDelta(
@@ -114,23 +117,21 @@ class RequestGroups:
                     token_ids=token_ids,
                     finish_reason=finish_reason,
                     stop_reason=out.stop_reason,
-                    routed_experts=out.routed_experts if req.is_finished else None,
+                    routed_experts=out.routed_experts if finished else None,
                     routed_experts_start=row_range(req.num_prompt_tokens, out.num_sent_tokens,
                                                    req.sampling_params.routed_experts_start)[0],
                     error=out.error,
                     logprobs=logprobs,
                     finish_message=out.finish_message,
-                    weight_versions=weight_version_spans(
-                        [(e.version, e.num_output_tokens) for e in req.weight_version_events], req.weight_version,
-                        out.num_sent_tokens,
-                    ),
-                    spans_weight_versions=req.spans_weight_versions,
+                    weight_versions=_spans(req, out.num_sent_tokens),
+                    spans_weight_versions=bool(req.weight_version_events) and req.spans_weight_versions,
+                    text_rule=out.text_rule,
                 )
             )
         delta = RequestDelta(
             request_id=group.request_id,
             outputs=comps,
-            finished=all(r.is_finished for r in group.children),
+            finished=all_finished,
             num_cached_tokens=max(group.children[0].num_cached_tokens, 0),
         )
         first_child = group.children[0]  # every choice scores the same prompt: send the first one's
@@ -145,6 +146,14 @@ class RequestGroups:
             delta.prompt, delta.prompt_token_ids = group.prompt, group.prompt_token_ids
             delta.moe_layer_ids = None if self.moe_layer_ids is None else list(self.moe_layer_ids)
         return delta
+
+
+def _spans(req: Request, num_sent_tokens: int) -> list[WeightVersionSpan]:
+    """weight_version_spans of the request; without a weight update (every step but a few), one span."""
+    if not req.weight_version_events:
+        return [WeightVersionSpan(req.weight_version, 0, num_sent_tokens)]
+    return weight_version_spans([(e.version, e.num_output_tokens) for e in req.weight_version_events],
+                                req.weight_version, num_sent_tokens)
 
 
 def validate_prompt(ids: list[int], params: SamplingParams, max_len: int, vocab: int) -> None:

@@ -11,6 +11,11 @@ the last was fed in that step, so its KV and R3 row are written:
 
 Text for the caller is sent as deltas: each step's new characters, minus the last (longest stop
 string - 1) characters while the request runs, since a stop string beginning there would cut them.
+
+Only requests with stop strings need their text here. With `detokenize_all` off (the engine process:
+the API server detokenizes, off the engine loop) the others' deltas carry token ids and a TextRule
+(outputs.py) saying how the receiver's DeltaDetokenizer (engine/detokenizer.py) turns them into the
+same text this class would have made.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
-from fastdeploy_r3.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy_r3.engine.detokenizer import Decoding, IncrementalDetokenizer
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.scheduler import Scheduler
 from fastdeploy_r3.logprobs import PromptLogprobs, TokenLogprob
+from fastdeploy_r3.outputs import TextRule
 from fastdeploy_r3.r3.errors import RoutingReplayError
 from fastdeploy_r3.r3.layouts import row_range
 
@@ -56,6 +62,7 @@ class OutputState:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
     prompt_logprobs_sent: bool = False
+    text_rule: TextRule = TextRule.IN_TEXT  # not IN_TEXT: the receiver detokenizes (see the module's doc)
 
 
 class TokenProcessor:
@@ -74,6 +81,8 @@ class TokenProcessor:
         self.routing = routing
         self.r3 = R3Counters()
         self._outputs: dict[str, OutputState] = {}
+        # off: requests without stop strings are detokenized by the receiver of their deltas
+        self.detokenize_all = True
 
     def output(self, req: Request) -> OutputState:
         """The request's output state, created on first use."""
@@ -83,6 +92,8 @@ class TokenProcessor:
             out = self._outputs[req.request_id] = OutputState(
                 logprobs=[] if params.logprobs is not None else None,
                 prompt_logprobs=[None] * req.num_prompt_tokens if params.prompt_logprobs is not None else None,
+                text_rule=(TextRule.IN_TEXT if self.tokenizer is None or self.detokenize_all or params.stop
+                           else TextRule.PUSH),
             )
         return out
 
@@ -138,10 +149,16 @@ class TokenProcessor:
         elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         at_length = len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
-        if self.tokenizer is not None:
+        if out.text_rule is not TextRule.IN_TEXT:
+            # the receiver detokenizes: tell it what the branch below would do with this token
+            if status is not None and not params.include_stop_str_in_output:
+                out.text_rule = TextRule.PUSH_BUT_LAST_FLUSH
+            elif status is not None or at_length:
+                out.text_rule = TextRule.PUSH_FLUSH
+        elif self.tokenizer is not None:
             if out.detokenizer is None:
                 out.detokenizer = IncrementalDetokenizer(
-                    _Decoding(self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens))
+                    Decoding(self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens))
             if status is not None and not params.include_stop_str_in_output:
                 # the stop token's own text is trimmed, as vLLM does and SGLang unless no_stop_trim
                 # (it stays in token_ids)
@@ -221,21 +238,6 @@ class TokenProcessor:
         self.r3.rows_delivered += rows.shape[0]
         self.r3.bytes_delivered += rows.nbytes
         return rows
-
-
-class _Decoding:
-    """The tokenizer's decode with the request's skip_special_tokens and spaces_between_special_tokens
-    (what IncrementalDetokenizer calls)."""
-
-    def __init__(self, tokenizer: object, skip_special_tokens: bool,
-                 spaces_between_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.kwargs = {"skip_special_tokens": skip_special_tokens}
-        if not spaces_between_special_tokens:  # the default needs no keyword: any decode(ids, skip_...) works
-            self.kwargs["spaces_between_special_tokens"] = False
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, **self.kwargs)  # type: ignore[attr-defined]
 
 
 def _find_stop(text: str, stops: list[str], searched: int) -> tuple[int, str] | None:

@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from fastdeploy_r3.cache_manager.shm import remove_stale_segments
 from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.detokenizer import DeltaDetokenizer
 from fastdeploy_r3.engine.engine_process import EngineAddresses, run_engine_process
 from fastdeploy_r3.engine.messages import (
     AbortRequest,
@@ -130,7 +131,8 @@ class AsyncEngineClient:
         # spawn: the engine must not inherit this process's event loop, threads or sockets; not a
         # daemon, because the engine starts worker processes of its own
         self._proc = start_process(
-            run_engine_process, (self.config, self._addresses, os.getpid()), name="fdr3-engine", daemon=False
+            run_engine_process, (self.config, self._addresses, os.getpid(), self.tokenizer is not None),
+            name="fdr3-engine", daemon=False
         )
         self._output.connect(self._addresses.output)
         self._input.connect(self._addresses.input)
@@ -264,7 +266,7 @@ class AsyncEngineClient:
             msg = pickle.loads(await self._output.recv())
             self._last_heard = loop.time()
             if isinstance(msg, OutputBatch):
-                for out in msg.outputs:
+                for out in msg.unpack():
                     q = self._queues.get(out.request_id)
                     if q is not None:  # None: the caller went away and aborted
                         q.put_nowait(out)
@@ -306,6 +308,8 @@ class AsyncEngineClient:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
+        # the engine left the text of requests without stop strings to this process (off its loop)
+        detok = DeltaDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         finished = False
         try:
             await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt))
@@ -315,7 +319,7 @@ class AsyncEngineClient:
                     finished = True  # rejected or dead: nothing to abort
                     raise item
                 finished = item.finished
-                yield item
+                yield item if detok is None else detok.fill(item)
                 if finished:
                     return
         finally:

@@ -198,6 +198,13 @@ def test_models_health_and_metrics(server: ServerHandle, client: openai.OpenAI) 
     for name in ("r3_failures_total", "r3_gather_seconds_total", "swap_out_blocks_total", "swap_in_blocks_total",
                  "prefix_hit_blocks_total"):
         assert f"fastdeploy_r3_engine_{name}" in values
+    # the step counters tools/bench_rollout.py reads: the requests above ran model steps, and the
+    # step's wall time is its parts' sum
+    e = {name.removeprefix("fastdeploy_r3_engine_"): v for name, v in values.items()}
+    assert e["steps_total"] > 0 and e["step_outputs_total"] >= e["steps_total"]
+    parts = sum(e[f"step_{p}_seconds_total"] for p in ("schedule", "input", "worker", "output", "send"))
+    assert min(e[f"step_{p}_seconds_total"] for p in ("input", "worker", "output", "send")) > 0
+    assert e["step_seconds_total"] == pytest.approx(parts)
 
 
 def test_unknown_routing_replay_key_fails_start_up(model_dir: str) -> None:

@@ -25,4 +25,7 @@ def test_rollout_bench_streams_every_sample_and_writes_table_json_and_png(tmp_pa
     assert "| run | samples | failed | wall s | output tokens |" in proc.stdout
     (res,) = json.loads((out / "rollout.json").read_text())
     assert res["label"] == "R3 on" and res["failed"] == 0 and res["output_tokens"] == 24
+    # the engine's step counters (/metrics) moved: a mean step time and its parts
+    assert res["step_ms"] > 0
+    assert "engine step, R3 on: schedule " in proc.stdout and " send " in proc.stdout
     assert (out / "rollout.png").stat().st_size > 0

@@ -1,0 +1,155 @@
+"""Where the engine's output path spends its time per decode step, on the CPU with a tiny fake model.
+
+    python tools/profile_output_path.py --running 64 256 [--steps 20] [--r3] [--stop] [--cprofile]
+    python tools/profile_output_path.py --host-only --steps 200     # no model: the output path alone
+
+An EngineService runs in this process (its workers are processes, as in the server); `running`
+requests decode together (ignore_eos). Per decode step it prints the engine's step counters
+(engine/step_counters.py: schedule / input / worker / output) and what crossing to the API server costs:
+packing the step's outputs for the wire (engine side: engine/output_wire.py + pickle) and unpacking
+them with the detokenization the engine left (server side), measured on the step's own outputs.
+`--stop` gives every request a stop string (the path that detokenizes in the engine), `--cprofile`
+the top functions of the output part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pickle
+import pstats
+import tempfile
+import time
+
+from fake_model import make_fake_model
+
+from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.detokenizer import DeltaDetokenizer
+from fastdeploy_r3.engine.engine_service import EngineService
+from fastdeploy_r3.engine.messages import OutputBatch
+from fastdeploy_r3.engine.request_groups import RequestGroups
+from fastdeploy_r3.engine.token_processor import TokenProcessor
+from fastdeploy_r3.engine.tokenizer import Tokenizer
+from fastdeploy_r3.sampling_params import SamplingParams
+
+
+def profile(model_dir: str, running: int, steps: int, r3: bool, stop: bool, use_cprofile: bool,
+            engine_detokenizes: bool) -> dict[str, float]:
+    rr = {"enable_routing_replay": r3}
+    config = EngineConfig.from_kwargs(
+        model_dir, block_size=16, max_num_seqs=running, max_num_batched_tokens=max(2048, running * 16),
+        device="cpu", dtype="float32", routing_replay_config=rr,
+    )
+    svc = EngineService(config)
+    svc.token_processor.detokenize_all = engine_detokenizes
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True,
+                                stop=["zzzz-never"] if stop else None)
+        for i in range(running):
+            svc.add_request(f"r{i}", [1 + (i + j) % 200 for j in range(16)], params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in svc.unfinished_requests()):
+            svc.step()  # prefill
+        detoks = {f"r{i}": DeltaDetokenizer(svc.tokenizer, params) for i in range(running)}
+        for d in svc.step():
+            detoks[d.request_id].fill(d)
+        before = dict(svc.metrics())
+        pack_s = unpack_s = 0.0
+        nbytes = 0
+        prof = cProfile.Profile() if use_cprofile else None
+        for _ in range(steps):
+            if prof is not None:
+                prof.enable()
+            deltas = svc.step()
+            if prof is not None:
+                prof.disable()
+            t0 = time.perf_counter()
+            data = pickle.dumps(OutputBatch.of(deltas), protocol=pickle.HIGHEST_PROTOCOL)
+            t1 = time.perf_counter()
+            for d in pickle.loads(data).unpack():  # the API server: unpack, detokenize what the engine left
+                detoks[d.request_id].fill(d)
+            unpack_s += time.perf_counter() - t1
+            pack_s += t1 - t0
+            nbytes += len(data)
+        after = svc.metrics()
+        n = after["steps"] - before["steps"]
+        row = {k: 1e3 * (after[f"step_{k}_seconds"] - before[f"step_{k}_seconds"]) / n
+               for k in ("schedule", "input", "worker", "output")}
+        row.update(pack=1e3 * pack_s / steps, unpack=1e3 * unpack_s / steps, kib=nbytes / steps / 1024)
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(r"engine_service|token_processor|request_groups|detok|outputs",
+                                                                    25)
+        return row
+    finally:
+        svc.shutdown()
+
+
+class _NoBlocks:
+    """The Scheduler's part the token processor calls without R3: nothing to free."""
+
+    def advance(self, req: object, num_tokens: int) -> None:
+        req.num_computed_tokens += num_tokens  # type: ignore[attr-defined]
+
+    def release(self, req: object, status: object) -> None:
+        req.status = status  # type: ignore[attr-defined]
+
+
+def host_only(model_dir: str, running: int, steps: int, engine_detokenizes: bool) -> dict[str, float]:
+    """The output path alone, no model: `running` requests get one token a step (the fake tokenizer's
+    ids cycling through text), through TokenProcessor, RequestGroups.collect and the wire, old way
+    (the engine detokenizes, objects pickled) or new (the server detokenizes, packed)."""
+    tok = Tokenizer(model_dir)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. Grüße, 日本! " * 8)
+    tp = TokenProcessor(_NoBlocks(), tok, [], 1 << 20, None)  # type: ignore[arg-type]
+    tp.detokenize_all = engine_detokenizes
+    groups = RequestGroups(tp, None)
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    reqs = [groups.fan_out(f"cmpl-{i}", [1, 2, 3], params, None, "0").children[0] for i in range(running)]
+    detoks = {f"cmpl-{i}": DeltaDetokenizer(tok, params) for i in range(running)}
+    engine_s = send_s = server_s = 0.0
+    for step in range(steps):
+        t0 = time.perf_counter()
+        for i, req in enumerate(reqs):
+            tp.append_tokens(req, [ids[(i + step) % len(ids)]])
+        deltas = groups.collect({r.request_id for r in reqs})
+        t1 = time.perf_counter()
+        data = pickle.dumps(deltas if engine_detokenizes else OutputBatch.of(deltas), protocol=pickle.HIGHEST_PROTOCOL)
+        t2 = time.perf_counter()
+        got = pickle.loads(data)
+        for d in (got if engine_detokenizes else got.unpack()):
+            detoks[d.request_id].fill(d)
+        t3 = time.perf_counter()
+        engine_s, send_s, server_s = engine_s + t1 - t0, send_s + t2 - t1, server_s + t3 - t2
+    return {"output": 1e3 * engine_s / steps, "pack": 1e3 * send_s / steps, "unpack": 1e3 * server_s / steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--running", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--r3", action="store_true")
+    ap.add_argument("--stop", action="store_true")
+    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--host-only", action="store_true",
+                    help="no model: the output path alone, old way (engine detokenizes, objects) and new")
+    ap.add_argument("--engine-detokenizes", action="store_true",
+                    help="detokenize every request in the engine loop (the in-process LLM's way)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_fake_model("qwen3_moe", tmp)
+        if args.host_only:
+            print("running  way                         engine_output_ms  engine_send_ms  server_unpack+detok_ms")
+            for running in args.running:
+                for old in (True, False):
+                    r = host_only(model_dir, running, args.steps, old)
+                    way = "engine detok, objects" if old else "server detok, packed"
+                    print(f"{running:7d}  {way:26s}  {r['output']:16.2f}  {r['pack']:14.2f}  {r['unpack']:22.2f}")
+            return
+        print("running  schedule_ms  input_ms  worker_ms  output_ms  pack_ms  unpack+detok_ms  wire_KiB")
+        for running in args.running:
+            r = profile(model_dir, running, args.steps, args.r3, args.stop, args.cprofile, args.engine_detokenizes)
+            print(f"{running:7d}  {r['schedule']:11.2f}  {r['input']:8.2f}  {r['worker']:9.2f}  {r['output']:9.2f}  "
+                  f"{r['pack']:7.2f}  {r['unpack']:15.2f}  {r['kib']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
