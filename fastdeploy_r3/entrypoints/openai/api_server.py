@@ -333,18 +333,16 @@ async def run_server(args: argparse.Namespace) -> None:
     engine: AsyncEngineClient | None = None
     lost: list[str] = []
     try:
-        # the engine starts while transformers loads the tokenizer (seconds: it imports torch); a tokenizer
-        # that still cannot load cancels that start, and AsyncEngineClient.start cleans up after itself
+        # the engine starts while transformers loads the tokenizer (seconds: transformers imports torch)
         starting = asyncio.create_task(AsyncEngineClient.start(
             config, None, timeout_s=args.engine_start_timeout, stall_timeout_s=args.engine_stall_timeout_s))
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_dir)
         except BaseException:
-            starting.cancel()
+            starting.cancel()  # AsyncEngineClient.start stops what it started
             await asyncio.gather(starting, return_exceptions=True)
             raise
-        engine = await starting
-        engine.tokenizer = tokenizer
+        (engine := await starting).tokenizer = tokenizer
         ctx = ServingContext(engine=engine, served_model_name=served_model_name, store=store,
                              request_timeout_s=args.request_timeout_s,
                              longest_token_chars=longest_token_chars(tokenizer),
