@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import IO
 
 import httpx
 
@@ -28,14 +29,21 @@ def free_port() -> int:
 
 def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM, up to `grace_s` to exit, then SIGKILL: how every server a test starts is stopped."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_processes([proc], grace_s)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """stop_process for several at once: every one is asked first, so that their shutdowns overlap."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def server_command(model_dir: str, port: int, *args: str) -> list[str]:
@@ -59,6 +67,54 @@ class ServerHandle:
             return "".join(f.readlines()[-n:])
 
 
+def _launch(model_dir: str, log_dir: str, args: tuple[str, ...],
+            wrap: Callable[[list[str]], list[str]] | None) -> tuple[ServerHandle, IO[str]]:
+    port = free_port()
+    log_path = os.path.join(log_dir, f"server_{port}.log")
+    log = open(log_path, "w")  # noqa: SIM115 - closed by the caller, after the process
+    cmd = server_command(model_dir, port, *args)
+    proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=server_env(), cwd=REPO_ROOT)
+    return ServerHandle(f"http://127.0.0.1:{port}", proc, log_path), log
+
+
+def _wait_healthy(handle: ServerHandle, args: tuple[str, ...], deadline: float, timeout: float) -> None:
+    # with --api-key, /health needs the key too
+    headers = {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"} if "--api-key" in args else {}
+    while True:
+        if handle.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {handle.proc.returncode} during start-up:\n{handle.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{handle.url}/health", headers=headers, timeout=2.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not healthy within {timeout} s:\n{handle.log_tail()}")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def api_servers(
+    log_dir: str,
+    *servers: tuple[str, ...],
+    timeout: float = 180.0,
+) -> Iterator[list[ServerHandle]]:
+    """Several servers, each `(model_dir, *args)`, started at once and waited for together: one start is
+    a chain of process starts (API server, engine, worker) that keeps one core busy, so on two cores a
+    second chain costs little more wall time than the first."""
+    launched: list[tuple[ServerHandle, IO[str]]] = []
+    try:
+        for model_dir, *args in servers:
+            launched.append(_launch(model_dir, log_dir, tuple(args), None))
+        deadline = time.monotonic() + timeout
+        for (handle, _), (_, *args) in zip(launched, servers):
+            _wait_healthy(handle, tuple(args), deadline, timeout)
+        yield [handle for handle, _ in launched]
+    finally:
+        stop_processes([handle.proc for handle, _ in launched], 60)
+        for _, log in launched:
+            log.close()
+
+
 @contextlib.contextmanager
 def api_server(
     model_dir: str,
@@ -71,29 +127,12 @@ def api_server(
 
     `wrap` turns the command into the one to run (e.g. in a private mount namespace; it must exec so
     that the server keeps the pid of the process started here)."""
-    port = free_port()
-    log_path = os.path.join(log_dir, f"server_{port}.log")
-    log = open(log_path, "w")  # noqa: SIM115 - closed in finally, after the process
-    cmd = server_command(model_dir, port, *args)
-    proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=server_env(), cwd=REPO_ROOT)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
-    # with --api-key, /health needs the key too
-    headers = {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"} if "--api-key" in args else {}
+    handle, log = _launch(model_dir, log_dir, args, wrap)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{handle.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{handle.url}/health", headers=headers, timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy within {timeout} s:\n{handle.log_tail()}")
-            time.sleep(0.2)
+        _wait_healthy(handle, args, time.monotonic() + timeout, timeout)
         yield handle
     finally:
-        stop_process(proc, 60)
+        stop_process(handle.proc, 60)
         log.close()
 
 

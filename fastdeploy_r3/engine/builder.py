@@ -101,6 +101,8 @@ def build_engine(config: EngineConfig, suffix: str, runner_cls: type | None = No
 
 def _build(cfg: EngineConfig, res: EngineResources, runner_cls: type | None) -> EngineParts:
     mc, cc, sc, rr = cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.routing_replay_config
+    # the ranks start (torch, the model) while this process loads the tokenizer (transformers: seconds)
+    res.workers = WorkerGroup(cfg, res.suffix, runner_cls=runner_cls)
     tokenizer = _load_tokenizer(mc.model)
     # as vLLM: the tokenizer's eos stops generation too, besides config.json's and generation_config.json's
     eos = list(dict.fromkeys([*mc.eos_token_ids, *(tokenizer.eos_token_ids if tokenizer else [])]))  # type: ignore[attr-defined]
@@ -109,7 +111,6 @@ def _build(cfg: EngineConfig, res: EngineResources, runner_cls: type | None) -> 
         logger.warning("generation_config.json sets %s, which this engine does not implement; requests are "
                        "sampled without it", ", ".join(f"{k}={mc.generation_defaults[k]}" for k in ignored))
 
-    res.workers = WorkerGroup(cfg, res.suffix, runner_cls=runner_cls)
     readies: list[WorkerReady] = res.workers.collect(timeout=600)
     num_gpu_blocks = min(r.num_gpu_blocks for r in readies)
     capacity = num_gpu_blocks * cc.block_size

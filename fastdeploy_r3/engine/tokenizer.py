@@ -20,12 +20,19 @@ class ChatTemplateError(ConfigError):
     """The chat template refused the messages (its own raise_exception) or could not be rendered."""
 
 
+def check_tokenizer_dir(model_dir: str) -> str:
+    """`model_dir` if it holds a tokenizer, else ConfigError: the check Tokenizer makes first, without
+    importing transformers, so that a server refuses such a directory before it starts anything."""
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        raise ConfigError(
+            f"{model_dir!r} has no tokenizer ({' / '.join(_TOKENIZER_FILES)}); pass token ids, or add a tokenizer"
+        )
+    return model_dir
+
+
 class Tokenizer:
     def __init__(self, model_dir: str) -> None:
-        if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
-            raise ConfigError(
-                f"{model_dir!r} has no tokenizer ({' / '.join(_TOKENIZER_FILES)}); pass token ids, or add a tokenizer"
-            )
+        check_tokenizer_dir(model_dir)
         from transformers import AutoTokenizer
 
         try:

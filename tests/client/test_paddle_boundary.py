@@ -58,16 +58,14 @@ def _replay_gate(paddle, logits: np.ndarray, ids) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def servers(fake_model_dir: Callable[..., str], mooncake_store_url: str, tmp_path_factory):
-    from api_server_process import api_server
+    from api_server_process import api_servers
 
     model_dir = fake_model_dir("glm4_moe")
     p2p = {"enable_routing_replay": True, "routing_store_type": "p2pstore", "use_fused_put": False,
            "p2pstore_url": mooncake_store_url + "&key_style=fastdeploy"}  # fmt: skip
     logs = str(tmp_path_factory.mktemp("logs"))
-    with (
-        api_server(model_dir, logs, "--routing-replay-config", '{"enable_routing_replay": true}') as response,
-        api_server(model_dir, logs, "--routing-replay-config", json.dumps(p2p)) as store,
-    ):
+    with api_servers(logs, (model_dir, "--routing-replay-config", '{"enable_routing_replay": true}'),
+                     (model_dir, "--routing-replay-config", json.dumps(p2p))) as (response, store):
         yield response, store, p2p["p2pstore_url"]
 
 

@@ -61,12 +61,13 @@ def test_a_refused_update_does_not_abort_requests_in_flight(server: ServerHandle
     assert result["r"].status_code == 200 and result["r"].json()["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_a_rendezvous_nobody_answers_ends_at_its_deadline_and_the_server_serves(server: ServerHandle) -> None:
+def test_a_rendezvous_nobody_answers_ends_at_its_deadline_and_the_server_serves(
+        server: ServerHandle, control_stall_s: float) -> None:
     before = _tokens(server)
     health: list[int] = []
 
-    def probe() -> None:  # /health answers while the engine waits for the rendezvous
-        time.sleep(12)
+    def probe() -> None:  # /health answers while the engine waits for the rendezvous, past the stall deadline
+        time.sleep(control_stall_s + 1.5)
         health.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
 
     t = threading.Thread(target=probe, daemon=True)

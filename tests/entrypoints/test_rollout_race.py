@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from api_server_process import ServerHandle, api_server
+from api_server_process import ServerHandle, api_servers
 
 from fastdeploy_r3.client import read_local_rollout
 
@@ -28,9 +28,8 @@ def two_servers(fake_model_dir, tmp_path_factory) -> Iterator[tuple[list[ServerH
                       "local_store_dir": where})
     logs = str(tmp_path_factory.mktemp("logs"))
     model = fake_model_dir("glm4_moe")
-    with api_server(model, logs, "--routing-replay-config", cfg) as a, \
-            api_server(model, logs, "--routing-replay-config", cfg) as b:  # fmt: skip
-        yield [a, b], where
+    with api_servers(logs, (model, "--routing-replay-config", cfg), (model, "--routing-replay-config", cfg)) as both:
+        yield both, where
 
 
 def _read(where: str, rollout_id: str, choice: int | None = None):

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from api_server_process import REPO_ROOT, ServerHandle, api_server, free_port, server_env, stop_process
+from api_server_process import REPO_ROOT, ServerHandle, api_servers, free_port, server_env, stop_process
 
 from fastdeploy_r3.client import decode_routed_experts
 
@@ -36,7 +36,7 @@ def routed(fake_model_dir, tmp_path_factory) -> Iterator[tuple[str, list[ServerH
     logs = str(tmp_path_factory.mktemp("logs"))
     model = fake_model_dir("glm4_moe")
     flags = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "256")
-    with api_server(model, logs, *flags) as a, api_server(model, logs, *flags) as b:
+    with api_servers(logs, (model, *flags), (model, *flags)) as (a, b):
         port = free_port()
         log = open(os.path.join(logs, "router.log"), "w")  # noqa: SIM115 - closed below, after the process
         router = subprocess.Popen(

@@ -30,8 +30,10 @@ from soak_load import CLEAR, CUT, OK, REFUSED, Load, Outcome, Target
 
 HANG_S = 60.0  # well past every deadline below plus a request's own time on a loaded 2-core machine
 # Deadlines short enough to fire within a test, long enough that a starved 2-core machine never trips
-# the worker deadline by itself; where no worker is faulted it is left long.
-FATAL_DEADLINES = ("--worker-step-timeout-s", "10", "--engine-stall-timeout-s", "15", "--storage-timeout-s", "1",
+# the worker deadline by itself (a tiny-model step takes milliseconds); where no worker is faulted it is
+# left long. The stall deadline stays 4 s above the worker deadline: an engine waiting out a stopped
+# worker is silent until its own deadline fires, and must be the one to say "worker rank 0".
+FATAL_DEADLINES = ("--worker-step-timeout-s", "6", "--engine-stall-timeout-s", "10", "--storage-timeout-s", "1",
                    "--transfer-timeout-s", "5")
 DEADLINES = ("--worker-step-timeout-s", "60", "--engine-stall-timeout-s", "90", "--storage-timeout-s", "1",
              "--transfer-timeout-s", "4")

@@ -324,17 +324,25 @@ async def run_server(args: argparse.Namespace) -> None:
     store = make_routing_store(config.routing_replay_config, namespace)
     if isinstance(store, RedisRoutingStore):
         store.ping()  # a MooncakeRoutingStore joined its master when it was made
-    from fastdeploy_r3.engine.tokenizer import load_tokenizer
+    from fastdeploy_r3.engine.tokenizer import check_tokenizer_dir, load_tokenizer
 
-    tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
+    tokenizer_dir = check_tokenizer_dir(config.model_config.tokenizer or config.model_config.model)
     sock = _bind(args.host, args.port)  # fail on a taken port before the (slow) engine start
     # until uvicorn installs its handlers, SIGTERM must unwind through the finally below
     signal.signal(signal.SIGTERM, _raise_system_exit)
     engine: AsyncEngineClient | None = None
     lost: list[str] = []
     try:
-        engine = await AsyncEngineClient.start(config, tokenizer, timeout_s=args.engine_start_timeout,
-                                               stall_timeout_s=args.engine_stall_timeout_s)
+        # the engine starts while transformers loads the tokenizer (seconds: transformers imports torch)
+        starting = asyncio.create_task(AsyncEngineClient.start(
+            config, None, timeout_s=args.engine_start_timeout, stall_timeout_s=args.engine_stall_timeout_s))
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_dir)
+        except BaseException:
+            starting.cancel()  # AsyncEngineClient.start stops what it started
+            await asyncio.gather(starting, return_exceptions=True)
+            raise
+        (engine := await starting).tokenizer = tokenizer
         ctx = ServingContext(engine=engine, served_model_name=served_model_name, store=store,
                              request_timeout_s=args.request_timeout_s,
                              longest_token_chars=longest_token_chars(tokenizer),
