@@ -135,21 +135,28 @@ class Supervisor:
                                 env=env, cwd=REPO_ROOT)
         log.close()
         srv = Server(proc, f"http://127.0.0.1:{port}", config, storage_dir if config == "A" else None)
-        deadline = time.monotonic() + 300
-        async with httpx.AsyncClient(timeout=2.0) as c:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode} during start-up; see {self.work}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await c.get(f"{srv.url}/health")).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy within 300 s; see {self.work}")
-                await asyncio.sleep(0.2)
+        try:
+            await self._wait_healthy(srv)
+        except BaseException:  # a soak stopped (Ctrl-C, SIGTERM) while this one started: it must not outlive it
+            stop_tree(proc)
+            raise
         srv.roles = faults.wait_for_roles(proc.pid, ("engine", "worker", "ctm"), 30)
         srv.pids = [proc.pid, *faults.descendants(proc.pid)]
         self.server = srv
         self.up.set()
+
+    async def _wait_healthy(self, srv: Server) -> None:
+        deadline = time.monotonic() + 300
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            while True:
+                if srv.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {srv.proc.returncode} during start-up; see {self.work}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get(f"{srv.url}/health")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy within 300 s; see {self.work}")
+                await asyncio.sleep(0.2)
 
     async def watch(self) -> None:
         """Restart the server whenever it exits; sample the tree's RSS."""
@@ -203,6 +210,16 @@ class Supervisor:
             self.stats.leak_examples.append(f"server {srv.proc.pid} did not stop within 60 s of SIGTERM")
             srv.proc.kill()
         await asyncio.to_thread(self.account_leftovers, srv)
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server stops its engine, workers and CTM), then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def tree_rss_mib(pid: int) -> float:
