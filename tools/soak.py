@@ -23,6 +23,9 @@ safetensors file to /update_weights_from_disk, a rendezvous to a closed port, a 
 mid-broadcast followed by a new group's complete push; tools/soak_control.py).
 Debug mode makes every R3 row checkable without a reference: row i of a request holds position routed_experts_start + i.
 
+The first SIGTERM or Ctrl-C ends the load early (requests under way finish, the table is printed); a
+second one interrupts at once. A progress line goes to stderr every --progress-every seconds.
+
 Every request ends in exactly one row of the table; "hung", "wrong R3 rows", "unclear errors" and
 "leaked ..." must be 0 (the exit code is 1 otherwise).
 """
@@ -371,8 +374,11 @@ async def _soak(args: argparse.Namespace, work: str, stats: Stats, redis_url: st
         injecting = asyncio.create_task(injector.run(names)) if names else None
         clients = Clients(sup, stats, args)
         issued = 0
+        stop_early = _stop_on_first_signal()
 
         def more_to_do() -> bool:
+            if stop_early.is_set():
+                return False
             if sum(stats.faults.values()) < args.min_faults:
                 return True  # a short run (make test) must still meet every fault it names
             return (args.requests is None or issued < args.requests) and (t_end is None or time.monotonic() < t_end)
@@ -384,7 +390,18 @@ async def _soak(args: argparse.Namespace, work: str, stats: Stats, redis_url: st
                     issued += 1
                     await clients.one(client)
 
+        async def progress() -> None:
+            t0 = time.monotonic()
+            while True:
+                await asyncio.sleep(args.progress_every)
+                bad = sum(stats.outcomes.get(k, 0) for k in MUST_BE_ZERO)
+                print(f"[soak {time.monotonic() - t0:.0f} s] {sum(stats.outcomes.values())} requests ended, "
+                      f"{bad} hung/wrong/unclear, {sum(stats.faults.values())} faults, {stats.restarts} restarts",
+                      file=sys.stderr, flush=True)
+
+        reporter = asyncio.create_task(progress())
         await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
+        reporter.cancel()
         if injecting is not None:
             await injector.finish(injecting)
         for s in (sup, peer):
@@ -403,6 +420,23 @@ async def _soak(args: argparse.Namespace, work: str, stats: Stats, redis_url: st
         with contextlib.suppress(ProcessLookupError):
             os.kill(redis_server_pid, signal.SIGCONT)  # a stopped redis-server could not take redis_server()'s SIGTERM
     return stats
+
+
+def _stop_on_first_signal() -> asyncio.Event:
+    """The first SIGTERM or SIGINT ends the load early: requests under way finish, the servers stop and
+    the table is printed as usual. A second one interrupts at once (KeyboardInterrupt)."""
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+
+    def first(sig: int) -> None:
+        print(f"signal {sig}: finishing the requests under way; send it again to interrupt", file=sys.stderr)
+        stop.set()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(s)
+            signal.signal(s, signal.default_int_handler)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, first, s)
+    return stop
 
 
 def table(stats: Stats, seconds: float) -> str:
@@ -451,13 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-after", type=float, default=90.0, help="a request without an answer this long hung")
     p.add_argument("--leak-grace", type=float, default=20.0, help="seconds a dead server has to clean up")
     p.add_argument("--rss-every", type=float, default=10.0)
+    p.add_argument("--progress-every", type=float, default=60.0, help="seconds between progress lines (stderr)")
     p.add_argument("--model", default=None, help="model directory (default: a tiny fake Qwen3-MoE)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the work directory (server logs)")
     args = p.parse_args(argv)
     if args.requests is None and args.minutes is None:
         args.requests = 1000
-    # SIGTERM unwinds like Ctrl-C, through the finally that stops the server tree and redis-server
+    # until the load starts, SIGTERM unwinds like Ctrl-C, through the finally that stops the server tree
+    # and redis-server; from then on the first one ends the load early and the table is still printed
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     work = tempfile.mkdtemp(prefix="fdr3_soak_")
     t0 = time.monotonic()
