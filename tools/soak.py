@@ -11,14 +11,20 @@ on each start so both R3 delivery paths see faults:
                R3 to the p2pstore (Redis)
     config B   KV storage tier on Redis, R3 in the response
 
-Both have a CPU tier and a small GPU cache (swaps and preemption). The load mixes shared prefixes,
+Both have a CPU tier and a small GPU cache (swaps and preemption). With the rollout-race fault a
+second server, the peer (config P: R3 to the same p2pstore, no storage tier), runs beside it,
+supervised the same way, so that rollout ids race across two real servers. The load mixes shared prefixes,
 n=2, streams, aborted streams, clients that disconnect and bad requests. Faults (round robin, one
 every --fault-every seconds): SIGKILL or SIGSTOP of the CTM, a worker, the engine or the API server,
-SIGSTOP of Redis, the storage directory full, read-only or corrupt, and a rollout race (one rollout
-id from two requests and another server's writer on the same Redis at once: one winner, the rest 409,
-the store holding the winner's rows; tools/soak_race.py), and a trainer's bad control calls (a cut
-safetensors file to /update_weights_from_disk, a rendezvous to a closed port; tools/soak_control.py).
+SIGSTOP of Redis, the storage directory full, read-only or corrupt, a rollout race (one rollout id
+sent to both servers at once, twice to this one and once to the peer: one winner, the rest 409, the
+store holding the winner's rows; tools/soak_race.py), and a trainer's control calls gone wrong (a cut
+safetensors file to /update_weights_from_disk, a rendezvous to a closed port, a trainer SIGKILLed
+mid-broadcast followed by a new group's complete push; tools/soak_control.py).
 Debug mode makes every R3 row checkable without a reference: row i of a request holds position routed_experts_start + i.
+
+The first SIGTERM or Ctrl-C ends the load early (requests under way finish, the table is printed); a
+second one interrupts at once. A progress line goes to stderr every --progress-every seconds.
 
 Every request ends in exactly one row of the table; "hung", "wrong R3 rows", "unclear errors" and
 "leaked ..." must be 0 (the exit code is 1 otherwise).
@@ -52,13 +58,13 @@ import faults  # noqa: E402
 from api_server_process import free_port  # noqa: E402
 from redis_server import redis_pid, redis_server  # noqa: E402
 from soak_control import control_fault  # noqa: E402
-from soak_load import MUST_BE_ZERO, OUTCOMES, REFUSED, Load, Target  # noqa: E402
+from soak_load import CLEAR, MUST_BE_ZERO, OUTCOMES, REFUSED, Load, Target  # noqa: E402
 from soak_load import Stats as RequestStats  # noqa: E402
 from soak_race import rollout_race  # noqa: E402
 
 ALL_FAULTS = ("ctm-kill", "redis-stop", "storage-full", "worker-kill", "ctm-stop", "storage-corrupt",
               "engine-stop", "storage-ro", "worker-stop", "engine-kill", "api-kill", "rollout-race",
-              "bad-checkpoint", "stalled-rendezvous")
+              "bad-checkpoint", "stalled-rendezvous", "dead-trainer")
 FATAL = {"worker-kill", "worker-stop", "engine-kill", "engine-stop", "api-kill"}  # the server exits
 STORE_NAMESPACE = "soak"
 
@@ -81,7 +87,7 @@ class Stats(RequestStats):
 class Server:
     proc: subprocess.Popen
     url: str
-    config: str  # "A" or "B"
+    config: str  # "A", "B" or "P" (the peer)
     storage_dir: str | None
     roles: dict[str, int] = field(default_factory=dict)
     pids: list[int] = field(default_factory=list)
@@ -90,8 +96,10 @@ class Server:
 class Supervisor:
     """Starts the server, restarts it when it exits, and counts what each dead one left behind."""
 
-    def __init__(self, args: argparse.Namespace, model: str, redis_url: str, work: str, stats: Stats) -> None:
+    def __init__(self, args: argparse.Namespace, model: str, redis_url: str, work: str, stats: Stats,
+                 configs: str = "AB", name: str = "server") -> None:  # fmt: skip
         self.args, self.model, self.redis_url, self.work, self.stats = args, model, redis_url, work, stats
+        self.configs, self.name = configs, name  # the configurations it alternates; its logs' prefix
         self.server: Server | None = None
         self.up = asyncio.Event()
         self.starts = 0
@@ -100,18 +108,18 @@ class Supervisor:
     def _command(self, port: int, config: str, storage_dir: str) -> list[str]:
         a = self.args
         r3 = {"enable_routing_replay": True, "debug_mode": True, "store_timeout_s": a.store_timeout}
-        if config == "A":
+        if config in "AP":
             r3.update(routing_store_type="p2pstore", p2pstore_url=self.redis_url, ttl_s=600)
-            kv = f"file://{storage_dir}"
-        else:
-            kv = self.redis_url.rsplit("/", 1)[0] + "/1"
+        kv = {"A": f"file://{storage_dir}", "B": self.redis_url.rsplit("/", 1)[0] + "/1", "P": None}[config]
         cmd = [sys.executable, "-m", "fastdeploy_r3.entrypoints.openai.api_server", "--model", self.model,
                "--port", str(port), "--device", "cpu", "--block-size", "4",
                "--num-gpu-blocks-override", str(a.gpu_blocks), "--num-cpu-blocks-override", "64",
-               "--kv-storage", kv, "--max-model-len", "128",
+               "--max-model-len", "128",
                "--routing-replay-config", json.dumps(r3), "--r3-namespace", STORE_NAMESPACE,
                "--worker-step-timeout-s", str(a.step_timeout), "--storage-timeout-s", str(a.store_timeout),
                "--transfer-timeout-s", str(a.transfer_timeout), "--engine-stall-timeout-s", str(a.stall_timeout)]
+        if kv is not None:
+            cmd += ["--kv-storage", kv]
         if config == "A":
             # the tier keeps to 3/4 of its tmpfs (least recently used blocks out), so only the
             # storage faults fill the disk, not the soak's own blocks
@@ -120,31 +128,38 @@ class Supervisor:
         return cmd
 
     async def start(self) -> None:
-        config = "AB"[self.starts % 2]
+        config = self.configs[self.starts % len(self.configs)]
         self.starts += 1
         port = free_port()
-        storage_dir = os.path.join(self.work, f"kv{self.starts}")
-        log = open(os.path.join(self.work, f"server{self.starts}.log"), "w")  # noqa: SIM115 - the child owns it
+        storage_dir = os.path.join(self.work, f"{self.name}-kv{self.starts}")
+        log = open(os.path.join(self.work, f"{self.name}{self.starts}.log"), "w")  # noqa: SIM115 - the child owns it
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.Popen(self._command(port, config, storage_dir), stdout=log, stderr=subprocess.STDOUT,
                                 env=env, cwd=REPO_ROOT)
         log.close()
         srv = Server(proc, f"http://127.0.0.1:{port}", config, storage_dir if config == "A" else None)
-        deadline = time.monotonic() + 300
-        async with httpx.AsyncClient(timeout=2.0) as c:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode} during start-up; see {self.work}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await c.get(f"{srv.url}/health")).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy within 300 s; see {self.work}")
-                await asyncio.sleep(0.2)
+        try:
+            await self._wait_healthy(srv)
+        except BaseException:  # a soak stopped (Ctrl-C, SIGTERM) while this one started: it must not outlive it
+            stop_tree(proc)
+            raise
         srv.roles = faults.wait_for_roles(proc.pid, ("engine", "worker", "ctm"), 30)
         srv.pids = [proc.pid, *faults.descendants(proc.pid)]
         self.server = srv
         self.up.set()
+
+    async def _wait_healthy(self, srv: Server) -> None:
+        deadline = time.monotonic() + 300
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            while True:
+                if srv.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {srv.proc.returncode} during start-up; see {self.work}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get(f"{srv.url}/health")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy within 300 s; see {self.work}")
+                await asyncio.sleep(0.2)
 
     async def watch(self) -> None:
         """Restart the server whenever it exits; sample the tree's RSS."""
@@ -200,6 +215,16 @@ class Supervisor:
         await asyncio.to_thread(self.account_leftovers, srv)
 
 
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server stops its engine, workers and CTM), then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def tree_rss_mib(pid: int) -> float:
     total = 0
     for p in [pid, *faults.descendants(pid)]:
@@ -213,8 +238,18 @@ def tree_rss_mib(pid: int) -> float:
 
 
 class FaultInjector:
-    def __init__(self, sup: Supervisor, redis_pid: int, args: argparse.Namespace, stats: Stats) -> None:
-        self.sup, self.redis_pid, self.args, self.stats = sup, redis_pid, args, stats
+    def __init__(self, sup: Supervisor, peer: Supervisor | None, redis_pid: int, args: argparse.Namespace,
+                 stats: Stats) -> None:  # fmt: skip
+        self.sup, self.peer, self.redis_pid, self.args, self.stats = sup, peer, redis_pid, args, stats
+        self.busy: asyncio.Future | None = None  # the fault being injected (a thread: cancelling cannot stop it)
+
+    async def finish(self, task: asyncio.Task) -> None:
+        """Stop injecting; wait for the fault under way, so that stopping the servers does not cut it."""
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if self.busy is not None:
+            await self.busy
 
     async def run(self, names: list[str]) -> None:
         i = 0
@@ -228,18 +263,25 @@ class FaultInjector:
             i += 1
             if name.startswith("storage") and srv.storage_dir is None:
                 name = "redis-stop"  # config B keeps KV in Redis: its storage fault is Redis stopping
-            if name == "rollout-race" and srv.config != "A":
-                continue  # config B returns R3 in the response: no store to race on; the next start is A
+            if name == "rollout-race":
+                if srv.config != "A":
+                    continue  # config B returns R3 in the response: no store to race on; the next start is A
+                assert self.peer is not None  # started whenever rollout-race is among the faults
+                await self.peer.up.wait()
             self.stats.faults[name] += 1
-            await asyncio.to_thread(self.inject, name, srv)
+            self.busy = asyncio.ensure_future(asyncio.to_thread(self.inject, name, srv))
+            await asyncio.shield(self.busy)
 
     def inject(self, name: str, srv: Server) -> None:
         hold = self.args.stop_seconds
-        if name == "rollout-race":  # one rollout id from two requests and another server's writer at once
-            for outcome in rollout_race(srv.url, self.sup.redis_url, STORE_NAMESPACE):
+        if name == "rollout-race":  # one rollout id sent to this server (twice) and to its peer at once
+            peer = self.peer.server if self.peer is not None else None
+            if peer is None:
+                return  # the peer is restarting after all
+            for outcome in rollout_race(srv.url, peer.url, self.sup.redis_url, STORE_NAMESPACE):
                 self.stats.add(outcome)
             return
-        if name in ("bad-checkpoint", "stalled-rendezvous"):  # a trainer's bad call: refused, server serving
+        if name in ("bad-checkpoint", "stalled-rendezvous", "dead-trainer"):  # refused, the server serving after
             self.stats.add(control_fault(name, srv.url, self.sup.model, self.sup.work))
             return
         target, action = name.rsplit("-", 1)
@@ -290,6 +332,8 @@ class Clients:
         target = Target(srv.url, r3_store, server_alive=lambda: srv.proc.poll() is None)
         outcome = await self.load.one(client, target)
         self.stats.add(outcome)
+        if outcome.outcome == CLEAR and outcome.detail.startswith("503"):
+            await asyncio.sleep(0.5)  # the server cannot serve for now (weights mixed, engine gone): back off
         if outcome.outcome == REFUSED:
             # the server is on its way out: wait for the supervisor's restart instead of burning requests
             if self.sup.server is srv:
@@ -315,17 +359,26 @@ async def soak(args: argparse.Namespace, work: str) -> Stats:
 
 
 async def _soak(args: argparse.Namespace, work: str, stats: Stats, redis_url: str, redis_server_pid: int) -> Stats:
-    sup = Supervisor(args, args.model or make_model(work), redis_url, work, stats)
+    model = args.model or make_model(work)
+    sup = Supervisor(args, model, redis_url, work, stats)
+    names = [f for f in args.faults.split(",") if f]
+    # the rollout race needs a second server on the same Redis: the peer, never faulted itself
+    peer = Supervisor(args, model, redis_url, work, stats, configs="P", name="peer") if "rollout-race" in names \
+        else None
     t_end = time.monotonic() + args.minutes * 60 if args.minutes else None
+    watchers = []
     try:
-        await sup.start()
-        watcher = asyncio.create_task(sup.watch())
-        names = [f for f in args.faults.split(",") if f]
-        injector = asyncio.create_task(FaultInjector(sup, redis_server_pid, args, stats).run(names)) if names else None
+        await asyncio.gather(*[s.start() for s in (sup, peer) if s is not None])
+        watchers = [asyncio.create_task(s.watch()) for s in (sup, peer) if s is not None]
+        injector = FaultInjector(sup, peer, redis_server_pid, args, stats)
+        injecting = asyncio.create_task(injector.run(names)) if names else None
         clients = Clients(sup, stats, args)
         issued = 0
+        stop_early = _stop_on_first_signal()
 
         def more_to_do() -> bool:
+            if stop_early.is_set():
+                return False
             if sum(stats.faults.values()) < args.min_faults:
                 return True  # a short run (make test) must still meet every fault it names
             return (args.requests is None or issued < args.requests) and (t_end is None or time.monotonic() < t_end)
@@ -337,20 +390,53 @@ async def _soak(args: argparse.Namespace, work: str, stats: Stats, redis_url: st
                     issued += 1
                     await clients.one(client)
 
+        async def progress() -> None:
+            t0 = time.monotonic()
+            while True:
+                await asyncio.sleep(args.progress_every)
+                bad = sum(stats.outcomes.get(k, 0) for k in MUST_BE_ZERO)
+                print(f"[soak {time.monotonic() - t0:.0f} s] {sum(stats.outcomes.values())} requests ended, "
+                      f"{bad} hung/wrong/unclear, {sum(stats.faults.values())} faults, {stats.restarts} restarts",
+                      file=sys.stderr, flush=True)
+
+        reporter = asyncio.create_task(progress())
         await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
-        if injector is not None:
-            injector.cancel()
-        sup.stopping = True
+        reporter.cancel()
+        if injecting is not None:
+            await injector.finish(injecting)
+        for s in (sup, peer):
+            if s is not None:
+                s.stopping = True
         await asyncio.sleep(0.5)
-        watcher.cancel()
-        await sup.stop()
+        for w in watchers:
+            w.cancel()
+        await asyncio.gather(*[s.stop() for s in (sup, peer) if s is not None])
     finally:
-        sup.stopping = True
-        if sup.server is not None and sup.server.proc.poll() is None:
-            sup.server.proc.kill()
+        for s in (sup, peer):
+            if s is not None:
+                s.stopping = True
+                if s.server is not None and s.server.proc.poll() is None:
+                    s.server.proc.kill()
         with contextlib.suppress(ProcessLookupError):
             os.kill(redis_server_pid, signal.SIGCONT)  # a stopped redis-server could not take redis_server()'s SIGTERM
     return stats
+
+
+def _stop_on_first_signal() -> asyncio.Event:
+    """The first SIGTERM or SIGINT ends the load early: requests under way finish, the servers stop and
+    the table is printed as usual. A second one interrupts at once (KeyboardInterrupt)."""
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+
+    def first(sig: int) -> None:
+        print(f"signal {sig}: finishing the requests under way; send it again to interrupt", file=sys.stderr)
+        stop.set()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(s)
+            signal.signal(s, signal.default_int_handler)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, first, s)
+    return stop
 
 
 def table(stats: Stats, seconds: float) -> str:
@@ -399,13 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-after", type=float, default=90.0, help="a request without an answer this long hung")
     p.add_argument("--leak-grace", type=float, default=20.0, help="seconds a dead server has to clean up")
     p.add_argument("--rss-every", type=float, default=10.0)
+    p.add_argument("--progress-every", type=float, default=60.0, help="seconds between progress lines (stderr)")
     p.add_argument("--model", default=None, help="model directory (default: a tiny fake Qwen3-MoE)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the work directory (server logs)")
     args = p.parse_args(argv)
     if args.requests is None and args.minutes is None:
         args.requests = 1000
-    # SIGTERM unwinds like Ctrl-C, through the finally that stops the server tree and redis-server
+    # until the load starts, SIGTERM unwinds like Ctrl-C, through the finally that stops the server tree
+    # and redis-server; from then on the first one ends the load early and the table is still printed
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     work = tempfile.mkdtemp(prefix="fdr3_soak_")
     t0 = time.monotonic()

@@ -1,7 +1,9 @@
-"""The soak's rollout race: one rollout id written at the same moment by two requests to the server
-and by another server's writer on the same p2pstore (a RedisRoutingStore of this process, as a
-second engine on another machine would hold it). Exactly one may win; the others must be told so
-(409, RolloutConflictError), and what the store holds must be the winner's rows, never a swap.
+"""The soak's rollout race: one rollout id sent at the same moment to two API servers that share a
+p2pstore (Redis) — twice to the server under faults, once to its peer (a second server of the soak
+on the same Redis, as a second engine on another machine would be). Exactly one may win; the others
+must be told so (409, or a clear error while a fault is on), and what the store holds must be the
+winner's rows, never a swap. The three prompts differ in length, so the stored row count says whose
+request wrote the rollout.
 """
 
 from __future__ import annotations
@@ -11,59 +13,45 @@ import uuid
 
 import httpx
 import numpy as np
-from soak_load import CLEAR, OK, REFUSED, UNCLEAR, WRONG, Outcome, expected_rows
+from soak_load import CLEAR, OK, REFUSED, UNCLEAR, WRONG, Outcome, error_message, expected_rows, safe_json
 
 from fastdeploy_r3.client import read_redis_rollout
-from fastdeploy_r3.r3.reservation import RolloutConflictError
-from fastdeploy_r3.r3.stores import RedisRoutingStore, RoutingStoreError
 
-PROMPTS = ([20, 21, 22], [30, 31, 32, 33, 34, 35, 36])  # lengths tell the writers' rows apart
+PROMPTS = ([20, 21, 22], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50])
+MAX_TOKENS = 4
 
 
-def rollout_race(server_url: str, redis_url: str, namespace: str) -> list[Outcome]:
-    """Outcomes of the two requests (the other writer's result decides whether theirs were right)."""
+def rollout_race(server_url: str, peer_url: str, redis_url: str, namespace: str) -> list[Outcome]:
+    """One outcome per request: two to `server_url`, one to `peer_url`, all with the same rollout id."""
     rid = f"race-{uuid.uuid4().hex[:12]}"
-    other = RedisRoutingStore(redis_url, namespace, ttl_s=600)
-    answers: list[httpx.Response | Exception | None] = [None, None]
-    other_won: list[bool] = []
-    gate = threading.Barrier(3)
+    urls = (server_url, server_url, peer_url)
+    answers: list[httpx.Response | Exception | None] = [None] * len(urls)
+    gate = threading.Barrier(len(urls))
 
     def request(i: int) -> None:
+        body = {"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "rollout_id": rid}
         gate.wait()
-        body = {"prompt": PROMPTS[i], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "rollout_id": rid}
         try:
-            answers[i] = httpx.post(f"{server_url}/v1/completions", json=body, timeout=60)
+            answers[i] = httpx.post(f"{urls[i]}/v1/completions", json=body, timeout=60)
         except httpx.HTTPError as e:
             answers[i] = e
 
-    def other_writer() -> None:
-        gate.wait()
-        try:
-            mine = other.reserve(rid, 60, overwrite=False, moe_layer_ids=[0])
-        except (RolloutConflictError, RoutingStoreError):
-            return
-        other_won.append(True)
-        rows = np.zeros((1, 1, 1), np.uint8)  # [T, L, K]: a row no request of the server ever writes
-        other.put(rid, [rows], [0], reservation=mine)
-        other.unreserve(mine)
-
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(2)] + [threading.Thread(target=other_writer)]
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(urls))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(90)
-    other.close()
-    outcomes = []
     winners = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
+    outcomes = []
     for a in answers:
         if isinstance(a, Exception) or a is None:
             outcomes.append(Outcome("race", REFUSED, repr(a)))
-        elif a.status_code == 409:
-            outcomes.append(Outcome("race", CLEAR, a.text))
         elif a.status_code != 200:
-            outcomes.append(Outcome("race", CLEAR if a.status_code in (429, 500, 503, 504) else UNCLEAR, a.text))
-        elif len(winners) + len(other_won) > 1:
-            outcomes.append(Outcome("race", WRONG, f"{rid}: two writers were told they won"))
+            clear = a.status_code in (409, 429, 500, 503, 504) and error_message(safe_json(a))
+            outcomes.append(Outcome("race", CLEAR if clear else UNCLEAR, f"{a.status_code}: {a.text[:200]}"))
+        elif len(winners) > 1:
+            outcomes.append(Outcome("race", WRONG, f"{rid}: {len(winners)} writers were told they won"))
         else:
             outcomes.append(_check_stored(a.json(), redis_url, namespace, rid))
     return outcomes

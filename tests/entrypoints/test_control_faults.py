@@ -61,6 +61,27 @@ def test_a_refused_update_does_not_abort_requests_in_flight(server: ServerHandle
     assert result["r"].status_code == 200 and result["r"].json()["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_an_openai_request_the_engine_aborts_is_a_503_that_says_why_not_a_missing_r3(server: ServerHandle) -> None:
+    result: dict = {}
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    assert _post(server, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    try:
+        t = threading.Thread(target=lambda: result.update(r=_post(server, "/v1/completions", body)), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/v1/loads").json()["aggregate"]["num_total_reqs"] < 1:  # held, paused
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _post(server, "/pause_generation", {"mode": "abort"}).status_code == 200
+        t.join(60)
+    finally:
+        _post(server, "/continue_generation", {})
+    r = result["r"]
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    assert "aborted by /pause_generation" in message and "no routed_experts" in message, message
+
+
 def test_a_rendezvous_nobody_answers_ends_at_its_deadline_and_the_server_serves(
         server: ServerHandle, control_stall_s: float) -> None:
     before = _tokens(server)

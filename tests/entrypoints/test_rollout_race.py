@@ -1,39 +1,58 @@
-"""Two real servers share one R3 store directory and get the same rollout id at the same moment:
-exactly one answers 200 and its R3 is what the store holds; the other answers 409 before generating.
-Before, both answered 200 and the store held the other request's R3 (same shape, so a trainer could
-not notice). The same race on Redis and Mooncake, store against store: tests/r3/test_conditional_writes.py
-(the server path is the same; only the store's reservation differs)."""
+"""Two real servers share one R3 store and get the same rollout id at the same moment: exactly one
+answers 200 and its R3 is what the store holds; the other answers 409 before generating. Before, both
+answered 200 and the store held the other request's R3 (same shape, so a trainer could not notice).
+
+The same two-server race runs on each store two servers can share: a local directory and a real
+`redis-server` (the p2pstore; the session's, tests/conftest.py). Two tiny servers at a time, started
+together once per store. Mooncake's reservation is raced store object against store object in
+tests/r3/test_conditional_writes.py (the server path is the one raced here)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
+import numpy as np
 import pytest
 from api_server_process import ServerHandle, api_servers
 
-from fastdeploy_r3.client import read_local_rollout
+from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
 
 MOE_LAYER_IDS = [1, 2, 3]  # the fake glm4_moe: layer 0 dense
 # different prompt lengths: the stored row count says which server's request wrote the rollout
 PROMPTS = ("a b", "a b c d e f g h i j")
+NAMESPACE = "race2srv"
 
 
-@pytest.fixture(scope="module")
-def two_servers(fake_model_dir, tmp_path_factory) -> Iterator[tuple[list[ServerHandle], str]]:
-    where = str(tmp_path_factory.mktemp("shared-r3"))
-    cfg = json.dumps({"enable_routing_replay": True, "debug_mode": True, "routing_store_type": "local",
-                      "local_store_dir": where})
-    logs = str(tmp_path_factory.mktemp("logs"))
+@dataclass
+class SharedStore:
+    servers: list[ServerHandle]
+    read: Callable[..., np.ndarray]  # read(rollout_id, choice=None) -> [T-1, L, K]; KeyError when absent
+
+
+def _store_config(kind: str, request: pytest.FixtureRequest, tmp_path_factory) -> tuple[dict, Callable]:
+    if kind == "local":
+        where = str(tmp_path_factory.mktemp("shared-r3"))
+        return ({"routing_store_type": "local", "local_store_dir": where},
+                lambda rid, choice=None: read_local_rollout(where, rid, choice=choice))
+    url = request.getfixturevalue("redis_url")
+    return ({"routing_store_type": "p2pstore", "p2pstore_url": url, "ttl_s": 600},
+            lambda rid, choice=None: read_redis_rollout(url, NAMESPACE, rid, choice=choice))
+
+
+@pytest.fixture(scope="module", params=["local", "redis"])
+def shared(request: pytest.FixtureRequest, fake_model_dir, tmp_path_factory) -> Iterator[SharedStore]:
+    store, read = _store_config(request.param, request, tmp_path_factory)
+    cfg = json.dumps({"enable_routing_replay": True, "debug_mode": True, **store})
+    logs = str(tmp_path_factory.mktemp(f"logs-{request.param}"))
     model = fake_model_dir("glm4_moe")
-    with api_servers(logs, (model, "--routing-replay-config", cfg), (model, "--routing-replay-config", cfg)) as both:
-        yield both, where
-
-
-def _read(where: str, rollout_id: str, choice: int | None = None):
-    return read_local_rollout(where, rollout_id, choice=choice)
+    args = ("--routing-replay-config", cfg, "--r3-namespace", NAMESPACE, "--max-model-len", "64",
+            "--num-gpu-blocks-override", "32")
+    with api_servers(logs, (model, *args), (model, *args)) as servers:  # started together: half the wait
+        yield SharedStore(servers, read)
 
 
 def _complete(server: ServerHandle, prompt: str, rollout_id: str, **extra: object) -> httpx.Response:
@@ -42,31 +61,33 @@ def _complete(server: ServerHandle, prompt: str, rollout_id: str, **extra: objec
     return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
 
 
-def test_same_rollout_id_on_two_servers_at_once_has_one_winner_and_its_r3_is_stored(two_servers) -> None:
-    servers, where = two_servers
+def test_same_rollout_id_on_two_servers_at_once_has_one_winner_and_its_r3_is_stored(
+        shared: SharedStore, request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["shared"]
     with ThreadPoolExecutor(2) as pool:
         for round_ in range(5):
-            rid = f"race-{round_}"
-            futures = [pool.submit(_complete, s, p, rid) for s, p in zip(servers, PROMPTS, strict=True)]
+            rid = f"race-{kind}-{round_}"
+            futures = [pool.submit(_complete, s, p, rid) for s, p in zip(shared.servers, PROMPTS, strict=True)]
             answers = [f.result() for f in futures]
             assert sorted(r.status_code for r in answers) == [200, 409], [r.text for r in answers]
             winner = next(r.json() for r in answers if r.status_code == 200)
             loser = next(r.json() for r in answers if r.status_code == 409)
             assert "rollout id" in loser["error"]["message"] and loser["error"]["param"] == "rollout_id"
-            stored = _read(where, rid)
-            rows = winner["usage"]["prompt_tokens"] + 6 - 1  # P + N - 1
+            stored = shared.read(rid)
+            rows = winner["usage"]["prompt_tokens"] + 6 - 1  # P + N - 1: the two prompts differ in P
             assert stored.shape == (rows, len(MOE_LAYER_IDS), 4)
             assert (stored == stored[:, :1, :1]).all() and stored[:, 0, 0].tolist() == list(range(rows))  # debug ids
 
 
-def test_overwrite_on_the_other_server_replaces_the_whole_rollout_choice_count_included(two_servers) -> None:
-    (a, b), where = two_servers
-    assert _complete(a, PROMPTS[0], "ow", n=2, seed=1).status_code == 200
-    again = _complete(b, PROMPTS[1], "ow")
+def test_overwrite_on_the_other_server_replaces_the_whole_rollout_choice_count_included(
+        shared: SharedStore, request: pytest.FixtureRequest) -> None:
+    (a, b), rid = shared.servers, f"ow-{request.node.callspec.params['shared']}"
+    assert _complete(a, PROMPTS[0], rid, n=2, seed=1).status_code == 200
+    again = _complete(b, PROMPTS[1], rid)
     assert again.status_code == 409 and "overwrite_rollout" in again.json()["error"]["message"]
-    replaced = _complete(b, PROMPTS[1], "ow", overwrite_rollout=True)
+    replaced = _complete(b, PROMPTS[1], rid, overwrite_rollout=True)
     assert replaced.status_code == 200
-    assert _read(where, "ow").shape[0] == replaced.json()["usage"]["prompt_tokens"] + 6 - 1
+    assert shared.read(rid).shape[0] == replaced.json()["usage"]["prompt_tokens"] + 6 - 1
     for choice in (0, 1):  # the n = 2 choices are gone with the rollout they belonged to
         with pytest.raises(KeyError):
-            _read(where, "ow", choice)
+            shared.read(rid, choice)

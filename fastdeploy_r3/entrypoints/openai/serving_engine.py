@@ -3,9 +3,8 @@ request through the engine, and R3 delivery.
 
 R3 delivery is r3/delivery.py's (shared with offline `LLM`); here it runs in a worker thread, awaited
 before the response (or the stream's final chunks) goes out, so the event loop never encodes or waits
-on a store. A failed delivery answers 500.
-
-What a request may cost, and who it may touch (issue 11):
+on a store. A failed delivery answers 500; a request the engine aborted (a pause, a weight update), 503
+with the reason. What a request may cost, and who it may touch:
 
     prompt text   refused past request_limits.PromptCharBound before tokenizing; tokenized in a thread
     queue         the engine's waiting queue is bounded: 429 with Retry-After
@@ -304,6 +303,8 @@ class OpenAIServing:
     async def deliver_r3(self, final: RequestOutput, params: SamplingParams, rollout_id: str) -> R3Result:
         if not self.wants_r3(params):
             return R3Result.nothing(len(final.outputs))
+        if aborted := [c.finish_message or "aborted" for c in final.outputs if c.finish_reason == "abort"]:
+            raise engine_unavailable(f"{aborted[0]}; no routed_experts to deliver (request {final.request_id})")
         counters, storing = self.ctx.counters, self.ctx.store is not None
         t0 = time.perf_counter()
         try:
