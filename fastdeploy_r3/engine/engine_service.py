@@ -8,8 +8,11 @@ starts and supervises its children (workers, CacheTransferManager).
       ├─ StepBuilder (step_builder.py): what the workers are sent
       └─ EngineControl (control.py): pause, flush, weight updates
 
-One step:  schedule ─► run on the workers (a failure bisected: step_isolation.py) ─► advance cursors
-           ─► append each request's sampled tokens (TokenProcessor: stops, R3 at finish) ─► deltas
+One step:  schedule ─► send to the workers ─► [overlap.py: plan and send the next step ahead] ─► collect
+           (a failure bisected: step_isolation.py) ─► advance cursors ─► append each request's sampled
+           tokens (TokenProcessor: stops, R3 at finish) ─► deltas
+With overlap one step is in flight between calls of step(); every other worker call (control.py)
+and retract_running first drain it (`drain`).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.builder import EngineParts, build_engine
 from fastdeploy_r3.engine.control import EngineControl
+from fastdeploy_r3.engine.overlap import OverlapCounters, overlap_enabled, schedule_ahead
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.request_groups import RequestGroups, validate_prompt
 from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, SchedulerOutput
@@ -51,8 +56,12 @@ class EngineService:
         self.groups = RequestGroups(p.token_processor, moe_layer_ids)
         self.steps = StepBuilder(p.kv.block_table, p.kv.block_tags, p.token_processor.eos_token_ids)
         mc, has_tiers = config.model_config, config.cache_config.uses_transfer_manager
-        self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version, has_tiers)
+        self.control = EngineControl(self, p.kv, _DrainFirst(self), mc.model_identity, mc.weight_version, has_tiers)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
+        self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule,
+                                       config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)
+        self.overlap_counters = OverlapCounters()
+        self._in_flight: SchedulerOutput | None = None  # the step sent and not collected yet
         _live_engines.add(self)
 
     # the parts most callers reach for
@@ -97,6 +106,7 @@ class EngineService:
         return self.groups.unfinished_requests()
 
     def retract_running(self) -> None:
+        self.drain()  # the step in flight writes the KV of the requests retracted
         self.scheduler.retract_running()
 
     def request_ids(self) -> list[str]:
@@ -107,7 +117,8 @@ class EngineService:
 
     def has_work(self) -> bool:
         """A step would do something: outputs to send, or requests to advance and no pause."""
-        return bool(self._pending_outputs) or (bool(self.groups) and self.control.paused is None)
+        return (bool(self._pending_outputs) or self._in_flight is not None
+                or (bool(self.groups) and self.control.paused is None))
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -121,24 +132,69 @@ class EngineService:
             self.kv.poll_transfers()
             if res.transfers is not None:
                 res.transfers.tick()  # a lost CTM is replaced without the loop waiting for it
-            # paused: nothing advances (in_place requests keep their blocks); aborts still go out
-            out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
-            if not out.chunks and res.lookup is not None and self.kv.has_pending_lookups():
-                res.lookup.wait(0.01)  # nothing to run but lookups: do not spin
+            out, self._in_flight = self._in_flight, None
+            if out is None:
+                # paused: nothing advances (in_place requests keep their blocks); aborts still go out
+                out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
+                if not out.chunks and res.lookup is not None and self.kv.has_pending_lookups():
+                    res.lookup.wait(0.01)  # nothing to run but lookups: do not spin
+                if out.chunks:
+                    self.overlap_counters.sync_steps += 1
+                    self.workers.broadcast(self.steps.build(out.chunks, False))
             if out.chunks:
-                self._run_step(out)
-                for chunk in out.chunks:
-                    touched.add(self.groups.group_of(chunk.request.request_id))
-                    if chunk.request.is_finished:
-                        self.steps.finished(chunk.request.request_id)
+                if self.overlap and self.control.paused is None:
+                    ahead = schedule_ahead(self.scheduler, out.chunks, self.parts.max_model_len)
+                    if ahead is not None:  # the workers take it as soon as the step in flight is done
+                        self.overlap_counters.overlapped_steps += 1
+                        self.workers.broadcast(self.steps.build(ahead.chunks, False))
+                        self._in_flight = ahead
+                touched |= self._finish_step(out)
         except Exception as e:
             self._die(f"{type(e).__name__}: {e}")
             raise EngineDeadError(self._dead) from e
         return self.groups.collect(touched)
 
-    def _run_step(self, out: SchedulerOutput) -> None:
-        # a failed step is bisected so that only the requests that make it fail fail
-        step = run_isolating_failures(out.chunks, self._run_batch)
+    def drain(self) -> None:
+        """Collect the step in flight (overlap.py), its news kept for the next step's deltas."""
+        out, self._in_flight = self._in_flight, None
+        if out is None:
+            return
+        try:
+            self._pending_outputs.extend(self._finish_step(out))
+        except Exception as e:
+            self._die(f"{type(e).__name__}: {e}")
+            raise EngineDeadError(self._dead) from e
+
+    def _finish_step(self, out: SchedulerOutput) -> set[str]:
+        """Collect the step `out` was sent as and apply its tokens; the user requests touched."""
+        first = self._collect()
+        if first.error is not None and self._in_flight is not None:
+            # the step planned ahead fed this step's tokens: its answer is discarded (the worker refuses
+            # a placeholder whose step failed) and this step's parts are re-run synchronously
+            self._collect()
+            self._in_flight = None
+        # INVARIANT (overlap.py): a chunk of a request that finished while its step ran (a stop one step
+        # late, an abort) is discarded whole: no token appended, no cursor moved, no block cached, no R3 row
+        live = [c for c in out.chunks if not c.request.is_finished]
+        self.overlap_counters.discarded_chunks += len(out.chunks) - len(live)
+        out = replace(out, chunks=live)
+        self._run_step(out, first)
+        touched = set()
+        for chunk in out.chunks:
+            touched.add(self.groups.group_of(chunk.request.request_id))
+            if chunk.request.is_finished:
+                self.steps.finished(chunk.request.request_id)
+        return touched
+
+    def _run_step(self, out: SchedulerOutput, first: StepAttempt) -> None:
+        # a failed step is bisected so that only the requests that make it fail fail; the whole step
+        # already ran once (`first`)
+        answers = [first]
+
+        def run(chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
+            return answers.pop() if answers else self._run_batch(chunks, retry)
+
+        step = run_isolating_failures(out.chunks, run)
         for chunk, error in step.failed:
             # nothing of a failed chunk is trusted: its cursor stays, its blocks are not cached
             logger.error("request %s failed the model step on its own: %s", chunk.request.request_id, error)
@@ -156,8 +212,11 @@ class EngineService:
 
     def _run_batch(self, chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
         """One worker step over `chunks` (step_isolation.py calls it again on parts of a failed step)."""
-        outs = self.workers.call(self.steps.build(chunks, retry),
-                                 timeout=self.config.parallel_config.worker_step_timeout_s)
+        self.workers.broadcast(self.steps.build(chunks, retry))
+        return self._collect()
+
+    def _collect(self) -> StepAttempt:
+        outs = self.workers.collect(timeout=self.config.parallel_config.worker_step_timeout_s)
         errors = [o.error for o in outs if o.error is not None]
         if errors:
             return StepAttempt(error=errors[0])
@@ -184,6 +243,7 @@ class EngineService:
     def _die(self, reason: str) -> None:
         """Fail every in-flight request with the reason and stop the children."""
         self._dead = f"engine failed: {reason}"
+        self._in_flight = None
         logger.error(self._dead)
         for group in self.groups.groups():
             for req in group.children:
@@ -218,6 +278,9 @@ class EngineService:
             "evicted_blocks": c.evicted_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "weight_updates": self.control.num_weight_updates,
+            "overlapped_steps": self.overlap_counters.overlapped_steps,
+            "sync_steps": self.overlap_counters.sync_steps,
+            "discarded_chunks": self.overlap_counters.discarded_chunks,
             "r3_rows_delivered": r3.rows_delivered,
             "r3_bytes": r3.bytes_delivered,
             "r3_failures": r3.failures,
@@ -236,6 +299,18 @@ class EngineService:
         self.kv.close()  # the KV connectors: their lookup threads and store connections
         self.parts.resources.close()
         _live_engines.discard(self)
+
+
+class _DrainFirst:
+    """The workers as the control plane calls them: the step in flight is collected first, so that the
+    control message's answers are the next ones on the pipes."""
+
+    def __init__(self, engine: EngineService) -> None:
+        self.engine = engine
+
+    def call(self, msg: object, timeout: float | None = None, while_waiting: Callable[[], None] | None = None) -> list:
+        self.engine.drain()
+        return self.engine.workers.call(msg, timeout=timeout, while_waiting=while_waiting)
 
 
 _live_engines: weakref.WeakSet[EngineService] = weakref.WeakSet()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from fastdeploy_r3.engine.request import Request
 from fastdeploy_r3.engine.scheduler import ScheduledChunk
-from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput
+from fastdeploy_r3.worker.messages import PLACEHOLDER_TOKEN, ScheduledRequestData, StepInput
 
 
 class StepBuilder:
@@ -38,6 +38,12 @@ class StepBuilder:
 
     def build(self, chunks: list[ScheduledChunk], retry: bool) -> StepInput:
         self._step_id += 1
+        finished: list[str] = []
+        if not retry:
+            # forgotten first (the worker forgets before it remembers): an id reused by a new request is new
+            finished = [rid for rid in self._finished_since_step if rid in self._worker_known]
+            self._worker_known.difference_update(finished)
+            self._finished_since_step.clear()
         reqs = []
         for chunk in chunks:
             r = chunk.request
@@ -46,7 +52,7 @@ class StepBuilder:
             self._worker_known.add(r.request_id)
             data = ScheduledRequestData(
                 request_id=r.request_id,
-                token_ids=r.all_token_ids[start : start + chunk.num_new_tokens],
+                token_ids=_chunk_tokens(r, start, start + chunk.num_new_tokens),
                 start_pos=start,
                 block_table=self.block_table(r.request_id),
                 block_tags=self.block_tags(r.request_id),
@@ -57,11 +63,6 @@ class StepBuilder:
             if first:
                 self._first_chunk_extras(data, r)
             reqs.append(data)
-        finished: list[str] = []
-        if not retry:
-            finished = [rid for rid in self._finished_since_step if rid in self._worker_known]
-            self._worker_known.difference_update(finished)
-            self._finished_since_step.clear()
         return StepInput(self._step_id, reqs, finished)
 
     def _first_chunk_extras(self, data: ScheduledRequestData, r: Request) -> None:
@@ -73,3 +74,17 @@ class StepBuilder:
         if p.min_tokens > 0:
             eos = [] if p.ignore_eos else sorted(self.eos_token_ids)
             data.min_tokens_stop_ids = sorted(set(eos) | set(p.stop_token_ids))
+
+
+def _chunk_tokens(r: Request, start: int, end: int) -> list[int]:
+    """Token ids [start, end) of the request without copying the whole sequence; positions past its last
+    token (a chunk scheduled ahead, engine/overlap.py) are PLACEHOLDER_TOKEN: the worker fills them in."""
+    p, n = r.num_prompt_tokens, r.num_tokens
+    known = min(end, n)
+    if start >= p:
+        ids = r.output_token_ids[start - p : known - p]
+    elif known <= p:
+        ids = r.prompt_token_ids[start:known]
+    else:
+        ids = r.prompt_token_ids[start:] + r.output_token_ids[: known - p]
+    return ids + [PLACEHOLDER_TOKEN] * (end - max(known, start)) if end > n else ids

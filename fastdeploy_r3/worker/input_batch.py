@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fastdeploy_r3.cache_manager.slots import slots_of
-from fastdeploy_r3.worker.messages import ScheduledRequestData
+from fastdeploy_r3.worker.messages import PLACEHOLDER_TOKEN, ScheduledRequestData
 
 
 class SampleRow(NamedTuple):  # a tuple: one is built per sampling row per step, on the hot path
@@ -52,6 +52,9 @@ class StepInputs:
     query_lens: list[int]  # [B]
     seq_lens: list[int]  # [B]
     sample_rows: list[SampleRow]  # [S], in row order
+    # rows fed PLACEHOLDER_TOKEN (worker/messages.py) and the index in the step of each one's request
+    placeholder_rows: np.ndarray  # [P] int64
+    placeholder_requests: np.ndarray  # [P] int64
 
 
 class InputBatcher:
@@ -105,6 +108,8 @@ class InputBatcher:
                 for row in range(hi - r.num_sample_rows, hi):
                     buf[table_end + len(sample_rows)] = row
                     sample_rows.append(SampleRow(row, r, r.start_pos + (row - lo) + 1))
+        placeholder_rows = np.flatnonzero(ids == PLACEHOLDER_TOKEN)
+        placeholder_requests = np.searchsorted(query_start_loc, placeholder_rows, side="right") - 1
         host = self._staging[: buf.shape[0]]
         if self.device.type == "cuda":
             dev = host.to(self.device, non_blocking=True)
@@ -121,4 +126,5 @@ class InputBatcher:
             query_start_loc_tensor=dev[sample_end + num_reqs :].to(torch.int32),
             positions_np=positions.copy(), slots_np=slots.copy(), tags_np=tags.copy(),
             query_start_loc=query_start_loc, query_lens=query_lens, seq_lens=seq_lens, sample_rows=sample_rows,
+            placeholder_rows=placeholder_rows, placeholder_requests=placeholder_requests,
         )

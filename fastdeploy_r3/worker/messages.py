@@ -21,7 +21,8 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = [
-    "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "MemoryResult",
+    "PLACEHOLDER_TOKEN", "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup",
+    "MemoryResult",
     "ReleaseMemory", "ResumeMemory", "RoutingAttached", "ScheduledRequestData", "Shutdown", "StepInput",
     "StepOutput", "UpdateWeights", "WeightUpdateResult", "WeightsChecksum", "WorkerError", "WorkerFailed",
     "WorkerReady",
@@ -78,9 +79,15 @@ class RoutingAttached:
     rank: int
 
 
+# a token id the engine does not know yet: the one the worker sampled for the request in its previous
+# step (a step scheduled ahead, engine/overlap.py); the worker substitutes it on the device
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass
 class ScheduledRequestData:
-    """One request's share of a step: feed token_ids at positions [start_pos, start_pos + len)."""
+    """One request's share of a step: feed token_ids at positions [start_pos, start_pos + len). A chunk
+    scheduled ahead is [PLACEHOLDER_TOKEN]: the token this request sampled in the worker's previous step."""
 
     request_id: str
     token_ids: list[int]

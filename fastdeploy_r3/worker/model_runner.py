@@ -19,7 +19,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
-from fastdeploy_r3.worker.input_batch import InputBatcher
+from fastdeploy_r3.worker.input_batch import InputBatcher, StepInputs
 from fastdeploy_r3.worker.messages import (
     ChecksumWeights,
     DestroyWeightUpdateGroup,
@@ -39,6 +39,9 @@ from fastdeploy_r3.worker.sample.sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
+
+class MissingSampledTokenError(RuntimeError):
+    """A step scheduled ahead feeds a token its previous step did not sample (that step failed)."""
 
 
 class ModelRunner:
@@ -67,6 +70,8 @@ class ModelRunner:
                                    self.device)
         self.weight_updater = None  # WeightUpdater, once the model is loaded
         self.memory = None  # MemoryOccupation, once the model is loaded
+        # the previous step's sampled ids on the device and, by request, the row of its last one
+        self._prev_samples: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -182,10 +187,28 @@ class ModelRunner:
 
     # -- steps --------------------------------------------------------------------------------------
 
+    def _feed_previous_samples(
+        self, step: StepInput, inp: StepInputs, prev: tuple[torch.Tensor, dict[str, int]] | None
+    ) -> None:
+        """Fill the placeholder rows of a step scheduled ahead (engine/overlap.py) with the ids this worker
+        sampled for their requests in its previous step, on the device: no round trip through the engine."""
+        ids, row_of = prev if prev is not None else (None, {})
+        src = [row_of.get(step.requests[b].request_id, -1) for b in inp.placeholder_requests.tolist()]
+        if ids is None or min(src) < 0:
+            missing = [step.requests[b].request_id for b, s in zip(inp.placeholder_requests.tolist(), src) if s < 0]
+            # the previous step failed (or never sampled these): the engine discards this step and re-runs
+            raise MissingSampledTokenError(
+                f"step {step.step_id} feeds the token sampled by the previous step for request(s) "
+                f"{', '.join(missing) or 'all'}, but that step sampled none for them; the engine re-sends the ids")
+        rows = torch.from_numpy(inp.placeholder_rows).to(self.device, non_blocking=True)
+        inp.input_ids[rows] = ids[torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)]
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
+        # whatever this step does, a later step may feed only what it samples (a failed step: nothing)
+        prev, self._prev_samples = self._prev_samples, None
         if not step.requests:
             return StepOutput(step.step_id, {})
         model = self.model
@@ -193,6 +216,8 @@ class ModelRunner:
         bs = self.block_size
 
         inp = self.input_batcher.prepare(step.requests)
+        if len(inp.placeholder_rows):
+            self._feed_previous_samples(step, inp, prev)
         for r in step.requests:
             self.sampler.remember(r)
         slot_t, pos_t = inp.slot_mapping, inp.positions  # [T], [T]
@@ -236,11 +261,15 @@ class ModelRunner:
                 if logits is None:
                     logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
                 ids, records = self.sampler.sample(logits, inp.sample_rows)
+                row_of: dict[str, int] = {}
                 for i, (row, tok) in enumerate(zip(inp.sample_rows, ids)):  # rows of a request are in order
                     rid = row.request.request_id
+                    row_of[rid] = i  # the last row of a request: the token a step scheduled ahead feeds
                     out.sampled_token_ids.setdefault(rid, []).append(tok)
                     if i in records:
                         out.logprobs.setdefault(rid, []).append(records[i])
+                assert self.sampler.last_ids is not None
+                self._prev_samples = (self.sampler.last_ids, row_of)
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
                 out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
