@@ -173,6 +173,7 @@ class EngineService:
             # a placeholder whose step failed) and this step's parts are re-run synchronously
             self._collect()
             self._in_flight = None
+            self.overlap_counters.discarded_steps += 1
         # INVARIANT (overlap.py): a chunk of a request that finished while its step ran (a stop one step
         # late, an abort) is discarded whole: no token appended, no cursor moved, no block cached, no R3 row
         live = [c for c in out.chunks if not c.request.is_finished]
@@ -281,6 +282,7 @@ class EngineService:
             "overlapped_steps": self.overlap_counters.overlapped_steps,
             "sync_steps": self.overlap_counters.sync_steps,
             "discarded_chunks": self.overlap_counters.discarded_chunks,
+            "discarded_steps": self.overlap_counters.discarded_steps,
             "r3_rows_delivered": r3.rows_delivered,
             "r3_bytes": r3.bytes_delivered,
             "r3_failures": r3.failures,

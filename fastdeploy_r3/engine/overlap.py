@@ -45,6 +45,7 @@ from fastdeploy_r3.engine.scheduler import ScheduledChunk, Scheduler, SchedulerO
 class OverlapCounters:
     overlapped_steps: int = 0  # steps sent while the previous one ran
     sync_steps: int = 0  # steps scheduled after the previous one was collected
+    discarded_steps: int = 0  # steps planned ahead of a step that failed: discarded, their base re-run
     discarded_chunks: int = 0  # chunks of requests that finished while their step ran (the invariant above)
 
 

@@ -71,7 +71,7 @@ class ModelRunner:
         self.weight_updater = None  # WeightUpdater, once the model is loaded
         self.memory = None  # MemoryOccupation, once the model is loaded
         # the previous step's sampled ids on the device and, by request, the row of its last one
-        self._prev_samples: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._prev_samples: tuple[int, torch.Tensor, dict[str, int]] | None = None
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -188,11 +188,14 @@ class ModelRunner:
     # -- steps --------------------------------------------------------------------------------------
 
     def _feed_previous_samples(
-        self, step: StepInput, inp: StepInputs, prev: tuple[torch.Tensor, dict[str, int]] | None
+        self, step: StepInput, inp: StepInputs, prev: tuple[int, torch.Tensor, dict[str, int]] | None
     ) -> None:
         """Fill the placeholder rows of a step scheduled ahead (engine/overlap.py) with the ids this worker
         sampled for their requests in its previous step, on the device: no round trip through the engine."""
-        ids, row_of = prev if prev is not None else (None, {})
+        # only the step just before, by id: any failure in between (even one raised before this runner's
+        # execute, by a subclass) leaves an older step id here
+        ok = prev is not None and prev[0] == step.step_id - 1
+        ids, row_of = (prev[1], prev[2]) if ok and prev is not None else (None, {})
         src = [row_of.get(step.requests[b].request_id, -1) for b in inp.placeholder_requests.tolist()]
         if ids is None or min(src) < 0:
             missing = [step.requests[b].request_id for b, s in zip(inp.placeholder_requests.tolist(), src) if s < 0]
@@ -269,7 +272,7 @@ class ModelRunner:
                     if i in records:
                         out.logprobs.setdefault(rid, []).append(records[i])
                 assert self.sampler.last_ids is not None
-                self._prev_samples = (self.sampler.last_ids, row_of)
+                self._prev_samples = (step.step_id, self.sampler.last_ids, row_of)
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
                 out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)

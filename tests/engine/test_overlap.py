@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from failing_runner import FAIL_POSITION, FailingRunner
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
@@ -63,7 +64,10 @@ def _run(engine: EngineService, requests: dict[str, tuple[list[int], SamplingPar
 @pytest.fixture(scope="module")
 def engines(fake_model_dir: Callable[..., str]):
     model_dir = fake_model_dir("qwen3_moe")
-    on, off = EngineService(_config(model_dir, False)), EngineService(_config(model_dir, True))
+    # FailingRunner: the ordinary runner, but a request named "boom..." makes the step feeding its
+    # position 9 raise (test_a_failed_step_in_flight_...)
+    on = EngineService(_config(model_dir, False), runner_cls=FailingRunner)
+    off = EngineService(_config(model_dir, True), runner_cls=FailingRunner)
     try:
         yield on, off
     finally:
@@ -232,3 +236,26 @@ def _checksum_message() -> object:
     from fastdeploy_r3.worker.messages import ChecksumWeights
 
     return ChecksumWeights()
+
+
+def test_a_failed_step_in_flight_fails_its_culprit_alone(engines, workload) -> None:
+    """"boom" makes the decode step feeding its position 9 raise. With overlap the next step was already
+    sent, feeding the failed step's tokens: the worker refuses it, the engine discards it, bisects the
+    failed step synchronously (boom fails alone) and serves the others as the synchronous engine does."""
+    on, off = engines
+    greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    boom = [5, 6, 7, 8, 9, 10, 11]
+    assert len(boom) < FAIL_POSITION < len(boom) + 7  # fails while decoding
+    reqs = {"len": workload["len"], "boom": (boom, greedy), "seeded": workload["seeded"]}
+    m_on = on.metrics()
+    got = _run(on, reqs)
+    want = _run(off, {k: v for k, v in reqs.items() if k != "boom"})
+    failed = got["boom"].outputs[0]
+    assert failed.finish_reason == "error" and failed.routed_experts is None
+    assert "failed on this request alone (ValueError)" in failed.error
+    # the tokens at positions 7, 8 and 9 were sampled; the step feeding position 9 failed
+    assert len(failed.token_ids) == FAIL_POSITION - len(boom) + 1
+    _assert_same_outputs({k: got[k] for k in want}, want, {k: reqs[k] for k in want})
+    assert _metric_delta(on, m_on, "discarded_steps")["discarded_steps"] == 1
+    on.kv.check_integrity()
+    assert on.kv.gpu.num_free_blocks == on.num_gpu_blocks
