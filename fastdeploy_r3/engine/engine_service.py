@@ -54,7 +54,7 @@ class EngineService:
         rr = config.routing_replay_config
         moe_layer_ids = list(rr.moe_layer_ids or []) if rr.enable_routing_replay else None
         self.groups = RequestGroups(p.token_processor, moe_layer_ids)
-        self.steps = StepBuilder(p.kv.block_table, p.kv.block_tags, p.token_processor.eos_token_ids)
+        self.steps = StepBuilder(p.kv.blocks_since, p.token_processor.eos_token_ids)
         mc, has_tiers = config.model_config, config.cache_config.uses_transfer_manager
         self.control = EngineControl(self, p.kv, _DrainFirst(self), mc.model_identity, mc.weight_version, has_tiers)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
@@ -168,12 +168,15 @@ class EngineService:
     def _finish_step(self, out: SchedulerOutput) -> set[str]:
         """Collect the step `out` was sent as and apply its tokens; the user requests touched."""
         first = self._collect()
-        if first.error is not None and self._in_flight is not None:
-            # the step planned ahead fed this step's tokens: its answer is discarded (the worker refuses
-            # a placeholder whose step failed) and this step's parts are re-run synchronously
-            self._collect()
-            self._in_flight = None
-            self.overlap_counters.discarded_steps += 1
+        if first.error is not None:
+            self.steps.resend_whole(c.request.request_id for c in out.chunks)  # its diffs may be lost
+            if self._in_flight is not None:
+                # the step planned ahead fed this step's tokens: its answer is discarded (the worker refuses
+                # a placeholder whose step failed) and this step's parts are re-run synchronously
+                self._collect()
+                self.steps.resend_whole(c.request.request_id for c in self._in_flight.chunks)
+                self._in_flight = None
+                self.overlap_counters.discarded_steps += 1
         # INVARIANT (overlap.py): a chunk of a request that finished while its step ran (a stop one step
         # late, an abort) is discarded whole: no token appended, no cursor moved, no block cached, no R3 row
         live = [c for c in out.chunks if not c.request.is_finished]

@@ -210,6 +210,7 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
+            self.input_batcher.forget(rid)
         # whatever this step does, a later step may feed only what it samples (a failed step: nothing)
         prev, self._prev_samples = self._prev_samples, None
         if not step.requests:
@@ -240,7 +241,7 @@ class ModelRunner:
             capture.begin_step(inp.num_tokens, pos_t)
         graphs = self.decode_graphs
         logits = hidden = None
-        if graphs is not None and graphs.can_run(step.requests):
+        if graphs is not None and graphs.can_run(step.requests, inp.block_tables.shape[1]):
             if capture is not None:
                 capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
             logits = graphs.replay(inp)  # [B, V]: a decode step, every row samples
