@@ -8,6 +8,8 @@ after any failed step; otherwise only the blocks appended since (engine/step_bui
     tables [R, MB] int64   row r: the block ids of the request held in row r (stale past num_blocks[r])
     tags   [R, MB] int64   their routing tags
     num_blocks [R]         row_of: request id -> row; R and MB double when full
+    sample_step [R], sample_index [R]   the last step that sampled the request and the index of its last
+                                        sampled id in that step's ids (a step scheduled ahead feeds it)
 
 Applying a diff sets [blocks_from, blocks_from + n) and makes the row hold blocks_from + n blocks, so
 the same message applied twice (a multi-token runner re-feeding its chunk) changes nothing.
@@ -31,6 +33,8 @@ class BatchState:
         self.tables = np.zeros((rows, max_blocks), dtype=np.int64)
         self.tags = np.zeros((rows, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.sample_step = np.full(rows, -1, dtype=np.int64)
+        self.sample_index = np.zeros(rows, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
 
@@ -38,6 +42,7 @@ class BatchState:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self.num_blocks[row] = 0
+            self.sample_step[row] = -1
             self._free_rows.append(row)
 
     def apply(self, requests: Sequence[ScheduledRequestData]) -> np.ndarray:
@@ -76,11 +81,29 @@ class BatchState:
             self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
             self.tags = np.concatenate([self.tags, np.zeros_like(self.tags)])
             self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self.sample_step = np.concatenate([self.sample_step, np.full_like(self.sample_step, -1)])
+            self.sample_index = np.concatenate([self.sample_index, np.zeros_like(self.sample_index)])
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         row = self._free_rows.pop()
         self.row_of[request_id] = row
         self.num_blocks[row] = 0
+        self.sample_step[row] = -1
         return row
+
+    def record_samples(self, step_id: int, rows: np.ndarray) -> None:
+        """Step step_id sampled ids [S] for the state rows [S] (a request's rows consecutive, in order):
+        each request's last one is what a step scheduled ahead feeds."""
+        if not len(rows):
+            return
+        last = np.ones(len(rows), dtype=bool)
+        last[:-1] = rows[1:] != rows[:-1]
+        self.sample_step[rows[last]] = step_id
+        self.sample_index[rows[last]] = np.flatnonzero(last)
+
+    def previous_samples(self, step_id: int, rows: np.ndarray) -> np.ndarray:
+        """Indices into step (step_id - 1)'s sampled ids of the requests in state rows [P]; -1 where that
+        step sampled nothing for one (it failed, or never had it)."""
+        return np.where(self.sample_step[rows] == step_id - 1, self.sample_index[rows], -1)
 
 
 def _widen(a: np.ndarray, width: int) -> np.ndarray:

@@ -56,6 +56,8 @@ class StepInputs:
     # rows fed PLACEHOLDER_TOKEN (worker/messages.py) and the index in the step of each one's request
     placeholder_rows: np.ndarray  # [P] int64
     placeholder_requests: np.ndarray  # [P] int64
+    state_rows: np.ndarray  # [B] each request's row in the batch state (worker/batch_state.py)
+    sample_requests: np.ndarray  # [S] the index in the step of each sampling row's request
 
 
 class InputBatcher:
@@ -143,4 +145,5 @@ class InputBatcher:
             positions_np=positions.copy(), slots_np=slots.copy(), tags_np=tags.copy(),
             query_start_loc=qsl.tolist(), query_lens=query_lens_np.tolist(), seq_lens=seq_lens_np.tolist(),
             sample_rows=sample_rows, placeholder_rows=placeholder_rows, placeholder_requests=req_of[placeholder_rows],
+            state_rows=rows, sample_requests=sample_req,
         )

@@ -71,7 +71,7 @@ class ModelRunner:
         self.weight_updater = None  # WeightUpdater, once the model is loaded
         self.memory = None  # MemoryOccupation, once the model is loaded
         # the previous step's sampled ids on the device and, by request, the row of its last one
-        self._prev_samples: tuple[int, torch.Tensor, dict[str, int]] | None = None
+        self._prev_ids: torch.Tensor | None = None  # [S] the previous step's sampled ids, on the device
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -188,23 +188,20 @@ class ModelRunner:
     # -- steps --------------------------------------------------------------------------------------
 
     def _feed_previous_samples(
-        self, step: StepInput, inp: StepInputs, prev: tuple[int, torch.Tensor, dict[str, int]] | None
-    ) -> None:
+        self, step: StepInput, inp: StepInputs, prev_ids: torch.Tensor | None) -> None:
         """Fill the placeholder rows of a step scheduled ahead (engine/overlap.py) with the ids this worker
         sampled for their requests in its previous step, on the device: no round trip through the engine."""
-        # only the step just before, by id: any failure in between (even one raised before this runner's
-        # execute, by a subclass) leaves an older step id here
-        ok = prev is not None and prev[0] == step.step_id - 1
-        ids, row_of = (prev[1], prev[2]) if ok and prev is not None else (None, {})
-        src = [row_of.get(step.requests[b].request_id, -1) for b in inp.placeholder_requests.tolist()]
-        if ids is None or min(src) < 0:
+        # only from the step just before, by id: any failure in between (even one raised before this
+        # runner's execute, by a subclass) leaves older step ids in the batch state
+        src = self.input_batcher.state.previous_samples(step.step_id, inp.state_rows[inp.placeholder_requests])
+        if prev_ids is None or src.min() < 0:
             missing = [step.requests[b].request_id for b, s in zip(inp.placeholder_requests.tolist(), src) if s < 0]
             # the previous step failed (or never sampled these): the engine discards this step and re-runs
             raise MissingSampledTokenError(
                 f"step {step.step_id} feeds the token sampled by the previous step for request(s) "
                 f"{', '.join(missing) or 'all'}, but that step sampled none for them; the engine re-sends the ids")
         rows = torch.from_numpy(inp.placeholder_rows).to(self.device, non_blocking=True)
-        inp.input_ids[rows] = ids[torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)]
+        inp.input_ids[rows] = prev_ids[torch.from_numpy(src).to(self.device, non_blocking=True)]
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -212,7 +209,7 @@ class ModelRunner:
             self.sampler.forget(rid)
             self.input_batcher.forget(rid)
         # whatever this step does, a later step may feed only what it samples (a failed step: nothing)
-        prev, self._prev_samples = self._prev_samples, None
+        prev_ids, self._prev_ids = self._prev_ids, None
         if not step.requests:
             return StepOutput(step.step_id, {})
         model = self.model
@@ -221,7 +218,7 @@ class ModelRunner:
 
         inp = self.input_batcher.prepare(step.requests)
         if len(inp.placeholder_rows):
-            self._feed_previous_samples(step, inp, prev)
+            self._feed_previous_samples(step, inp, prev_ids)
         for r in step.requests:
             self.sampler.remember(r)
         slot_t, pos_t = inp.slot_mapping, inp.positions  # [T], [T]
@@ -265,15 +262,14 @@ class ModelRunner:
                 if logits is None:
                     logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
                 ids, records = self.sampler.sample(logits, inp.sample_rows)
-                row_of: dict[str, int] = {}
                 for i, (row, tok) in enumerate(zip(inp.sample_rows, ids)):  # rows of a request are in order
                     rid = row.request.request_id
-                    row_of[rid] = i  # the last row of a request: the token a step scheduled ahead feeds
                     out.sampled_token_ids.setdefault(rid, []).append(tok)
                     if i in records:
                         out.logprobs.setdefault(rid, []).append(records[i])
                 assert self.sampler.last_ids is not None
-                self._prev_samples = (step.step_id, self.sampler.last_ids, row_of)
+                self._prev_ids = self.sampler.last_ids
+                self.input_batcher.state.record_samples(step.step_id, inp.state_rows[inp.sample_requests])
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
                 out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
