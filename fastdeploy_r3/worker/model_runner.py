@@ -1,7 +1,9 @@
 """Runs one step of the model for a batch of request chunks on one TP rank.
 
-Per step:  prepare inputs → forward (MoE layers capture top-k ids) → rank 0 writes the step's R3 rows
-into routing_host_buffer at slot_mapping → sample → return tokens. The R3 write happens before
+Per step:  apply the step's block diffs and prepare inputs (input_batch.py, batch_state.py) → fill the
+placeholders of a step scheduled ahead from the previous step's sampled ids (engine/overlap.py) →
+forward (MoE layers capture top-k ids) → rank 0 writes the step's R3 rows into routing_host_buffer at
+slot_mapping → sample → return tokens. The R3 write happens before
 the tokens leave the worker, so when the engine sees a token, every forwarded row is in place.
 """
 
