@@ -206,9 +206,9 @@ class SchedulerConfig:
     max_num_seqs: int = flag(64, "most requests running in one step")
     max_num_batched_tokens: int = flag(2048, "most tokens forwarded in one step")
     enable_chunked_prefill: bool = flag(True, "split long prompts over several steps")
-    disable_overlap_schedule: bool | None = flag(
-        None, "schedule and build each step only after the previous one's tokens are back, instead of "
-        "while the workers run it (SGLang's flag; engine/overlap.py); unset: overlap on CUDA, not on the CPU"
+    disable_overlap_schedule: bool = flag(
+        False, "schedule and build each step only after the previous one's tokens are back, instead of "
+        "while the workers run it (SGLang's flag; engine/overlap.py)"
     )
     max_waiting_requests: int = flag(
         1024, "most requests (choices of n > 1 count one each) waiting to be scheduled; the server answers "

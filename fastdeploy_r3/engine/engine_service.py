@@ -58,7 +58,7 @@ class EngineService:
         mc, has_tiers = config.model_config, config.cache_config.uses_transfer_manager
         self.control = EngineControl(self, p.kv, _DrainFirst(self), mc.model_identity, mc.weight_version, has_tiers)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
-        self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule, config.device,
+        self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule,
                                        config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)
         self.overlap_counters = OverlapCounters()
         self._in_flight: SchedulerOutput | None = None  # the step sent and not collected yet

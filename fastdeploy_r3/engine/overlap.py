@@ -78,12 +78,7 @@ def schedule_ahead(scheduler: Scheduler, in_flight: list[ScheduledChunk], max_mo
     return SchedulerOutput(chunks=[c for c, _ in planned])
 
 
-def overlap_enabled(disable_overlap_schedule: bool | None, device: str, tensor_parallel_size: int,
-                    num_lookahead_tokens: int) -> bool:
-    """Whether steps may be planned ahead at all (per step, schedule_ahead may still say no). Unset, the
-    flag means on for CUDA and off on the CPU: on the CPU the engine's host work and the forward share the
-    same cores, so there is little to hide, and the synchronous path is the one every CPU test exercises
-    unless it asks for overlap (tests/engine/test_overlap.py does)."""
-    if disable_overlap_schedule is None:
-        disable_overlap_schedule = device != "cuda"
+def overlap_enabled(disable_overlap_schedule: bool, tensor_parallel_size: int, num_lookahead_tokens: int) -> bool:
+    """Whether steps may be planned ahead at all (per step, schedule_ahead may still say no): on unless
+    disabled, on every device."""
     return not disable_overlap_schedule and tensor_parallel_size == 1 and num_lookahead_tokens == 0

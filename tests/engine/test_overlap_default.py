@@ -8,21 +8,18 @@ from fastdeploy_r3.config.cli import add_engine_args
 from fastdeploy_r3.engine.overlap import overlap_enabled
 
 
-def test_unset_means_on_for_cuda_and_off_on_the_cpu() -> None:
-    assert overlap_enabled(None, "cuda", 1, 0) is True
-    assert overlap_enabled(None, "cpu", 1, 0) is False
-    assert overlap_enabled(False, "cpu", 1, 0) is True  # asked for: on, whatever the device
-    assert overlap_enabled(True, "cuda", 1, 0) is False
+def test_on_unless_disabled() -> None:
+    assert overlap_enabled(False, 1, 0) is True
+    assert overlap_enabled(True, 1, 0) is False
 
 
 def test_tensor_parallelism_and_multi_token_steps_stay_synchronous() -> None:
     # only rank 0 samples (the others could not fill a placeholder); a multi-token step's count is unknown
-    assert overlap_enabled(False, "cuda", 2, 0) is False
-    assert overlap_enabled(False, "cuda", 1, 2) is False
+    assert overlap_enabled(False, 2, 0) is False
+    assert overlap_enabled(False, 1, 2) is False
 
 
-def test_the_flag_is_sglangs_and_unset_by_default() -> None:
+def test_the_flag_is_sglangs_and_off_by_default() -> None:
     parser = add_engine_args(argparse.ArgumentParser())
-    assert parser.parse_args(["--model", "m"]).disable_overlap_schedule is None
+    assert parser.parse_args(["--model", "m"]).disable_overlap_schedule is False
     assert parser.parse_args(["--model", "m", "--disable-overlap-schedule"]).disable_overlap_schedule is True
-    assert parser.parse_args(["--model", "m", "--no-disable-overlap-schedule"]).disable_overlap_schedule is False
