@@ -25,7 +25,8 @@ def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
         "--kv-cache-space-gib", "--kv-cache-dtype", "--enable-prefix-caching", "--swap-space",
         "--num-cpu-blocks-override", "--kv-storage",
         "--kv-storage-ttl-s", "--kv-storage-capacity-gib", "--storage-timeout-s", "--transfer-timeout-s",
-        "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--max-waiting-requests",
+        "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--disable-overlap-schedule",
+        "--max-waiting-requests",
         "--tensor-parallel-size", "--worker-step-timeout-s", "--routing-replay-config", "--device",
     ]
 

@@ -89,6 +89,11 @@ class PrefixCacheManager:
     def block_tags(self, request_id: str) -> list[int]:
         return [b.routing_tag for b in self._blocks.get(request_id, [])]
 
+    def blocks_since(self, request_id: str, start: int) -> tuple[list[int], list[int]]:
+        """Ids and routing tags of the request's blocks from index `start` on (what a step's diff sends)."""
+        new = self._blocks.get(request_id, [])[start:]
+        return [b.block_id for b in new], [b.routing_tag for b in new]
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

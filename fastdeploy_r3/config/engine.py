@@ -215,6 +215,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = flag(None, "most tokens forwarded in one step (default: 2048 on CPU; "
                                                     "on CUDA 8192, capped by the KV cache)")
     enable_chunked_prefill: bool = flag(True, "split long prompts over several steps")
+    disable_overlap_schedule: bool = flag(
+        False, "schedule and build each step only after the previous one's tokens are back, instead of "
+        "while the workers run it (SGLang's flag; engine/overlap.py)"
+    )
     max_waiting_requests: int = flag(
         1024, "most requests (choices of n > 1 count one each) waiting to be scheduled; the server answers "
         "429 with Retry-After beyond it"

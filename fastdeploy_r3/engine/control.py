@@ -72,6 +72,8 @@ class ControlledRequests(Protocol):
 
     def retract_running(self) -> None: ...  # running requests back to waiting, their KV freed
 
+    def drain(self) -> None: ...  # collect the step in flight (overlap scheduling), if any
+
 
 class ControlledCache(Protocol):
     """The prefix cache: flushed by /flush_cache, re-rooted by a new weight version (PrefixCacheManager)."""
@@ -121,6 +123,8 @@ class EngineControl:
         requests were aborted or are held."""
         if mode not in PAUSE_MODES:
             raise EngineControlError(f"pause mode {mode!r} is not supported; use one of {', '.join(PAUSE_MODES)}")
+        # the step already sent (engine/overlap.py) is collected now: nothing advances once pause returns
+        self.requests.drain()
         n = len(self.requests.request_ids())
         if mode == "abort":
             self.abort_all("aborted by /pause_generation (mode 'abort')")

@@ -8,8 +8,11 @@ starts and supervises its children (workers, CacheTransferManager).
       ├─ StepBuilder (step_builder.py): what the workers are sent
       └─ EngineControl (control.py): pause, flush, weight updates
 
-One step:  schedule ─► run on the workers (a failure bisected: step_isolation.py) ─► advance cursors
-           ─► append each request's sampled tokens (TokenProcessor: stops, R3 at finish) ─► deltas
+One step:  schedule ─► send to the workers ─► [overlap.py: plan and send the next step ahead] ─► collect
+           (a failure bisected: step_isolation.py) ─► advance cursors ─► append each request's sampled
+           tokens (TokenProcessor: stops, R3 at finish) ─► deltas
+With overlap one step is in flight between calls of step(); every other worker call (control.py)
+and retract_running first drain it (`drain`).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.builder import EngineParts, build_engine
 from fastdeploy_r3.engine.control import EngineControl
+from fastdeploy_r3.engine.overlap import OverlapCounters, overlap_enabled, schedule_ahead
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.request_groups import RequestGroups, validate_prompt
 from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, SchedulerOutput
@@ -32,6 +37,7 @@ from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failu
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import RequestDelta
 from fastdeploy_r3.sampling_params import SamplingParams
+from fastdeploy_r3.worker.messages import StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +56,16 @@ class EngineService:
         rr = config.routing_replay_config
         moe_layer_ids = list(rr.moe_layer_ids or []) if rr.enable_routing_replay else None
         self.groups = RequestGroups(p.token_processor, moe_layer_ids)
-        self.steps = StepBuilder(p.kv.block_table, p.kv.block_tags, p.token_processor.eos_token_ids)
+        self.steps = StepBuilder(p.kv.blocks_since, p.token_processor.eos_token_ids)
         mc, has_tiers = config.model_config, config.cache_config.uses_transfer_manager
-        self.control = EngineControl(self, p.kv, p.workers, mc.model_identity, mc.weight_version, has_tiers)
+        self.control = EngineControl(self, p.kv, _DrainFirst(self), mc.model_identity, mc.weight_version, has_tiers)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
+        self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule,
+                                       config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)
+        self.overlap_counters = OverlapCounters()
+        self._in_flight: SchedulerOutput | None = None  # the step sent and not collected yet
         self.step_counters = StepCounters()  # where each step's wall time goes (/metrics)
-        self._input_seconds = self._worker_seconds = 0.0  # building inputs / in the workers' calls, retries included
+        self._input_seconds = self._worker_seconds = 0.0  # building inputs / waiting for the workers, retries included
         _live_engines.add(self)
 
     # the parts most callers reach for
@@ -100,6 +110,7 @@ class EngineService:
         return self.groups.unfinished_requests()
 
     def retract_running(self) -> None:
+        self.drain()  # the step in flight writes the KV of the requests retracted
         self.scheduler.retract_running()
 
     def request_ids(self) -> list[str]:
@@ -110,7 +121,8 @@ class EngineService:
 
     def has_work(self) -> bool:
         """A step would do something: outputs to send, or requests to advance and no pause."""
-        return bool(self._pending_outputs) or (bool(self.groups) and self.control.paused is None)
+        return (bool(self._pending_outputs) or self._in_flight is not None
+                or (bool(self.groups) and self.control.paused is None))
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -125,29 +137,82 @@ class EngineService:
             self.kv.poll_transfers()
             if res.transfers is not None:
                 res.transfers.tick()  # a lost CTM is replaced without the loop waiting for it
-            # paused: nothing advances (in_place requests keep their blocks); aborts still go out
-            out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
-            if not out.chunks and res.lookup is not None and self.kv.has_pending_lookups():
-                res.lookup.wait(0.01)  # nothing to run but lookups: do not spin
-            schedule_s = watch.lap()
+            out, self._in_flight = self._in_flight, None
+            if out is None:
+                # paused: nothing advances (in_place requests keep their blocks); aborts still go out
+                out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
+                if not out.chunks and res.lookup is not None and self.kv.has_pending_lookups():
+                    res.lookup.wait(0.01)  # nothing to run but lookups: do not spin
+                if out.chunks:
+                    self.overlap_counters.sync_steps += 1
+                    self.workers.broadcast(self._build(out.chunks, False))
             if out.chunks:
-                self._run_step(out)
-                for chunk in out.chunks:
-                    touched.add(self.groups.group_of(chunk.request.request_id))
-                    if chunk.request.is_finished:
-                        self.steps.finished(chunk.request.request_id)
+                if self.overlap and self.control.paused is None:
+                    ahead = schedule_ahead(self.scheduler, out.chunks, self.parts.max_model_len)
+                    if ahead is not None:  # the workers take it as soon as the step in flight is done
+                        self.overlap_counters.overlapped_steps += 1
+                        self.workers.broadcast(self._build(ahead.chunks, False))
+                        self._in_flight = ahead
+                # the step's parts (/metrics): scheduling (this one's and the one planned ahead), inputs built,
+                # waiting for the workers, and the rest: applying tokens and building the deltas
+                input_at_schedule = self._input_seconds - input_before
+                schedule_s = watch.lap() - input_at_schedule
+                touched |= self._finish_step(out)
         except Exception as e:
             self._die(f"{type(e).__name__}: {e}")
             raise EngineDeadError(self._dead) from e
         deltas = self.groups.collect(touched)
         if out.chunks:
             input_s, worker_s = self._input_seconds - input_before, self._worker_seconds - worker_before
-            self.step_counters.add_step(schedule_s, input_s, worker_s, watch.lap() - input_s - worker_s, len(deltas))
+            output_s = watch.lap() - worker_s - (input_s - input_at_schedule)  # since the schedule's lap
+            self.step_counters.add_step(schedule_s, input_s, worker_s, output_s, len(deltas))
         return deltas
 
-    def _run_step(self, out: SchedulerOutput) -> None:
-        # a failed step is bisected so that only the requests that make it fail fail
-        step = run_isolating_failures(out.chunks, self._run_batch)
+    def drain(self) -> None:
+        """Collect the step in flight (overlap.py), its news kept for the next step's deltas."""
+        out, self._in_flight = self._in_flight, None
+        if out is None:
+            return
+        try:
+            self._pending_outputs.extend(self._finish_step(out))
+        except Exception as e:
+            self._die(f"{type(e).__name__}: {e}")
+            raise EngineDeadError(self._dead) from e
+
+    def _finish_step(self, out: SchedulerOutput) -> set[str]:
+        """Collect the step `out` was sent as and apply its tokens; the user requests touched."""
+        first = self._collect()
+        if first.error is not None:
+            self.steps.resend_whole(c.request.request_id for c in out.chunks)  # its diffs may be lost
+            if self._in_flight is not None:
+                # the step planned ahead fed this step's tokens: its answer is discarded (the worker refuses
+                # a placeholder whose step failed) and this step's parts are re-run synchronously
+                self._collect()
+                self.steps.resend_whole(c.request.request_id for c in self._in_flight.chunks)
+                self._in_flight = None
+                self.overlap_counters.discarded_steps += 1
+        # INVARIANT (overlap.py): a chunk of a request that finished while its step ran (a stop one step
+        # late, an abort) is discarded whole: no token appended, no cursor moved, no block cached, no R3 row
+        live = [c for c in out.chunks if not c.request.is_finished]
+        self.overlap_counters.discarded_chunks += len(out.chunks) - len(live)
+        out = replace(out, chunks=live)
+        self._run_step(out, first)
+        touched = set()
+        for chunk in out.chunks:
+            touched.add(self.groups.group_of(chunk.request.request_id))
+            if chunk.request.is_finished:
+                self.steps.finished(chunk.request.request_id)
+        return touched
+
+    def _run_step(self, out: SchedulerOutput, first: StepAttempt) -> None:
+        # a failed step is bisected so that only the requests that make it fail fail; the whole step
+        # already ran once (`first`)
+        answers = [first]
+
+        def run(chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
+            return answers.pop() if answers else self._run_batch(chunks, retry)
+
+        step = run_isolating_failures(out.chunks, run)
         for chunk, error in step.failed:
             # nothing of a failed chunk is trusted: its cursor stays, its blocks are not cached
             logger.error("request %s failed the model step on its own: %s", chunk.request.request_id, error)
@@ -165,10 +230,18 @@ class EngineService:
 
     def _run_batch(self, chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
         """One worker step over `chunks` (step_isolation.py calls it again on parts of a failed step)."""
+        self.workers.broadcast(self._build(chunks, retry))
+        return self._collect()
+
+    def _build(self, chunks: list[ScheduledChunk], retry: bool) -> StepInput:
         watch = Stopwatch()
         step_input = self.steps.build(chunks, retry)
         self._input_seconds += watch.lap()
-        outs = self.workers.call(step_input, timeout=self.config.parallel_config.worker_step_timeout_s)
+        return step_input
+
+    def _collect(self) -> StepAttempt:
+        watch = Stopwatch()
+        outs = self.workers.collect(timeout=self.config.parallel_config.worker_step_timeout_s)
         self._worker_seconds += watch.lap()
         errors = [o.error for o in outs if o.error is not None]
         if errors:
@@ -196,6 +269,7 @@ class EngineService:
     def _die(self, reason: str) -> None:
         """Fail every in-flight request with the reason and stop the children."""
         self._dead = f"engine failed: {reason}"
+        self._in_flight = None
         logger.error(self._dead)
         for group in self.groups.groups():
             for req in group.children:
@@ -230,6 +304,10 @@ class EngineService:
             "evicted_blocks": c.evicted_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "weight_updates": self.control.num_weight_updates,
+            "overlapped_steps": self.overlap_counters.overlapped_steps,
+            "sync_steps": self.overlap_counters.sync_steps,
+            "discarded_chunks": self.overlap_counters.discarded_chunks,
+            "discarded_steps": self.overlap_counters.discarded_steps,
             "r3_rows_delivered": r3.rows_delivered,
             "r3_bytes": r3.bytes_delivered,
             "r3_failures": r3.failures,
@@ -249,6 +327,18 @@ class EngineService:
         self.kv.close()  # the KV connectors: their lookup threads and store connections
         self.parts.resources.close()
         _live_engines.discard(self)
+
+
+class _DrainFirst:
+    """The workers as the control plane calls them: the step in flight is collected first, so that the
+    control message's answers are the next ones on the pipes."""
+
+    def __init__(self, engine: EngineService) -> None:
+        self.engine = engine
+
+    def call(self, msg: object, timeout: float | None = None, while_waiting: Callable[[], None] | None = None) -> list:
+        self.engine.drain()
+        return self.engine.workers.call(msg, timeout=timeout, while_waiting=while_waiting)
 
 
 _live_engines: weakref.WeakSet[EngineService] = weakref.WeakSet()

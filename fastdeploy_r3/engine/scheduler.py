@@ -26,6 +26,9 @@ class ScheduledChunk:
     request: Request
     num_new_tokens: int  # tokens fed this step: [start, start + num_new_tokens)
     start: int = -1  # num_computed_tokens when scheduled
+    # scheduled ahead (engine/overlap.py): the chunk feeds the one token that the step in flight samples
+    # for the request, unknown to the engine when sent (the worker fills it in); it samples the next one
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -34,7 +37,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """The chunk reaches the last token, so its step samples the next token(s)."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.ahead or self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

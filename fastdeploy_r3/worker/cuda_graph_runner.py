@@ -129,12 +129,13 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def can_run(self, requests: Sequence[ScheduledRequestData]) -> bool:
-        """A pure decode step (one token per request, each sampling) that fits the captured capacity."""
+    def can_run(self, requests: Sequence[ScheduledRequestData], table_width: int) -> bool:
+        """A pure decode step (one token per request, each sampling) that fits the captured capacity;
+        table_width: the step's widest block table (StepInputs.block_tables' width)."""
         return (
             padded_size(len(requests), self.sizes) is not None
             and all(len(r.token_ids) == 1 and r.sample for r in requests)
-            and max(len(r.block_table) for r in requests) <= self.max_blocks
+            and table_width <= self.max_blocks
         )
 
     def replay(self, inp: StepInputs) -> torch.Tensor:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from fastdeploy_r3.cache_manager.slots import slots_of
-from fastdeploy_r3.worker.messages import ScheduledRequestData
+from fastdeploy_r3.worker.batch_state import BatchState
+from fastdeploy_r3.worker.messages import PLACEHOLDER_TOKEN, ScheduledRequestData
 
 
 class SampleRow(NamedTuple):  # a tuple: one is built per sampling row per step, on the hot path
@@ -52,6 +53,11 @@ class StepInputs:
     query_lens: list[int]  # [B]
     seq_lens: list[int]  # [B]
     sample_rows: list[SampleRow]  # [S], in row order
+    # rows fed PLACEHOLDER_TOKEN (worker/messages.py) and the index in the step of each one's request
+    placeholder_rows: np.ndarray  # [P] int64
+    placeholder_requests: np.ndarray  # [P] int64
+    state_rows: np.ndarray  # [B] each request's row in the batch state (worker/batch_state.py)
+    sample_requests: np.ndarray  # [S] the index in the step of each sampling row's request
 
 
 class InputBatcher:
@@ -60,6 +66,7 @@ class InputBatcher:
         self.device = device
         self._staging = torch.empty(0, dtype=torch.int64)
         self._copied: torch.cuda.Event | None = None
+        self.state = BatchState()  # every request's block table, kept between steps
 
     def _staging_buffer(self, n: int) -> np.ndarray:
         if self._copied is not None:
@@ -69,42 +76,58 @@ class InputBatcher:
                                         pin_memory=self.device.type == "cuda")
         return self._staging.numpy()[:n]
 
+    def forget(self, request_id: str) -> None:
+        """The request finished: its block table row is free again."""
+        self.state.forget(request_id)
+
     def prepare(self, requests: Sequence[ScheduledRequestData]) -> StepInputs:
-        bs = self.block_size
-        query_lens = [len(r.token_ids) for r in requests]
-        seq_lens = [r.start_pos + n for r, n in zip(requests, query_lens)]
-        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
-        num_tokens = query_start_loc[-1]
-        max_blocks = max(len(r.block_table) for r in requests)
-        num_reqs = len(requests)
-        for r in requests:
-            if r.sample and not 1 <= r.num_sample_rows <= len(r.token_ids):
-                raise ValueError(f"request {r.request_id} samples {r.num_sample_rows} rows of a "
-                                 f"{len(r.token_ids)}-token chunk; use 1 to {len(r.token_ids)}")
-        num_sample = sum(r.num_sample_rows for r in requests if r.sample)
+        bs, num_reqs = self.block_size, len(requests)
+        rows = self.state.apply(requests)  # [B] rows of the persistent block tables
+        query_lens_np = np.fromiter((len(r.token_ids) for r in requests), np.int64, num_reqs)  # [B]
+        start_np = np.fromiter((r.start_pos for r in requests), np.int64, num_reqs)  # [B]
+        n_sample = np.fromiter((r.num_sample_rows if r.sample else 0 for r in requests), np.int64, num_reqs)
+        bad = np.flatnonzero((n_sample > query_lens_np) | (n_sample < 0)
+                             | (np.fromiter((r.sample for r in requests), bool, num_reqs) & (n_sample < 1)))
+        if len(bad):
+            r = requests[int(bad[0])]
+            raise ValueError(f"request {r.request_id} samples {r.num_sample_rows} rows of a "
+                             f"{len(r.token_ids)}-token chunk; use 1 to {len(r.token_ids)}")
+        seq_lens_np = start_np + query_lens_np
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens_np, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        req_of = np.repeat(np.arange(num_reqs), query_lens_np)  # [T] the request of each token
+        nb = self.state.num_blocks[rows]  # [B]
+        max_blocks = int(nb.max())
+        num_sample = int(n_sample.sum())
         table_end = 4 * num_tokens + num_reqs * max_blocks
         sample_end = table_end + num_sample
         buf = self._staging_buffer(sample_end + 2 * num_reqs + 1)
-        buf[sample_end : sample_end + num_reqs] = seq_lens
-        buf[sample_end + num_reqs :] = query_start_loc
+        buf[sample_end : sample_end + num_reqs] = seq_lens_np
+        buf[sample_end + num_reqs :] = qsl
         ids, positions, slots, tags = (buf[i * num_tokens : (i + 1) * num_tokens] for i in range(4))
         tables = buf[4 * num_tokens : table_end].reshape(num_reqs, max_blocks)
-        tables[:] = 0
-        sample_rows: list[SampleRow] = []
-        for b, r in enumerate(requests):
-            lo, hi = query_start_loc[b], query_start_loc[b + 1]
-            table = np.asarray(r.block_table, dtype=np.int64)
-            pos = np.arange(r.start_pos, seq_lens[b], dtype=np.int64)  # [n]
-            block_idx = pos // bs
-            ids[lo:hi] = r.token_ids
-            positions[lo:hi] = pos
-            slots[lo:hi] = slots_of(table, pos, bs)
-            tags[lo:hi] = np.asarray(r.block_tags, dtype=np.int64)[block_idx]
-            tables[b, : len(table)] = table
-            if r.sample:
-                for row in range(hi - r.num_sample_rows, hi):
-                    buf[table_end + len(sample_rows)] = row
-                    sample_rows.append(SampleRow(row, r, r.start_pos + (row - lo) + 1))
+        tables[:] = self.state.tables[rows, :max_blocks]
+        tables[np.arange(max_blocks)[None, :] >= nb[:, None]] = 0  # past a request's own blocks: padding
+        ids[:] = np.fromiter(chain.from_iterable(r.token_ids for r in requests), np.int64, num_tokens)
+        np.add(np.arange(num_tokens) - qsl[req_of], start_np[req_of], out=positions)
+        block_idx = positions // bs
+        over = np.flatnonzero(block_idx >= nb[req_of])
+        if len(over):
+            r = requests[int(req_of[over[0]])]
+            raise ValueError(f"request {r.request_id} feeds position {int(positions[over[0]])} but holds "
+                             f"{int(nb[req_of[over[0]]])} blocks of {bs} tokens")
+        np.add(tables[req_of, block_idx] * bs, positions % bs, out=slots)
+        tags[:] = self.state.tags[rows[req_of], block_idx]
+        # sampling rows: each sampling request's last n_sample rows, in row order
+        k = n_sample[n_sample > 0]  # [B'] rows each sampling request samples
+        sample_req = np.repeat(np.flatnonzero(n_sample), k)  # [S]
+        within = np.arange(num_sample) - np.repeat(np.cumsum(k) - k, k)  # [S] 0..k-1 per request
+        sample_idx = qsl[sample_req + 1] - n_sample[sample_req] + within  # ascending: requests are in row order
+        buf[table_end:sample_end] = sample_idx
+        sample_rows = [SampleRow(row, requests[b], pos + 1) for row, b, pos in
+                       zip(sample_idx.tolist(), sample_req.tolist(), positions[sample_idx].tolist())]
+        placeholder_rows = np.flatnonzero(ids == PLACEHOLDER_TOKEN)
         host = self._staging[: buf.shape[0]]
         if self.device.type == "cuda":
             dev = host.to(self.device, non_blocking=True)
@@ -120,5 +143,7 @@ class InputBatcher:
             seq_lens_tensor=dev[sample_end : sample_end + num_reqs].to(torch.int32),
             query_start_loc_tensor=dev[sample_end + num_reqs :].to(torch.int32),
             positions_np=positions.copy(), slots_np=slots.copy(), tags_np=tags.copy(),
-            query_start_loc=query_start_loc, query_lens=query_lens, seq_lens=seq_lens, sample_rows=sample_rows,
+            query_start_loc=qsl.tolist(), query_lens=query_lens_np.tolist(), seq_lens=seq_lens_np.tolist(),
+            sample_rows=sample_rows, placeholder_rows=placeholder_rows, placeholder_requests=req_of[placeholder_rows],
+            state_rows=rows, sample_requests=sample_req,
         )

@@ -21,7 +21,8 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = [
-    "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup", "MemoryResult",
+    "PLACEHOLDER_TOKEN", "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup",
+    "MemoryResult",
     "ReleaseMemory", "ResumeMemory", "RoutingAttached", "ScheduledRequestData", "Shutdown", "StepInput",
     "StepOutput", "UpdateWeights", "WeightUpdateResult", "WeightsChecksum", "WorkerError", "WorkerFailed",
     "WorkerReady",
@@ -78,19 +79,28 @@ class RoutingAttached:
     rank: int
 
 
+# a token id the engine does not know yet: the one the worker sampled for the request in its previous
+# step (a step scheduled ahead, engine/overlap.py); the worker substitutes it on the device
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass
 class ScheduledRequestData:
-    """One request's share of a step: feed token_ids at positions [start_pos, start_pos + len)."""
+    """One request's share of a step: feed token_ids at positions [start_pos, start_pos + len). A chunk
+    scheduled ahead is [PLACEHOLDER_TOKEN]: the token this request sampled in the worker's previous step."""
 
     request_id: str
     token_ids: list[int]
     start_pos: int
+    # the request's block ids from index blocks_from on, and their routing tags: the whole table when
+    # blocks_from is 0, else only the blocks appended since the worker last heard (worker/batch_state.py)
     block_table: list[int]
-    block_tags: list[int]  # routing_tag of each block in block_table
+    block_tags: list[int]
     sample: bool  # this chunk reaches the last token: the step samples the request's next token(s)
     # when sample: how many of the chunk's last positions sample, each the token after it (1; a verify
     # step's drafts and the position before them: len(drafts) + 1)
     num_sample_rows: int = 1
+    blocks_from: int = 0
     sampling_params: SamplingParams | None = None  # sent the first time the worker sees the request
     sampling_seed: int | None = None
     # also on the first time only, for what needs more than the chunk (StepSampler): the whole prompt

@@ -1,7 +1,9 @@
 """Runs one step of the model for a batch of request chunks on one TP rank.
 
-Per step:  prepare inputs → forward (MoE layers capture top-k ids) → rank 0 writes the step's R3 rows
-into routing_host_buffer at slot_mapping → sample → return tokens. The R3 write happens before
+Per step:  apply the step's block diffs and prepare inputs (input_batch.py, batch_state.py) → fill the
+placeholders of a step scheduled ahead from the previous step's sampled ids (engine/overlap.py) →
+forward (MoE layers capture top-k ids) → rank 0 writes the step's R3 rows into routing_host_buffer at
+slot_mapping → sample → return tokens. The R3 write happens before
 the tokens leave the worker, so when the engine sees a token, every forwarded row is in place.
 """
 
@@ -19,7 +21,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
-from fastdeploy_r3.worker.input_batch import InputBatcher
+from fastdeploy_r3.worker.input_batch import InputBatcher, StepInputs
 from fastdeploy_r3.worker.messages import (
     ChecksumWeights,
     DestroyWeightUpdateGroup,
@@ -39,6 +41,9 @@ from fastdeploy_r3.worker.sample.sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
+
+class MissingSampledTokenError(RuntimeError):
+    """A step scheduled ahead feeds a token its previous step did not sample (that step failed)."""
 
 
 class ModelRunner:
@@ -67,6 +72,8 @@ class ModelRunner:
                                    self.device)
         self.weight_updater = None  # WeightUpdater, once the model is loaded
         self.memory = None  # MemoryOccupation, once the model is loaded
+        # the previous step's sampled ids on the device and, by request, the row of its last one
+        self._prev_ids: torch.Tensor | None = None  # [S] the previous step's sampled ids, on the device
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -182,10 +189,29 @@ class ModelRunner:
 
     # -- steps --------------------------------------------------------------------------------------
 
+    def _feed_previous_samples(
+        self, step: StepInput, inp: StepInputs, prev_ids: torch.Tensor | None) -> None:
+        """Fill the placeholder rows of a step scheduled ahead (engine/overlap.py) with the ids this worker
+        sampled for their requests in its previous step, on the device: no round trip through the engine."""
+        # only from the step just before, by id: any failure in between (even one raised before this
+        # runner's execute, by a subclass) leaves older step ids in the batch state
+        src = self.input_batcher.state.previous_samples(step.step_id, inp.state_rows[inp.placeholder_requests])
+        if prev_ids is None or src.min() < 0:
+            missing = [step.requests[b].request_id for b, s in zip(inp.placeholder_requests.tolist(), src) if s < 0]
+            # the previous step failed (or never sampled these): the engine discards this step and re-runs
+            raise MissingSampledTokenError(
+                f"step {step.step_id} feeds the token sampled by the previous step for request(s) "
+                f"{', '.join(missing) or 'all'}, but that step sampled none for them; the engine re-sends the ids")
+        rows = torch.from_numpy(inp.placeholder_rows).to(self.device, non_blocking=True)
+        inp.input_ids[rows] = prev_ids[torch.from_numpy(src).to(self.device, non_blocking=True)]
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
+            self.input_batcher.forget(rid)
+        # whatever this step does, a later step may feed only what it samples (a failed step: nothing)
+        prev_ids, self._prev_ids = self._prev_ids, None
         if not step.requests:
             return StepOutput(step.step_id, {})
         model = self.model
@@ -193,6 +219,8 @@ class ModelRunner:
         bs = self.block_size
 
         inp = self.input_batcher.prepare(step.requests)
+        if len(inp.placeholder_rows):
+            self._feed_previous_samples(step, inp, prev_ids)
         for r in step.requests:
             self.sampler.remember(r)
         slot_t, pos_t = inp.slot_mapping, inp.positions  # [T], [T]
@@ -212,7 +240,7 @@ class ModelRunner:
             capture.begin_step(inp.num_tokens, pos_t)
         graphs = self.decode_graphs
         logits = hidden = None
-        if graphs is not None and graphs.can_run(step.requests):
+        if graphs is not None and graphs.can_run(step.requests, inp.block_tables.shape[1]):
             if capture is not None:
                 capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
             logits = graphs.replay(inp)  # [B, V]: a decode step, every row samples
@@ -241,6 +269,9 @@ class ModelRunner:
                     out.sampled_token_ids.setdefault(rid, []).append(tok)
                     if i in records:
                         out.logprobs.setdefault(rid, []).append(records[i])
+                assert self.sampler.last_ids is not None
+                self._prev_ids = self.sampler.last_ids
+                self.input_batcher.state.record_samples(step.step_id, inp.state_rows[inp.sample_requests])
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
                 out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)

@@ -29,7 +29,9 @@ class KTokenRunner(ModelRunner):
             for rid, toks in out.sampled_token_ids.items():
                 r = chunks[rid]
                 pos = r.start_pos + len(r.token_ids) + len(toks) - 1  # where the newest token goes
-                feed.append(ScheduledRequestData(rid, [toks[-1]], pos, r.block_table, r.block_tags, sample=True))
+                # the same block diff as the chunk's (applying it again changes nothing)
+                feed.append(ScheduledRequestData(rid, [toks[-1]], pos, r.block_table, r.block_tags, sample=True,
+                                                 blocks_from=r.blocks_from))
             more = super().execute(StepInput(step.step_id, feed))
             for rid, toks in more.sampled_token_ids.items():
                 out.sampled_token_ids[rid] += toks

@@ -51,6 +51,7 @@ class StepSampler:
         self._requests: dict[str, _RequestState] = {}
         self._unseeded = random.Random()  # seeds for requests that bring none
         self._sampled_ids = SampledIds(max_num_seqs, device)
+        self.last_ids: torch.Tensor | None = None  # [S] the last step's ids on the device (a step fed ahead reads them)
 
     def remember(self, r: ScheduledRequestData) -> None:
         """Keep what the first chunk of a request carries (later chunks carry no params). A failed step
@@ -127,6 +128,7 @@ class StepSampler:
                 f"{', '.join(culprits)}; nothing can be sampled from them (check the weights and the input)"
             )
         self.stats.record([r.request.request_id for r in rows], ids)
+        self.last_ids = ids
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         records: dict[int, TokenLogprob] = {}
         if want:
