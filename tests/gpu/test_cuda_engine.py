@@ -17,16 +17,13 @@ import numpy as np
 import pytest
 import torch
 from fake_model import make_fake_model
+from router_probe import cpu_router_logits
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClient
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_all
 from fastdeploy_r3.cache_manager.transfer import CacheTransferConfig, KVCacheSpec, TransferKind, TransferTask
-from fastdeploy_r3.config import ModelConfig
-from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
-from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
-from fastdeploy_r3.model_executor.model_loader import load_model
 
 pytestmark = pytest.mark.gpu
 
@@ -66,19 +63,9 @@ def cuda_reference(model_dir: str, prompts: list[list[int]]):
 def router_gaps(model_dir: str, token_ids: list[int]) -> np.ndarray:
     """[T, L]: per token and MoE layer, the smallest gap between adjacent router probabilities among the
     K + 1 best (CPU float32 forward without KV cache); a small gap means the top-k set or order is a near-tie."""
-    model = load_model(ModelConfig(model_dir, dtype="float32"), torch.device("cpu"))
-    moe = sorted((m for m in model.modules() if isinstance(m, SparseMoeBlock)), key=lambda m: m.moe_index)
-    logits: dict[int, torch.Tensor] = {}
-    hooks = [m.gate.register_forward_hook(lambda _m, _i, out, i=m.moe_index: logits.__setitem__(i, out)) for m in moe]
-    try:
-        with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])):
-            model(torch.tensor(token_ids, dtype=torch.int64), torch.arange(len(token_ids)))
-    finally:
-        for h in hooks:
-            h.remove()
     gaps = []
-    for m in moe:
-        top = torch.softmax(logits[m.moe_index].float(), dim=-1).topk(m.top_k + 1, dim=-1).values  # [T, K+1]
+    for m, logits in cpu_router_logits(model_dir, token_ids):
+        top = torch.softmax(logits.float(), dim=-1).topk(m.top_k + 1, dim=-1).values  # [T, K+1]
         gaps.append((top[:, :-1] - top[:, 1:]).min(dim=-1).values.numpy())  # [T]
     return np.stack(gaps, axis=1)
 

@@ -18,12 +18,10 @@ import numpy as np
 import pytest
 import torch
 from fake_model import make_fake_model
+from router_probe import cpu_router_logits
 
 from fastdeploy_r3 import LLM, SamplingParams
-from fastdeploy_r3.config import ModelConfig
-from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
-from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, grouped_sigmoid_topk, softmax_topk
-from fastdeploy_r3.model_executor.model_loader import load_model
+from fastdeploy_r3.model_executor.layers.moe import grouped_sigmoid_topk, softmax_topk
 from fastdeploy_r3.model_executor.ops.fused_routing import FUSED_ROUTING_ENV, RouterSpec, fused_routing
 from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks_torch
 
@@ -180,18 +178,9 @@ def generate(model_dir: str, prompts: list[list[int]], dtype: str):
 
 def router_near_ties(model_dir: str, token_ids: list[int]) -> np.ndarray:
     """[T, L] bool: the router's best K + 1 probabilities hold a near-tie (CPU float32 forward)."""
-    model = load_model(ModelConfig(model_dir, dtype="float32"), torch.device("cpu"))
-    moe = sorted((m for m in model.modules() if isinstance(m, SparseMoeBlock)), key=lambda m: m.moe_index)
-    logits: dict[int, torch.Tensor] = {}
-    hooks = [m.gate.register_forward_hook(lambda _m, _i, out, i=m.moe_index: logits.__setitem__(i, out)) for m in moe]
-    try:
-        with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])):
-            model(torch.tensor(token_ids, dtype=torch.int64), torch.arange(len(token_ids)))
-    finally:
-        for h in hooks:
-            h.remove()
-    spec = RouterSpec(moe[0].top_k, "softmax", moe[0].renormalize)
-    return np.stack([near_ties(logits[m.moe_index], spec, None).numpy() for m in moe], axis=1)
+    layers = cpu_router_logits(model_dir, token_ids)
+    spec = RouterSpec(layers[0][0].top_k, "softmax", layers[0][0].renormalize)
+    return np.stack([near_ties(logits, spec, None).numpy() for _, logits in layers], axis=1)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
