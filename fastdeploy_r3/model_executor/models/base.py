@@ -26,7 +26,8 @@ the identity today): load_weights skips, and the loader never reads, the experts
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -230,12 +231,14 @@ class MoeCausalLM(nn.Module):
             name = name.replace(f".{self.checkpoint_mlp_name}.", ".mlp.")
         return name
 
-    def checkpoint_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every name (and shape) an HF checkpoint of this model holds; tied lm_head omitted. Built once:
-        the model's structure never changes, and a trainer's update calls this once per bucket."""
+    def checkpoint_weight_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Every name (and shape) an HF checkpoint of this model holds; tied lm_head omitted. Built once
+        (the model's structure never changes, and a trainer's update calls this once per bucket) and
+        handed out read-only, so no caller can change what the next one is told."""
         cached = self.__dict__.get("_checkpoint_weight_shapes")
         if cached is None:
-            cached = self.__dict__["_checkpoint_weight_shapes"] = self._build_checkpoint_weight_shapes()
+            cached = MappingProxyType(self._build_checkpoint_weight_shapes())
+            self.__dict__["_checkpoint_weight_shapes"] = cached
         return cached
 
     def _build_checkpoint_weight_shapes(self) -> dict[str, tuple[int, ...]]:
