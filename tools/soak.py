@@ -43,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -57,27 +56,14 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the process launchers th
 import faults  # noqa: E402
 from api_server_process import free_port  # noqa: E402
 from redis_server import redis_pid, redis_server  # noqa: E402
-from soak_control import control_fault  # noqa: E402
-from soak_load import CLEAR, MUST_BE_ZERO, OUTCOMES, REFUSED, Load, Target  # noqa: E402
-from soak_load import Stats as RequestStats  # noqa: E402
-from soak_race import rollout_race  # noqa: E402
+from soak_faults import STORE_NAMESPACE, FaultInjector  # noqa: E402
+from soak_load import CLEAR, HUNG, MUST_BE_ZERO, REFUSED, Load, Target  # noqa: E402
+from soak_report import Stats, table  # noqa: E402
 
 ALL_FAULTS = ("ctm-kill", "redis-stop", "storage-full", "worker-kill", "ctm-stop", "storage-corrupt",
               "engine-stop", "storage-ro", "worker-stop", "engine-kill", "api-kill", "rollout-race",
               "bad-checkpoint", "stalled-rendezvous", "dead-trainer")
 FATAL = {"worker-kill", "worker-stop", "engine-kill", "engine-stop", "api-kill"}  # the server exits
-STORE_NAMESPACE = "soak"
-
-
-@dataclass
-class Stats(RequestStats):
-    faults: Counter = field(default_factory=Counter)
-    restarts: int = 0
-    leaked_processes: int = 0
-    leaked_segments: int = 0
-    leaked_ipc_dirs: int = 0
-    leak_examples: list[str] = field(default_factory=list)
-    rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB of the whole server tree)
 
 
 # -- the supervised server -------------------------------------------------------------------------
@@ -234,84 +220,6 @@ def tree_rss_mib(pid: int) -> float:
     return total / 2**20
 
 
-# -- faults ----------------------------------------------------------------------------------------
-
-
-class FaultInjector:
-    def __init__(self, sup: Supervisor, peer: Supervisor | None, redis_pid: int, args: argparse.Namespace,
-                 stats: Stats) -> None:  # fmt: skip
-        self.sup, self.peer, self.redis_pid, self.args, self.stats = sup, peer, redis_pid, args, stats
-        self.busy: asyncio.Future | None = None  # the fault being injected (a thread: cancelling cannot stop it)
-
-    async def finish(self, task: asyncio.Task) -> None:
-        """Stop injecting; wait for the fault under way, so that stopping the servers does not cut it."""
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        if self.busy is not None:
-            await self.busy
-
-    async def run(self, names: list[str]) -> None:
-        i = 0
-        while not self.sup.stopping:
-            await asyncio.sleep(self.args.fault_every)
-            await self.sup.up.wait()
-            srv = self.sup.server
-            if srv is None or self.sup.stopping:
-                continue
-            name = names[i % len(names)]
-            i += 1
-            if name.startswith("storage") and srv.storage_dir is None:
-                name = "redis-stop"  # config B keeps KV in Redis: its storage fault is Redis stopping
-            if name == "rollout-race":
-                if srv.config != "A":
-                    continue  # config B returns R3 in the response: no store to race on; the next start is A
-                assert self.peer is not None  # started whenever rollout-race is among the faults
-                await self.peer.up.wait()
-            self.stats.faults[name] += 1
-            self.busy = asyncio.ensure_future(asyncio.to_thread(self.inject, name, srv))
-            await asyncio.shield(self.busy)
-
-    def inject(self, name: str, srv: Server) -> None:
-        hold = self.args.stop_seconds
-        if name == "rollout-race":  # one rollout id sent to this server (twice) and to its peer at once
-            peer = self.peer.server if self.peer is not None else None
-            if peer is None:
-                return  # the peer is restarting after all
-            for outcome in rollout_race(srv.url, peer.url, self.sup.redis_url, STORE_NAMESPACE):
-                self.stats.add(outcome)
-            return
-        if name in ("bad-checkpoint", "stalled-rendezvous", "dead-trainer"):  # refused, the server serving after
-            self.stats.add(control_fault(name, srv.url, self.sup.model, self.sup.work))
-            return
-        target, action = name.rsplit("-", 1)
-        if target in ("ctm", "worker", "engine", "api"):
-            roles = faults.server_roles(srv.proc.pid)
-            pid = roles.get(target)
-            if pid is None:
-                return
-            srv.pids = sorted(set(srv.pids) | set(roles.values()))
-            if action == "kill":
-                faults.kill(pid)
-            else:
-                faults.stop_for(pid, hold if target == "ctm" else self.args.stop_fatal_seconds)
-        elif name == "redis-stop":
-            faults.stop_for(self.redis_pid, hold)
-        else:
-            storage = faults.StorageFaults(srv.proc.pid, srv.storage_dir)  # type: ignore[arg-type]
-            with contextlib.suppress(RuntimeError):  # the server may have been restarted meanwhile
-                if action == "full":
-                    storage.fill()
-                    time.sleep(hold)
-                    storage.unfill()
-                elif action == "ro":
-                    storage.read_only()
-                    time.sleep(hold)
-                    storage.read_write()
-                else:
-                    storage.corrupt()
-
-
 # -- the load --------------------------------------------------------------------------------------
 
 
@@ -330,8 +238,11 @@ class Clients:
                 break
         r3_store = (self.sup.redis_url, STORE_NAMESPACE) if srv.config == "A" else None
         target = Target(srv.url, r3_store, server_alive=lambda: srv.proc.poll() is None)
+        sent = time.monotonic()
         outcome = await self.load.one(client, target)
         self.stats.add(outcome)
+        if outcome.outcome == HUNG:
+            self.stats.hung_sent.append((sent, outcome.kind))
         if outcome.outcome == CLEAR and outcome.detail.startswith("503"):
             await asyncio.sleep(0.5)  # the server cannot serve for now (weights mixed, engine gone): back off
         if outcome.outcome == REFUSED:
@@ -437,31 +348,6 @@ def _stop_on_first_signal() -> asyncio.Event:
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, first, s)
     return stop
-
-
-def table(stats: Stats, seconds: float) -> str:
-    lat = sorted(stats.latencies)
-    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: float("nan"))
-    total = sum(stats.outcomes.values())
-    rows = [("requests", total)]
-    for name in OUTCOMES:
-        rows.append((name, stats.outcomes.get(name, 0)))
-    rows += [("leaked processes", stats.leaked_processes), ("leaked /dev/shm segments", stats.leaked_segments),
-             ("leaked IPC directories", stats.leaked_ipc_dirs),
-             ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(stats.faults.items())) or "none"),
-             ("server restarts", stats.restarts),
-             ("latency p50 / p99 (served)", f"{pct(0.5):.0f} / {pct(0.99):.0f} ms"),
-             ("wall time", f"{seconds:.0f} s")]
-    if stats.rss:
-        step = max(1, len(stats.rss) // 8)
-        rows.append(("RSS of the server tree", ", ".join(f"{t:.0f}s {m:.0f}MiB" for t, m in stats.rss[::step])))
-    width = max(len(r[0]) for r in rows)
-    lines = [f"| {'what'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
-    for k, v in stats.examples.items():
-        lines.append(f"first '{k}': {v}")
-    lines += [f"leak: {x}" for x in stats.leak_examples[:5]]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
