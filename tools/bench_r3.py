@@ -184,7 +184,8 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
           f"{graphs.sizes if graphs else 'none'} ({bench.graph_capture_s:.1f} s); "
           f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     rows = []
-    profile = None
+    profiles: dict[int, dict] = {}
+    profile_at = {int(b) for b in str(args.profile_batch).split(",") if b}
     try:
         for b in batches:
             bench.prefill(random_prompts(b, args.prompt_len, vocab, seed=b), reserve=extra)
@@ -201,15 +202,15 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
             rows.append(row)
             print(f"batch {b:4d}: step {on * 1e3:8.2f} ms (R3 off {off * 1e3:8.2f}), roofline {roof * 1e3:7.3f} ms "
                   f"({nbytes['experts_touched_per_layer']:.0f} experts/layer), ratio {on / roof:6.1f}", flush=True)
-            if b == args.profile_batch and args.out:
-                profile = profile_steps(bench, 3, os.path.join(args.out, f"profile_bs{b}.txt"))
+            if b in profile_at and args.out:
+                profiles[b] = profile_steps(bench, 3, os.path.join(args.out, f"profile_bs{b}.txt"))
         prompts = random_prompts(args.prefill_prompts, args.prefill_len, vocab, seed=4096)
         bench.prefill(prompts[:1])  # warm-up at this length
         prefill_s = bench.prefill(prompts)
         prefill_tok_s = args.prefill_prompts * args.prefill_len / prefill_s
     finally:
         bench.close()
-    return {"copy_bandwidth": bw, "rows": rows, "prefill_tok_s": prefill_tok_s, "profile": profile,
+    return {"copy_bandwidth": bw, "rows": rows, "prefill_tok_s": prefill_tok_s, "profiles": profiles,
             "cuda_graphs": graphs is not None}
 
 
@@ -274,9 +275,8 @@ def print_engine_table(res: dict, hf: dict, title: str) -> None:
                 f"{r['bytes']['experts_touched_per_layer']:13.1f} |")
         print(line + (f" {hf.get(r['batch'], float('nan')):10.2f} |" if hf else ""))
     print(f"\nprefill: {res['prefill_tok_s']:.0f} tokens/s")
-    p = res["profile"]
-    if p:
-        print(f"\nprofile, {p['wall_ms_per_step']:.2f} ms/step wall: GPU busy {p['gpu_busy_ms_per_step']:.2f} ms, "
+    for b, p in sorted(res["profiles"].items()):
+        print(f"\nprofile at batch {b}, {p['wall_ms_per_step']:.2f} ms/step wall: GPU busy {p['gpu_busy_ms_per_step']:.2f} ms, "
               f"{p['launches_per_step']:.0f} launches, {p['syncs_per_step']:.0f} syncs, "
               f"{p['nonzero_per_step']:.0f} nonzero per step; top ops (ms/step):")
         for key, ms in p["top"]:
@@ -297,7 +297,7 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=None, help="default 4096 on CUDA, 64 on the CPU")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
-    ap.add_argument("--profile-batch", type=int, default=16)
+    ap.add_argument("--profile-batch", default="16", help="batch sizes to profile, e.g. 1,256 (needs --out)")
     ap.add_argument("--png", default=None)
     ap.add_argument("--out", default=None, help="directory for the profile table and bench.json")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers on the same shape")

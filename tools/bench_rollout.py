@@ -15,7 +15,8 @@ log-normal with a long tail and capped at --max-tokens (`--output-len fixed`: ev
 --concurrency in flight (0: all at once). Per run it prints the rollout wall time, output tokens/s,
 TTFT p50/p99, TPOT p50/p99 and, when the engine exports its step counters on /metrics, the mean
 engine step beside the server TPOT. `--r3 both` runs R3 off and on alternately (--pairs times) on
-servers started here and prints their ratio. --png plots tokens/s and requests in flight over time.
+servers started here and prints their ratio (per concurrency with --concurrency-sweep, each server
+running the whole sweep). --png plots tokens/s and requests in flight over time.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ async def _one(client: httpx.AsyncClient, url: str, s: Sample, args: argparse.Na
 
 
 _STEP_RE = re.compile(
-    r"^fastdeploy_r3_engine_(steps|step_seconds|step_(?:schedule|input|worker|output|send)_seconds)(?:_total)? "
+    r"^fastdeploy_r3_engine_(steps|step_seconds|step_(?:schedule|input|worker|output|send)_seconds|decode_steps"
+    r"|decode_step_seconds)(?:_total)? "
     r"([0-9.eE+-]+)$", re.M)
 STEP_PARTS = ("schedule", "input", "worker", "output", "send")  # engine/step_counters.py
 
@@ -177,6 +179,10 @@ async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace,
         step_ms = 1e3 * (after["step_seconds"] - before["step_seconds"]) / steps
         split = {p: 1e3 * (after[k] - before[k]) / steps for p in STEP_PARTS
                  if (k := f"step_{p}_seconds") in before.keys() & after.keys()}
+        decode = after.get("decode_steps", 0) - before.get("decode_steps", 0)
+        if decode > 0:  # the steps that fed one token per request, no prompt chunk (send excluded)
+            split[f"decode-only step ({decode:.0f} steps)"] = 1e3 * (
+                after["decode_step_seconds"] - before["decode_step_seconds"]) / decode
         return RunResult(label, wall, samples, step_ms, timeline, split)
     return RunResult(label, wall, samples, step_ms, timeline)
 
@@ -240,32 +246,44 @@ def target(args: argparse.Namespace, r3_config: str, log_dir: str):
     # server_command says --device cpu; a later --device wins (argparse keeps the last value).
     extra = [*args.server_arg, "--device", args.device, "--routing-replay-config", r3_config,
              "--load-format", args.load_format]
+    t0 = time.monotonic()
     with api_server(args.model, log_dir, *extra, timeout=args.start_timeout_s) as h:
+        print(f"server ({'R3 off' if r3_config == R3_OFF else 'R3 on'}) up in {time.monotonic() - t0:.1f} s",
+              flush=True)
         yield h.url
 
 
 async def _main(args: argparse.Namespace) -> list[RunResult]:
     vocab = vocab_size(args.model)
     results: list[RunResult] = []
+    modes = {"on": [True], "off": [False], "both": [False, True] * args.pairs}[args.r3]
+    sweep = [int(x) for x in args.concurrency_sweep.split(",")] if args.concurrency_sweep else [None]
     with tempfile.TemporaryDirectory(prefix="fdr3_rollout_") as log_dir:
-        if args.concurrency_sweep:
-            with target(args, R3_ON if args.r3 != "off" else R3_OFF, log_dir) as url:
-                await run_rollout(url, make_rollout(args, vocab, seed=99)[:4], args, False, "warm-up")
-                for c in (int(x) for x in args.concurrency_sweep.split(",")):
-                    args.concurrency = c
-                    sweep = argparse.Namespace(**{**vars(args), "prompts": c, "n": 1})
-                    results.append(await run_rollout(url, make_rollout(sweep, vocab), args, args.r3 != "off",
-                                                     f"concurrency {c}"))
-                    print(row(results[-1]), flush=True)
-            return results
-        modes = {"on": [True], "off": [False], "both": [False, True] * args.pairs}[args.r3]
         for i, r3 in enumerate(modes):
+            pair = f"R3 {'on' if r3 else 'off'}" + (f" #{i // 2 + 1}" if args.r3 == "both" else "")
             with target(args, R3_ON if r3 else R3_OFF, log_dir) as url:
                 await run_rollout(url, make_rollout(args, vocab, seed=99)[:4], args, False, "warm-up")
-                label = f"R3 {'on' if r3 else 'off'}" + (f" #{i // 2 + 1}" if args.r3 == "both" else "")
-                results.append(await run_rollout(url, make_rollout(args, vocab), args, r3, label))
-                print(row(results[-1]), flush=True)
+                for c in sweep:
+                    if c is None:
+                        samples, label = make_rollout(args, vocab), pair
+                    else:  # the concurrency table: c single-sample prompts, all in flight at once
+                        args.concurrency = c
+                        one_each = argparse.Namespace(**{**vars(args), "prompts": c, "n": 1})
+                        samples = make_rollout(one_each, vocab)
+                        label = f"concurrency {c}" + (f", {pair}" if args.r3 == "both" else "")
+                    results.append(await run_rollout(url, samples, args, r3, label))
+                    print(row(results[-1]), flush=True)
     return results
+
+
+def r3_ratios(results: list[RunResult]) -> dict[str, list[float]]:
+    """R3 on / off output tok/s of each pair (--r3 both), by concurrency ("" without a sweep)."""
+    by: dict[str, dict[str, list[float]]] = {}
+    for r in results:
+        m = re.match(r"(?:concurrency (\d+), )?R3 (on|off) #\d+$", r.label)
+        if m:
+            by.setdefault(m.group(1) or "", {"on": [], "off": []})[m.group(2)].append(r.tok_s)
+    return {c: [a / b for a, b in zip(v["on"], v["off"])] for c, v in by.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,12 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.step_split_ms:
             print(f"engine step, {r.label}: " + ", ".join(f"{p} {ms:.2f} ms" for p, ms in r.step_split_ms.items()))
-    on = [r.tok_s for r in results if r.label.startswith("R3 on")]
-    off = [r.tok_s for r in results if r.label.startswith("R3 off")]
-    if on and off and args.r3 == "both":
-        ratios = [a / b for a, b in zip(on, off)]
-        print(f"\nR3 on / off output tok/s: median {statistics.median(ratios):.3f}, "
-              f"spread {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} pairs")
+    for c, ratios in r3_ratios(results).items():
+        if ratios:
+            at = f" at concurrency {c}" if c else ""
+            print(f"\nR3 on / off output tok/s{at}: median {statistics.median(ratios):.3f}, "
+                  f"spread {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} pairs")
     if args.png:
         os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
         plot(results, args.png)

@@ -165,7 +165,8 @@ class EngineService:
         if out.chunks:
             input_s, worker_s = self._input_seconds - input_before, self._worker_seconds - worker_before
             output_s = watch.lap() - worker_s - (input_s - input_at_schedule)  # since the schedule's lap
-            self.step_counters.add_step(schedule_s, input_s, worker_s, output_s, len(deltas))
+            decode_only = all(c.num_new_tokens == 1 and c.samples for c in out.chunks)
+            self.step_counters.add_step(schedule_s, input_s, worker_s, output_s, len(deltas), decode_only)
         return deltas
 
     def drain(self) -> None:
@@ -243,6 +244,7 @@ class EngineService:
         watch = Stopwatch()
         outs = self.workers.collect(timeout=self.config.parallel_config.worker_step_timeout_s)
         self._worker_seconds += watch.lap()
+        self.overlap_counters.launched_ahead_steps += int(outs[0].launched_ahead)
         errors = [o.error for o in outs if o.error is not None]
         if errors:
             return StepAttempt(error=errors[0])
@@ -308,6 +310,7 @@ class EngineService:
             "sync_steps": self.overlap_counters.sync_steps,
             "discarded_chunks": self.overlap_counters.discarded_chunks,
             "discarded_steps": self.overlap_counters.discarded_steps,
+            "launched_ahead_steps": self.overlap_counters.launched_ahead_steps,
             "r3_rows_delivered": r3.rows_delivered,
             "r3_bytes": r3.bytes_delivered,
             "r3_failures": r3.failures,

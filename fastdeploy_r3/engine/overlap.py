@@ -47,6 +47,7 @@ class OverlapCounters:
     sync_steps: int = 0  # steps scheduled after the previous one was collected
     discarded_steps: int = 0  # steps planned ahead of a step that failed: discarded, their base re-run
     discarded_chunks: int = 0  # chunks of requests that finished while their step ran (the invariant above)
+    launched_ahead_steps: int = 0  # steps the worker launched on the device before finishing the one before
 
 
 def schedule_ahead(scheduler: Scheduler, in_flight: list[ScheduledChunk], max_model_len: int) -> SchedulerOutput | None:

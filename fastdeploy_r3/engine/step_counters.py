@@ -13,7 +13,10 @@ device's time included):
     output    token processing (stops, detokenization, R3 gather at finish) and the step's deltas
     send      packing the step's outputs and handing them to the API server (engine/engine_process.py)
 
-`steps` counts steps that ran the model; a step that only sends aborts is not one.
+`steps` counts steps that ran the model; a step that only sends aborts is not one. `decode_steps` and
+`decode_step_seconds` (send excluded) count the steps that fed one token per request and no prompt
+chunk: the server's decode step, to set beside tools/bench_r3.py's, without the prefill steps a mean
+over all steps mixes in.
 bench_rollout.py divides step_seconds by steps for the engine's mean step and sets it beside the
 server's TPOT.
 """
@@ -34,10 +37,15 @@ class StepCounters:
     output_seconds: float = 0.0
     send_seconds: float = 0.0
     step_outputs: int = 0  # request deltas the steps produced
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
 
     def add_step(self, schedule_s: float, input_s: float, worker_s: float, output_s: float,
-                 num_outputs: int) -> None:
+                 num_outputs: int, decode_only: bool = False) -> None:
         """One model step's parts (the send is added by the loop that sends, with add_send)."""
+        if decode_only:
+            self.decode_steps += 1
+            self.decode_step_seconds += schedule_s + input_s + worker_s + output_s
         self.steps += 1
         self.schedule_seconds += schedule_s
         self.input_seconds += input_s
@@ -62,6 +70,8 @@ class StepCounters:
             "step_output_seconds": self.output_seconds,
             "step_send_seconds": self.send_seconds,
             "step_outputs": self.step_outputs,
+            "decode_steps": self.decode_steps,
+            "decode_step_seconds": self.decode_step_seconds,
         }
 
 

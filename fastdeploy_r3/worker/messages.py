@@ -130,6 +130,7 @@ class StepOutput:
     # positions as (position of the first entry, entries), entry j scoring prompt token first + j
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    launched_ahead: bool = False  # launched while the step before it was unfinished (worker_process.py)
 
 
 @dataclass

@@ -10,6 +10,8 @@ the tokens leave the worker, so when the engine sees a token, every forwarded ro
 from __future__ import annotations
 
 import logging
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,7 +23,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
-from fastdeploy_r3.worker.input_batch import InputBatcher, StepInputs
+from fastdeploy_r3.worker.input_batch import InputBatcher, SampleRow, StepInputs
 from fastdeploy_r3.worker.messages import (
     ChecksumWeights,
     DestroyWeightUpdateGroup,
@@ -37,13 +39,27 @@ from fastdeploy_r3.worker.messages import (
 )
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
-from fastdeploy_r3.worker.sample.sampler import StepSampler
+from fastdeploy_r3.worker.sample.sampler import PendingSample, StepSampler
 
 logger = logging.getLogger(__name__)
 
 
 class MissingSampledTokenError(RuntimeError):
     """A step scheduled ahead feeds a token its previous step did not sample (that step failed)."""
+
+
+@dataclass
+class LaunchedStep:
+    """A step launched on the device and not yet finished (ModelRunner.launch / finish)."""
+
+    out: StepOutput  # its tokens and logprobs are filled in by finish()
+    pending: PendingSample | None = None  # rank 0's draw on its way to the host
+    sample_rows: list[SampleRow] = field(default_factory=list)
+    fed_from: int | None = None  # the step whose sampled ids filled this one's placeholders
+
+    def done(self) -> bool:
+        """Whether finish() would not wait."""
+        return self.pending is None or self.pending.done()
 
 
 class ModelRunner:
@@ -74,6 +90,7 @@ class ModelRunner:
         self.memory = None  # MemoryOccupation, once the model is loaded
         # the previous step's sampled ids on the device and, by request, the row of its last one
         self._prev_ids: torch.Tensor | None = None  # [S] the previous step's sampled ids, on the device
+        self._failed_steps: deque[int] = deque(maxlen=8)  # steps that failed in finish(), after launching
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -196,7 +213,7 @@ class ModelRunner:
         # only from the step just before, by id: any failure in between (even one raised before this
         # runner's execute, by a subclass) leaves older step ids in the batch state
         src = self.input_batcher.state.previous_samples(step.step_id, inp.state_rows[inp.placeholder_requests])
-        if prev_ids is None or src.min() < 0:
+        if prev_ids is None or src.min() < 0 or step.step_id - 1 in self._failed_steps:
             missing = [step.requests[b].request_id for b, s in zip(inp.placeholder_requests.tolist(), src) if s < 0]
             # the previous step failed (or never sampled these): the engine discards this step and re-runs
             raise MissingSampledTokenError(
@@ -205,15 +222,23 @@ class ModelRunner:
         rows = torch.from_numpy(inp.placeholder_rows).to(self.device, non_blocking=True)
         inp.input_ids[rows] = prev_ids[torch.from_numpy(src).to(self.device, non_blocking=True)]
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        """One step from inputs to sampled tokens: launch, then finish."""
+        return self.finish(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Everything of a step up to the host wait: inputs, forward, R3 scatter, the draw. The worker
+        (worker_process.py) may launch the next step before finishing this one; whatever the next step
+        reads from this one (the sampled ids, the penalty counts) is on the device already."""
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
             self.input_batcher.forget(rid)
         # whatever this step does, a later step may feed only what it samples (a failed step: nothing)
         prev_ids, self._prev_ids = self._prev_ids, None
+        launched = LaunchedStep(StepOutput(step.step_id, {}))
         if not step.requests:
-            return StepOutput(step.step_id, {})
+            return launched
         model = self.model
         assert model is not None and self.kv_cache is not None
         bs = self.block_size
@@ -221,6 +246,7 @@ class ModelRunner:
         inp = self.input_batcher.prepare(step.requests)
         if len(inp.placeholder_rows):
             self._feed_previous_samples(step, inp, prev_ids)
+            launched.fed_from = step.step_id - 1
         for r in step.requests:
             self.sampler.remember(r)
         slot_t, pos_t = inp.slot_mapping, inp.positions  # [T], [T]
@@ -251,31 +277,56 @@ class ModelRunner:
         if capture is not None:
             capture.check_complete()
             if self.routing_writer is not None:
-                # when this rank samples, the sampled-ids fetch below is the step's one sync and comes after
-                # the scatter on the same stream: the rows are in place before any token is published
+                # when this rank samples, the wait for the sampled ids (finish) comes after the scatter on
+                # the same stream: the rows are in place before any token is published
                 samples_here = bool(inp.sample_rows) and self.rank == 0
                 rows = self.routing_writer.rows_of(capture, inp.num_tokens)  # [T, L, K]
                 self.routing_writer.write(rows, slot_t, inp.tags, pos_t, synchronize=not samples_here)
 
-        out = StepOutput(step.step_id, {})
         # every rank holds the same hidden states (all-reduced) and the engine reads rank 0's tokens only
         if self.rank == 0:
             if inp.sample_rows:
                 if logits is None:
                     logits = model.compute_logits(hidden[inp.sample_idx])  # [S, V] float32
-                ids, records = self.sampler.sample(logits, inp.sample_rows)
-                for i, (row, tok) in enumerate(zip(inp.sample_rows, ids)):  # rows of a request are in order
-                    rid = row.request.request_id
-                    out.sampled_token_ids.setdefault(rid, []).append(tok)
-                    if i in records:
-                        out.logprobs.setdefault(rid, []).append(records[i])
+                launched.pending = self.sampler.sample_async(logits, inp.sample_rows)
+                launched.sample_rows = inp.sample_rows
                 assert self.sampler.last_ids is not None
                 self._prev_ids = self.sampler.last_ids
                 self.input_batcher.state.record_samples(step.step_id, inp.state_rows[inp.sample_requests])
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
-                out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
+                launched.out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's draw and hand its tokens over. A step fed by a step that failed
+        in its own finish (after this one was launched) fails too: the engine re-sends its ids."""
+        out = launched.out
+        try:
+            if launched.fed_from is not None and launched.fed_from in self._failed_steps:
+                raise MissingSampledTokenError(
+                    f"step {out.step_id} was fed the tokens step {launched.fed_from} sampled, and that step "
+                    "failed after all; the engine re-sends the ids")
+            if launched.pending is None:
+                return out
+            ids, records = launched.pending.wait()
+        except Exception:
+            self._fail(launched)
+            raise
+        for i, (row, tok) in enumerate(zip(launched.sample_rows, ids)):  # rows of a request are in order
+            rid = row.request.request_id
+            out.sampled_token_ids.setdefault(rid, []).append(tok)
+            if i in records:
+                out.logprobs.setdefault(rid, []).append(records[i])
         return out
+
+    def _fail(self, launched: LaunchedStep) -> None:
+        """A launched step failed in finish: no later step may feed what it sampled."""
+        if launched.pending is not None:
+            launched.pending.discard()  # once: a wait() that raised may have discarded already
+        self._failed_steps.append(launched.out.step_id)
+        if self._prev_ids is not None and launched.pending is not None and self._prev_ids is launched.pending.ids:
+            self._prev_ids = None
 
     def close(self) -> None:
         self.decode_graphs = None  # before the KV cache and capture buffer its graphs point into

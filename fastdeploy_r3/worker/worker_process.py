@@ -5,8 +5,8 @@
       ◄── WorkerReady(kv_spec) ──
       ── AttachRoutingBuffer ──►     rank 0 attaches routing_host_buffer
       ◄── RoutingAttached ──────
-      ── StepInput ────────────►     forward, write R3 rows, sample
-      ◄── StepOutput ───────────
+      ── StepInput ────────────►     forward, write R3 rows, sample (the next StepInput may be launched
+      ◄── StepOutput ───────────     before this one's output goes back: StepPipeline)
       ── InitWeightUpdateGroup / UpdateWeights / DestroyWeightUpdateGroup ►  (between steps)
       ◄── WeightUpdateResult ───     new weights in place, each rank its shard
       ── ReleaseMemory / ResumeMemory / ChecksumWeights ►  ◄── MemoryResult / WeightsChecksum
@@ -22,7 +22,9 @@ import multiprocessing
 import os
 import signal
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,6 +54,9 @@ from fastdeploy_r3.worker.messages import (
     WorkerFailed,
     WorkerReady,
 )
+
+if TYPE_CHECKING:
+    from fastdeploy_r3.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +95,21 @@ def worker_main(
         num_blocks = runner.determine_num_gpu_blocks()
         spec = runner.init_kv_cache(num_blocks)
         conn.send(WorkerReady(rank, num_blocks, spec, runner.num_lookahead_tokens))
+        # one rank, a runner whose steps split into launch and finish: the next step is launched before
+        # this one is finished whenever the engine sent it already (engine/overlap.py plans it ahead),
+        # so the device runs it while this process waits for, packs and sends the previous one
+        steps = StepPipeline(runner, conn, pipelined=world_size == 1 and type(runner).execute is ModelRunner.execute
+                             and pipeline_steps(config.device))  # fmt: skip
         while True:
             try:
+                steps.wait_for_message()
                 msg = conn.recv()
             except (EOFError, OSError):
                 break  # the engine is gone: the finally below unlinks its segments
+            if isinstance(msg, StepInput):
+                steps.run(msg)
+                continue
+            steps.flush()  # a control message, or shutdown, comes after every step sent before it
             if isinstance(msg, Shutdown):
                 told_to_stop = True
                 break
@@ -102,13 +117,6 @@ def worker_main(
                 runner.attach_routing(msg.spec)
                 runner.capture_decode_graphs()
                 conn.send(RoutingAttached(rank))
-            elif isinstance(msg, StepInput):
-                try:
-                    out = runner.execute(msg)
-                except Exception as e:  # the engine fails the step's requests, the worker lives on
-                    logger.exception("step %d failed", msg.step_id)
-                    out = StepOutput(msg.step_id, {}, error=WorkerError.of(e))
-                conn.send(out)
             elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
                                   ResumeMemory, ChecksumWeights)):
                 conn.send(runner.control(msg))
@@ -128,3 +136,61 @@ def worker_main(
             runner.close()
         destroy_distributed()
 
+
+def pipeline_steps(device: str) -> bool:
+    """Whether to launch a step before finishing the previous one: on CUDA, where a launch returns
+    before the device is done. On the CPU a launch computes the whole step, so launching the next one
+    first would only hold the previous output back; FDR3_PIPELINE_STEPS=1 forces it (tests of the
+    ordering), =0 turns it off."""
+    forced = os.environ.get("FDR3_PIPELINE_STEPS", "")
+    return forced == "1" if forced in ("0", "1") else device == "cuda"
+
+
+class StepPipeline:
+    """At most one launched step waits for its finish while the next one is launched. Outputs go back
+    in step order; a step that fails, in launch or in finish, answers with its error and the worker
+    lives on (the engine fails or re-runs its requests)."""
+
+    POLL_S = 0.0001  # how often the wait for "next message or device done" looks at both
+
+    def __init__(self, runner: ModelRunner, conn: Connection, pipelined: bool) -> None:
+        self.runner, self.conn, self.pipelined = runner, conn, pipelined
+        self.pending: LaunchedStep | None = None
+
+    def wait_for_message(self) -> None:
+        """Return once a message is waiting; meanwhile finish the pending step if its device work is done."""
+        while self.pending is not None and not self.conn.poll(self.POLL_S):
+            if self.pending.done():
+                self.flush()
+
+    def run(self, step: StepInput) -> None:
+        if not self.pipelined:
+            self.conn.send(self._guarded(step.step_id, lambda: self.runner.execute(step)))
+            return
+        try:
+            launched = self.runner.launch(step)
+        except Exception as e:
+            self.flush()
+            self.conn.send(self._error(step.step_id, e))
+            return
+        launched.out.launched_ahead = self.pending is not None
+        self.flush()
+        self.pending = launched
+
+    def flush(self) -> None:
+        """Finish the pending step, if any, and send its output."""
+        launched, self.pending = self.pending, None
+        if launched is not None:
+            self.conn.send(self._guarded(launched.out.step_id, lambda: self.runner.finish(launched)))
+
+    def _guarded(self, step_id: int, fn: Callable[[], StepOutput]) -> StepOutput:
+        try:
+            return fn()
+        except Exception as e:
+            return self._error(step_id, e)
+
+    @staticmethod
+    def _error(step_id: int, e: Exception) -> StepOutput:
+        """The engine fails the step's requests (or re-runs them one by one); the worker lives on."""
+        logger.error("step %d failed", step_id, exc_info=e)
+        return StepOutput(step_id, {}, error=WorkerError.of(e))

@@ -61,12 +61,17 @@ def _run(engine: EngineService, requests: dict[str, tuple[list[int], SamplingPar
     raise AssertionError("the engine made no progress")
 
 
-@pytest.fixture(scope="module")
-def engines(fake_model_dir: Callable[..., str]):
+@pytest.fixture(scope="module", params=["worker finishes each step", "worker launches the next step first"])
+def engines(request: pytest.FixtureRequest, fake_model_dir: Callable[..., str]):
+    """The overlapped engine twice: its worker finishing each step before taking the next (the CPU's
+    default), and launching the step planned ahead before finishing the one before (CUDA's default,
+    worker_process.StepPipeline), forced here with FDR3_PIPELINE_STEPS=1."""
     model_dir = fake_model_dir("qwen3_moe")
-    # FailingRunner: the ordinary runner, but a request named "boom..." makes the step feeding its
-    # position 9 raise (test_a_failed_step_in_flight_...)
-    on = EngineService(_config(model_dir, False), runner_cls=FailingRunner)
+    # FailingRunner: the ordinary runner, but a request named "boom..." or "late..." makes the step
+    # feeding its position 9 fail (test_a_failed_step_in_flight_...)
+    with pytest.MonkeyPatch.context() as mp:  # the spawned workers read it at start
+        mp.setenv("FDR3_PIPELINE_STEPS", "1" if "first" in request.param else "0")
+        on = EngineService(_config(model_dir, False), runner_cls=FailingRunner)
     off = EngineService(_config(model_dir, True), runner_cls=FailingRunner)
     try:
         yield on, off
@@ -150,7 +155,7 @@ def test_stops_are_applied_one_step_late_and_the_extra_chunk_discarded(engines, 
     assert on.kv.gpu.num_free_blocks == on.num_gpu_blocks  # every block back, none held by a discarded chunk
 
 
-def test_overlap_serves_what_the_synchronous_engine_serves(engines, workload) -> None:
+def test_overlap_serves_what_the_synchronous_engine_serves(engines, workload, request: pytest.FixtureRequest) -> None:
     """Under memory pressure (preemptions, CPU-tier swaps), with n > 1, penalties, seeds and prompt logprobs."""
     on, off = engines
     m_on, m_off = on.metrics(), off.metrics()
@@ -162,11 +167,15 @@ def test_overlap_serves_what_the_synchronous_engine_serves(engines, workload) ->
     got.update(_run(on, again))
     want.update(_run(off, again))
     _assert_same_outputs(got, want, workload | again)
-    names = ("overlapped_steps", "discarded_chunks", "preemptions", "swap_in_blocks")
+    names = ("overlapped_steps", "discarded_chunks", "preemptions", "swap_in_blocks", "launched_ahead_steps")
     d_on, d_off = _metric_delta(on, m_on, *names), _metric_delta(off, m_off, *names)
     print("\noverlap on", d_on, "\noverlap off", d_off)
     assert d_off["overlapped_steps"] == 0 and d_off["discarded_chunks"] == 0
     assert d_on["overlapped_steps"] > 0, d_on
+    if "first" in request.node.callspec.params["engines"]:
+        assert d_on["launched_ahead_steps"] > 0, d_on  # the worker did launch steps before finishing others
+    else:
+        assert d_on["launched_ahead_steps"] == 0, d_on
     assert d_on["preemptions"] > 0 and d_off["preemptions"] > 0, (d_on, d_off)
     assert d_on["swap_in_blocks"] > 0 and d_off["swap_in_blocks"] > 0, (d_on, d_off)
     on.kv.check_integrity()
@@ -238,23 +247,26 @@ def _checksum_message() -> object:
     return ChecksumWeights()
 
 
-def test_a_failed_step_in_flight_fails_its_culprit_alone(engines, workload) -> None:
-    """"boom" makes the decode step feeding its position 9 raise. With overlap the next step was already
-    sent, feeding the failed step's tokens: the worker refuses it, the engine discards it, bisects the
-    failed step synchronously (boom fails alone) and serves the others as the synchronous engine does."""
+@pytest.mark.parametrize("culprit, error", [("boom", "ValueError"), ("late", "NonFiniteLogitsError")])
+def test_a_failed_step_in_flight_fails_its_culprit_alone(engines, workload, culprit: str, error: str) -> None:
+    """The decode step feeding the culprit's position 9 fails: "boom" while it is launched, "late" when it
+    is finished (no token drawn, as for NaN logits), which a pipelined worker does after launching the
+    next step. With overlap the next step was already sent, feeding the failed step's tokens: the worker
+    refuses it, the engine discards it, bisects the failed step synchronously (the culprit fails alone)
+    and serves the others as the synchronous engine does (penalty counts included: "seeded" has one)."""
     on, off = engines
     greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
-    boom = [5, 6, 7, 8, 9, 10, 11]
-    assert len(boom) < FAIL_POSITION < len(boom) + 7  # fails while decoding
-    reqs = {"len": workload["len"], "boom": (boom, greedy), "seeded": workload["seeded"]}
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    assert len(prompt) < FAIL_POSITION < len(prompt) + 7  # fails while decoding
+    reqs = {"len": workload["len"], culprit: (prompt, greedy), "seeded": workload["seeded"]}
     m_on = on.metrics()
     got = _run(on, reqs)
-    want = _run(off, {k: v for k, v in reqs.items() if k != "boom"})
-    failed = got["boom"].outputs[0]
+    want = _run(off, {k: v for k, v in reqs.items() if k != culprit})
+    failed = got[culprit].outputs[0]
     assert failed.finish_reason == "error" and failed.routed_experts is None
-    assert "failed on this request alone (ValueError)" in failed.error
+    assert f"failed on this request alone ({error})" in failed.error
     # the tokens at positions 7, 8 and 9 were sampled; the step feeding position 9 failed
-    assert len(failed.token_ids) == FAIL_POSITION - len(boom) + 1
+    assert len(failed.token_ids) == FAIL_POSITION - len(prompt) + 1
     _assert_same_outputs({k: got[k] for k in want}, want, {k: reqs[k] for k in want})
     assert _metric_delta(on, m_on, "discarded_steps")["discarded_steps"] == 1
     on.kv.check_integrity()

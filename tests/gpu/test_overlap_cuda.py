@@ -1,6 +1,7 @@
 """Overlap scheduling on CUDA (engine/overlap.py) gives what the synchronous engine gives: the worker
 fills each placeholder from the previous step's sampled ids on the device, before the decode graph
-replays, and stops applied one step late publish no extra row.
+replays (launching that step before it has finished the previous one), and stops applied one step
+late publish no extra row.
 
 CI has no GPU: tests/gpu/conftest.py skips these there. They run through the device tool (an H200):
 
@@ -66,8 +67,10 @@ def test_overlap_on_cuda_equals_overlap_off(model_dir: str, enforce_eager: bool)
     want, m_off = _generate(model_dir, True, enforce_eager, stop_id)
     got, m_on = _generate(model_dir, False, enforce_eager, stop_id)
     print(f"\noverlap on: {m_on['overlapped_steps']} steps ahead, {m_on['sync_steps']} synchronous, "
-          f"{m_on['discarded_chunks']} chunks discarded; off: {m_off['sync_steps']} steps")
+          f"{m_on['discarded_chunks']} chunks discarded, {m_on['launched_ahead_steps']} launched by the worker "
+          f"before the step before was finished; off: {m_off['sync_steps']} steps")
     assert m_off["overlapped_steps"] == 0 and m_on["overlapped_steps"] > 0
+    assert m_on["launched_ahead_steps"] > 0  # CUDA's default: worker_process.StepPipeline
     assert m_on["discarded_chunks"] > 0  # the stop ids were seen one step late
     for g, w in zip(got, want, strict=True):
         for gc, wc in zip(g.outputs, w.outputs, strict=True):

@@ -29,3 +29,18 @@ def test_rollout_bench_streams_every_sample_and_writes_table_json_and_png(tmp_pa
     assert res["step_ms"] > 0
     assert "engine step, R3 on: schedule " in proc.stdout and " send " in proc.stdout
     assert (out / "rollout.png").stat().st_size > 0
+
+
+def test_r3_ratios_pair_each_on_run_with_the_off_run_before_it_per_concurrency() -> None:
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from bench_rollout import RunResult, Sample, r3_ratios
+
+    def run(label: str, tok_s: float) -> RunResult:  # tok_s output tokens in one second
+        return RunResult(label, 1.0, [Sample([1], int(tok_s), tokens=int(tok_s))], None, [])
+
+    results = [run("warm-up", 1.0), run("concurrency 64, R3 off #1", 100.0), run("concurrency 256, R3 off #1", 400.0),
+               run("concurrency 64, R3 on #1", 99.0), run("concurrency 256, R3 on #1", 392.0),
+               run("concurrency 64, R3 off #2", 110.0), run("concurrency 256, R3 off #2", 400.0),
+               run("concurrency 64, R3 on #2", 110.0), run("concurrency 256, R3 on #2", 404.0)]
+    assert r3_ratios(results) == {"64": [0.99, 1.0], "256": [0.98, 1.01]}
+    assert r3_ratios([run("R3 off #1", 10.0), run("R3 on #1", 9.0)]) == {"": [0.9]}

@@ -121,22 +121,27 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(greedy, greedy_ids, sampled)
 
 
-class SampledIds:
-    """A pinned host buffer the step's ids land in (one non-blocking D2H copy, one event sync)."""
+class HostCopy:
+    """Device tensors on their way to host memory, without waiting: one non-blocking copy each and one
+    event after them. A step finished later (worker_process.py launches the next one first) keeps its
+    own copies, so two steps in flight never share a host buffer. On the CPU there is nothing to wait for."""
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)  # [capacity]
-        self.event = torch.cuda.Event() if pin else None
-
-    def fetch(self, ids: torch.Tensor) -> list[int]:
-        """ids [S] on the device -> Python ints, after the only wait of the step."""
-        n = ids.shape[0]
-        if n > self.host.shape[0]:
-            self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.event is not None)
-        out = self.host[:n]
-        out.copy_(ids, non_blocking=True)
-        if self.event is not None:
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.event: torch.cuda.Event | None = None
+        if any(t.is_cuda for t in tensors):
+            # non_blocking device-to-host copies land in pinned memory (torch allocates it so)
+            self.host = [t.to("cpu", non_blocking=True) for t in tensors]
+            self.event = torch.cuda.Event()
             self.event.record()
+        else:
+            self.host = list(tensors)
+
+    def done(self) -> bool:
+        """Whether the copies landed (never waits)."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> list[torch.Tensor]:
+        """The host tensors, once the copies (and everything the stream ran before them) are done."""
+        if self.event is not None:
             self.event.synchronize()
-        return out.tolist()
+        return self.host

@@ -13,7 +13,7 @@ Only `chosen`, `rank`, the top-N ids and values and the extras asked for leave t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -34,6 +34,15 @@ class LogprobTensors:
     kept_counts: torch.Tensor | None = None  # [S] int64
     kept_ids: torch.Tensor | None = None  # [S, M] int64, row i's first kept_counts[i] are kept
     kept_logprobs: torch.Tensor | None = None  # [S] float32, chosen renormalised over the kept ids
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held, in field order (those not asked for are None and left out)."""
+        return [t for f in fields(self) if (t := getattr(self, f.name)) is not None]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> LogprobTensors:
+        """The same record with `tensors()` replaced in order (their host copies, say)."""
+        names = [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        return replace(self, **dict(zip(names, tensors, strict=True)))
 
     def to_host(self, num_top: Sequence[int], entropy: Sequence[bool] | None = None,
                 kept: Sequence[bool] | None = None) -> list[TokenLogprob]:

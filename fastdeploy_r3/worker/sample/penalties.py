@@ -49,12 +49,16 @@ class TokenStats:
         self._prompt.pop(request_id, None)
         self._counts.pop(request_id, None)
 
-    def record(self, request_ids: Sequence[str], token_ids: torch.Tensor) -> None:
-        """token_ids [S] int64 on the device: the ids just sampled for request_ids (tracked ones count)."""
+    def record(self, request_ids: Sequence[str], token_ids: torch.Tensor, sign: int = 1) -> None:
+        """token_ids [S] int64 on the device: the ids just sampled for request_ids (tracked ones count);
+        sign -1 takes a failed step's ids back out."""
+        if not self._counts:
+            return
+        step = torch.full((1,), sign, dtype=torch.int32, device=self.device)
         for row, rid in enumerate(request_ids):
             counts = self._counts.get(rid)
             if counts is not None:
-                counts.index_add_(0, token_ids[row : row + 1], torch.ones(1, dtype=torch.int32, device=self.device))
+                counts.index_add_(0, token_ids[row : row + 1], step)
 
     def stack(self, request_ids: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> prompt_mask [S, V] bool, output_counts [S, V] int32 (zeros for untracked rows)."""

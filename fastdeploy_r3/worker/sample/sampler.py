@@ -26,8 +26,8 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.input_batch import SampleRow
 from fastdeploy_r3.worker.messages import ScheduledRequestData
-from fastdeploy_r3.worker.sample.draw import SampledIds, SamplingBatch, sample_batch
-from fastdeploy_r3.worker.sample.logprobs import token_logprobs
+from fastdeploy_r3.worker.sample.draw import HostCopy, SamplingBatch, sample_batch
+from fastdeploy_r3.worker.sample.logprobs import LogprobTensors, token_logprobs
 from fastdeploy_r3.worker.sample.penalties import TokenStats, apply_penalties, mask_tokens
 
 
@@ -50,7 +50,6 @@ class StepSampler:
         self.stats = TokenStats(vocab_size, device)
         self._requests: dict[str, _RequestState] = {}
         self._unseeded = random.Random()  # seeds for requests that bring none
-        self._sampled_ids = SampledIds(max_num_seqs, device)
         self.last_ids: torch.Tensor | None = None  # [S] the last step's ids on the device (a step fed ahead reads them)
 
     def remember(self, r: ScheduledRequestData) -> None:
@@ -79,9 +78,13 @@ class StepSampler:
         """logits [S, V] of rows (one or more per sampling request) -> (one token per row, {row index:
         logprob record} for the rows whose params ask for logprobs). Three stages, so that a batched
         device sampler replaces `draw` alone: process -> draw -> finish."""
+        return self.sample_async(logits, rows).wait()
+
+    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+        """`sample` without waiting for the device: the ids and logprobs come with PendingSample.wait()."""
         processed = self.process(logits, rows)  # [S, V]
         ids = self.draw(processed, rows)  # [S]
-        return self.finish(processed, rows, ids)
+        return self.finish_async(processed, rows, ids)
 
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """logits [S, V] -> float32 logits [S, V] after penalties and min_tokens (the rows without
@@ -113,45 +116,40 @@ class StepSampler:
     ) -> tuple[list[int], dict[int, TokenLogprob]]:
         """Count the drawn ids [S] for the penalties, take the logprob records the rows asked for
         (from processed [S, V]), and hand both to the host."""
+        return self.finish_async(processed, rows, ids).wait()
+
+    def finish_async(self, processed: torch.Tensor, rows: list[SampleRow], ids: torch.Tensor) -> PendingSample:
+        """`finish` with every device read of processed [S, V] enqueued now (a step launched after this
+        one may overwrite it: a decode graph's logits buffer) and the wait left to PendingSample.wait().
+        The ids count for the penalties at once, so that the next step's penalties see them; wait()
+        takes them back if the step fails."""
         states = [self._requests[r.request.request_id] for r in rows]
+        request_ids = [r.request.request_id for r in rows]
         # a row whose logits hold a NaN or +inf, or no finite value at all, has no distribution to
         # draw from: its id comes back as -1 with the ids (no extra wait) and fails its request
         bad = torch.isnan(processed).any(dim=-1) | ~torch.isfinite(processed.max(dim=-1).values)  # [S]
-        # the step's one wait: the ids land in pinned memory (after the R3 scatter on the same stream)
-        sampled = self._sampled_ids.fetch(torch.where(bad, -1, ids))
-        culprits = list(dict.fromkeys(r.request.request_id for r, tok in zip(rows, sampled) if tok < 0))
-        if culprits:
-            # raised before the penalty counts move, so the engine's re-run of the other rows
-            # (engine/step_isolation.py) counts their tokens once
-            raise NonFiniteLogitsError(
-                f"the model produced non-finite logits (NaN or inf) for the next token of request(s) "
-                f"{', '.join(culprits)}; nothing can be sampled from them (check the weights and the input)"
-            )
-        self.stats.record([r.request.request_id for r in rows], ids)
+        self.stats.record(request_ids, ids)
         self.last_ids = ids
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        records: dict[int, TokenLogprob] = {}
-        if want:
-            records = self._logprob_records(processed, rows, states, ids, want)
-        return sampled, records
+        lp = self._logprob_tensors(processed, states, ids, want) if want else None
+        # the step's one wait, later: ids and logprobs land in host memory after the R3 scatter on the same stream
+        host = HostCopy([torch.where(bad, -1, ids), *(lp.tensors() if lp is not None else [])])
+        return PendingSample(self, request_ids, ids, host, lp, [states[i].params for i in want], want)
 
-    def _logprob_records(self, processed: torch.Tensor, rows: list[SampleRow],
-                         states: list[_RequestState], ids: torch.Tensor, want: list[int]) -> dict[int, TokenLogprob]:
-        """TokenLogprob of rows `want` (indices into rows, keying the answer) with the extras asked for."""
+    def _logprob_tensors(self, processed: torch.Tensor, states: list[_RequestState], ids: torch.Tensor,
+                         want: list[int]) -> LogprobTensors:  # fmt: skip
+        """Logprob tensors (on the device) of rows `want`, with the extras their params ask for."""
         device = processed.device
         idx = torch.tensor(want, dtype=torch.int64, device=device)  # [S']
         params = [states[i].params for i in want]
         nums = [p.logprobs or 0 for p in params]
         temps = [0.0 if p.greedy else p.temperature for p in params]  # greedy counts as T = 1
-        entropy = [p.return_entropy for p in params]
-        kept = [p.return_top_p_token_ids for p in params]
         truncation = None
-        if any(kept):
+        if any(p.return_top_p_token_ids for p in params):
             truncation = SamplingBatch.build(temps, [p.top_k for p in params], [p.top_p for p in params],
                                              [0] * len(want), [0] * len(want), device)
-        res = token_logprobs(processed[idx], ids[idx], max(nums), torch.tensor(temps, device=device),
-                             entropy=any(entropy), truncation=truncation).to_host(nums, entropy, kept)
-        return dict(zip(want, res))
+        return token_logprobs(processed[idx], ids[idx], max(nums), torch.tensor(temps, device=device),
+                              entropy=any(p.return_entropy for p in params), truncation=truncation)
 
     def _process(self, logits: torch.Tensor, rows: list[SampleRow], states: list[_RequestState]) -> torch.Tensor:
         """Penalties and min_tokens on logits [S, V], in place on the rows that have them."""
@@ -220,3 +218,45 @@ def _as_int64(seed: int) -> int:
     if not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed {seed} is not a 64-bit integer")
     return seed - 2**64 if seed >= 2**63 else seed
+
+
+class PendingSample:
+    """One step's draw on its way to the host (StepSampler.finish_async); wait() hands it over."""
+
+    def __init__(self, sampler: StepSampler, request_ids: list[str], ids: torch.Tensor, host: HostCopy,
+                 logprobs: LogprobTensors | None, params: list[SamplingParams], want: list[int]) -> None:  # fmt: skip
+        self.sampler, self.request_ids, self.ids, self.host = sampler, request_ids, ids, host
+        self.logprobs, self.params, self.want = logprobs, params, want
+        self._discarded = False
+
+    def done(self) -> bool:
+        return self.host.done()
+
+    def wait(self) -> tuple[list[int], dict[int, TokenLogprob]]:
+        """(one token per row, {row index: logprob record}); raises NonFiniteLogitsError for rows that
+        had no distribution, after taking the step's ids back out of the penalty counts (the engine's
+        re-run of the other rows, engine/step_isolation.py, counts their tokens once)."""
+        host = self.host.wait()
+        sampled = host[0].tolist()
+        culprits = list(dict.fromkeys(rid for rid, tok in zip(self.request_ids, sampled) if tok < 0))
+        if culprits:
+            self.discard()
+            raise NonFiniteLogitsError(
+                f"the model produced non-finite logits (NaN or inf) for the next token of request(s) "
+                f"{', '.join(culprits)}; nothing can be sampled from them (check the weights and the input)"
+            )
+        if self.logprobs is None:
+            return sampled, {}
+        p = self.params
+        res = self.logprobs.with_tensors(host[1:]).to_host(
+            [x.logprobs or 0 for x in p], [x.return_entropy for x in p], [x.return_top_p_token_ids for x in p])
+        return sampled, dict(zip(self.want, res))
+
+    def discard(self) -> None:
+        """The step failed after all: its ids no longer count for the penalties (once, however often called)."""
+        if self._discarded:
+            return
+        self._discarded = True
+        self.sampler.stats.record(self.request_ids, self.ids, -1)
+        if self.sampler.last_ids is self.ids:
+            self.sampler.last_ids = None
