@@ -2,6 +2,7 @@
 
     python tools/profile_output_path.py --running 64 256 [--steps 20] [--r3] [--stop] [--cprofile]
     python tools/profile_output_path.py --host-only --steps 200     # no model: the output path alone
+    python tools/profile_output_path.py --r3-payload 768,48,8         # one /generate answer's R3, API side
 
 An EngineService runs in this process (its workers are processes, as in the server); `running`
 requests decode together (ignore_eos). Per decode step it prints the engine's step counters
@@ -9,7 +10,10 @@ requests decode together (ignore_eos). Per decode step it prints the engine's st
 packing the step's outputs for the wire (engine side: engine/output_wire.py + pickle) and unpacking
 them with the detokenization the engine left (server side), measured on the step's own outputs.
 `--stop` gives every request a stop string (the path that detokenizes in the engine), `--cprofile`
-the top functions of the output part.
+the top functions of the output part. `--r3-payload ROWS,LAYERS,K` times what the API server does with
+one finished request's R3 for /generate (SGLang's int32 base64, entrypoints/native/serving_generate.py):
+encoding it, and serialising the answer with json.dumps scanning the payload vs spliced in
+(entrypoints/payload_json.py).
 """
 
 from __future__ import annotations
@@ -122,6 +126,38 @@ def host_only(model_dir: str, running: int, steps: int, engine_detokenizes: bool
     return {"output": 1e3 * engine_s / steps, "pack": 1e3 * send_s / steps, "unpack": 1e3 * server_s / steps}
 
 
+def r3_payload(rows: int, layers: int, top_k: int, repeats: int = 30) -> dict[str, float]:
+    """ms per answer: encoding [rows, layers, top_k] uint8 rows, and the answer's JSON both ways."""
+    import json
+
+    import numpy as np
+
+    from fastdeploy_r3.entrypoints.native.serving_generate import sglang_routed_experts
+    from fastdeploy_r3.entrypoints.payload_json import SplicedJson
+
+    moe = np.random.default_rng(0).integers(0, 128, (rows, layers, top_k)).astype(np.uint8)
+
+    def answer(payload: str) -> dict:
+        return {"text": "x" * 1000, "output_ids": list(range(256)), "meta_info": {"routed_experts": payload}}
+
+    def timed(fn) -> float:  # noqa: ANN001
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats * 1e3
+
+    payload = sglang_routed_experts(moe, list(range(layers)), layers)
+
+    def spliced() -> str:
+        s = SplicedJson()
+        return s.dumps(answer(s.hold(payload)), allow_nan=False)
+
+    assert spliced() == json.dumps(answer(payload), allow_nan=False)
+    return {"encode": timed(lambda: sglang_routed_experts(moe, list(range(layers)), layers)),
+            "json_dumps": timed(lambda: json.dumps(answer(payload), allow_nan=False)),
+            "spliced": timed(spliced), "mib": len(payload) / 2**20}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--running", type=int, nargs="+", default=[64, 256])
@@ -133,7 +169,15 @@ def main() -> None:
                     help="no model: the output path alone, old way (engine detokenizes, objects) and new")
     ap.add_argument("--engine-detokenizes", action="store_true",
                     help="detokenize every request in the engine loop (the in-process LLM's way)")
+    ap.add_argument("--r3-payload", default="", help="ROWS,LAYERS,K: time one /generate answer's R3 (no model)")
     args = ap.parse_args()
+    if args.r3_payload:
+        rows, layers, top_k = (int(x) for x in args.r3_payload.split(","))
+        r = r3_payload(rows, layers, top_k)
+        print("rows x layers x K     payload_MiB  encode_ms  json.dumps_ms  spliced_ms")
+        print(f"{args.r3_payload:20s}  {r['mib']:11.2f}  {r['encode']:9.2f}  {r['json_dumps']:13.2f}  "
+              f"{r['spliced']:10.2f}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_fake_model("qwen3_moe", tmp)
         if args.host_only:

@@ -59,7 +59,8 @@ def decode_routed_experts(b64: str) -> np.ndarray:
 
 def encode_sglang_routed_experts(arr: np.ndarray) -> str:
     """`[rows, num_hidden_layers, K]` (any integer dtype) -> base64 of its raw int32 bytes, C order."""
-    return base64.b64encode(np.ascontiguousarray(arr, dtype=np.int32).tobytes()).decode("ascii")
+    raw = np.ascontiguousarray(arr, dtype="<i4")  # one pass; base64 reads its buffer (no bytes copy)
+    return base64.b64encode(raw.reshape(-1).view(np.uint8)).decode("ascii")
 
 
 def decode_sglang_routed_experts(b64: str, num_hidden_layers: int, top_k: int) -> np.ndarray:

@@ -37,10 +37,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from fastdeploy_r3.entrypoints.native.protocol import GenerateRequest, parse_sampling_params, sglang_sampling_params
 from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, bad_request, engine_error
+from fastdeploy_r3.entrypoints.payload_json import SplicedJson
 from fastdeploy_r3.logprobs import MAX_LOGPROBS, TokenLogprob
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.codec import encode_sglang_routed_experts
@@ -64,7 +65,10 @@ _REFUSED = {
 
 
 def sglang_routed_experts(moe_rows: np.ndarray, moe_layer_ids: list[int], num_hidden_layers: int) -> str:
-    """[R, L, K] MoE rows -> SGLang's payload: base64 of raw int32 [R, num_hidden_layers, K]."""
+    """[R, L, K] MoE rows -> SGLang's payload: base64 of raw int32 [R, num_hidden_layers, K], dense
+    layers holding the rows' dtype's sentinel (r3/layouts.to_all_layers), built in one int32 pass."""
+    if list(moe_layer_ids) == list(range(num_hidden_layers)):  # every layer is MoE (Qwen3-MoE, Mixtral)
+        return encode_sglang_routed_experts(moe_rows)
     return encode_sglang_routed_experts(to_all_layers(moe_rows, moe_layer_ids, num_hidden_layers))
 
 
@@ -278,12 +282,17 @@ class NativeServing(OpenAIServing):
             raise
         finals = await asyncio.gather(*(self.run_to_completion(first, gen) for first, gen in starts))
         results = []
+        spliced = SplicedJson()  # the R3 payloads are not scanned by json.dumps (payload_json.py)
         for item, final in zip(items, finals):
             payloads = await self.routed_experts(item, final)
             for c in sorted(final.outputs, key=lambda c: c.index):
-                results.append(self.result(item, final, c, started, payloads[c.index]))
+                p = payloads[c.index]
+                results.append(self.result(item, final, c, started, None if p is None else spliced.hold(p)))
         self.count(body)
-        return JSONResponse(results[0] if single and len(results) == 1 else results)
+        # rendered as JSONResponse renders (compact, UTF-8, no NaN)
+        body_text = spliced.dumps(results[0] if single and len(results) == 1 else results, ensure_ascii=False,
+                                  allow_nan=False, separators=(",", ":"))
+        return Response(body_text, media_type="application/json")
 
     async def _deltas(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
         yield first
@@ -311,9 +320,11 @@ class NativeServing(OpenAIServing):
             final = assembler.output()
             self.check_finished_ok(final)
             (payload,) = await self.routed_experts(item, final)
-            answer = self.result(item, final, final.outputs[0], started, payload)
+            spliced = SplicedJson()  # the R3 payload is not scanned by json.dumps (payload_json.py)
+            answer = self.result(item, final, final.outputs[0], started,
+                                 None if payload is None else spliced.hold(payload))
             self.count(body)
-            yield f"data: {json.dumps(answer, allow_nan=False)}\n\n"
+            yield f"data: {spliced.dumps(answer, allow_nan=False)}\n\n"
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:

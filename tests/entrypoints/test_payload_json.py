@@ -1,0 +1,46 @@
+"""Large base64 payloads spliced into a JSON answer (entrypoints/payload_json.py) give exactly the bytes
+json.dumps gives, whatever the text around them holds."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from fastdeploy_r3.entrypoints.payload_json import SplicedJson
+from fastdeploy_r3.r3.codec import decode_sglang_routed_experts, encode_sglang_routed_experts
+
+
+def test_spliced_answers_equal_json_dumps_in_both_renderings() -> None:
+    rows = [np.arange(24, dtype=np.uint8).reshape(2, 3, 4), np.full((1, 3, 4), 255, dtype=np.uint8)]
+    payloads = [encode_sglang_routed_experts(r) for r in rows]
+    # text that looks like JSON, quotes, unicode and a would-be placeholder of another process
+    texts = ['a "quoted" {x}: 1', "fdr3-payload-0000-0 ünï"]
+
+    def answers(values: list[str]) -> list[dict]:
+        return [{"text": t, "meta_info": {"routed_experts": v, "id": i}} for i, (t, v) in enumerate(zip(texts, values))]
+
+    for kwargs in ({"allow_nan": False}, {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}):
+        spliced = SplicedJson()
+        held = [spliced.hold(p) for p in payloads]
+        assert spliced.dumps(answers(held), **kwargs) == json.dumps(answers(payloads), **kwargs)
+    got = json.loads(spliced.dumps(answers(held)))
+    for answer, r in zip(got, rows):
+        assert np.array_equal(decode_sglang_routed_experts(answer["meta_info"]["routed_experts"], 3, 4), r)
+
+
+def test_a_held_payload_missing_from_the_answer_is_an_error_not_a_silent_drop() -> None:
+    spliced = SplicedJson()
+    spliced.hold("QUFB")
+    with pytest.raises(ValueError, match="payload 0 was held but its placeholder is not in the answer"):
+        spliced.dumps({"meta_info": {}})
+    assert SplicedJson().dumps({"a": [1, 2]}) == json.dumps({"a": [1, 2]})  # nothing held: plain json.dumps
+
+
+def test_sglang_encoding_is_raw_little_endian_int32_for_every_dtype_and_empty_arrays() -> None:
+    for dtype in (np.uint8, np.uint16, np.int32):
+        a = np.arange(2 * 3 * 4, dtype=dtype).reshape(2, 3, 4)
+        assert base64.b64decode(encode_sglang_routed_experts(a)) == a.astype("<i4").tobytes()
+    assert encode_sglang_routed_experts(np.empty((0, 3, 4), dtype=np.uint8)) == ""
