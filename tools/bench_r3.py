@@ -276,7 +276,8 @@ def print_engine_table(res: dict, hf: dict, title: str) -> None:
         print(line + (f" {hf.get(r['batch'], float('nan')):10.2f} |" if hf else ""))
     print(f"\nprefill: {res['prefill_tok_s']:.0f} tokens/s")
     for b, p in sorted(res["profiles"].items()):
-        print(f"\nprofile at batch {b}, {p['wall_ms_per_step']:.2f} ms/step wall: GPU busy {p['gpu_busy_ms_per_step']:.2f} ms, "
+        print(f"\nprofile at batch {b}, {p['wall_ms_per_step']:.2f} ms/step wall: "
+              f"GPU busy {p['gpu_busy_ms_per_step']:.2f} ms, "
               f"{p['launches_per_step']:.0f} launches, {p['syncs_per_step']:.0f} syncs, "
               f"{p['nonzero_per_step']:.0f} nonzero per step; top ops (ms/step):")
         for key, ms in p["top"]:

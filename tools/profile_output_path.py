@@ -25,6 +25,7 @@ import pstats
 import tempfile
 import time
 
+import numpy as np
 from fake_model import make_fake_model
 
 from fastdeploy_r3.config import EngineConfig
@@ -130,10 +131,9 @@ def r3_payload(rows: int, layers: int, top_k: int, repeats: int = 30) -> dict[st
     """ms per answer: encoding [rows, layers, top_k] uint8 rows, and the answer's JSON both ways."""
     import json
 
-    import numpy as np
-
     from fastdeploy_r3.entrypoints.native.serving_generate import sglang_routed_experts
     from fastdeploy_r3.entrypoints.payload_json import SplicedJson
+    from fastdeploy_r3.r3.layouts import check_moe_rows
 
     moe = np.random.default_rng(0).integers(0, 128, (rows, layers, top_k)).astype(np.uint8)
 
@@ -147,15 +147,45 @@ def r3_payload(rows: int, layers: int, top_k: int, repeats: int = 30) -> dict[st
         return (time.perf_counter() - t0) / repeats * 1e3
 
     payload = sglang_routed_experts(moe, list(range(layers)), layers)
+    gather = _engine_gather(moe, num_experts=128)
 
     def spliced() -> str:
         s = SplicedJson()
         return s.dumps(answer(s.hold(payload)), allow_nan=False)
 
     assert spliced() == json.dumps(answer(payload), allow_nan=False)
-    return {"encode": timed(lambda: sglang_routed_experts(moe, list(range(layers)), layers)),
+    try:
+        return {"gather": timed(gather), "check": timed(lambda: check_moe_rows(moe, list(range(layers)), rows, top_k)),
+                "encode": timed(lambda: sglang_routed_experts(moe, list(range(layers)), layers)),
             "json_dumps": timed(lambda: json.dumps(answer(payload), allow_nan=False)),
-            "spliced": timed(spliced), "mib": len(payload) / 2**20}
+                "spliced": timed(spliced), "mib": len(payload) / 2**20}
+    finally:
+        gather.close()  # type: ignore[attr-defined]
+
+
+def _engine_gather(moe: np.ndarray, num_experts: int):  # noqa: ANN202
+    """A callable doing the engine's gather of moe's rows out of a host routing buffer (block size 16),
+    with every check it runs at a request's finish; .close() frees the buffer."""
+    import uuid
+
+    from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
+    from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager
+
+    rows, layers, top_k = moe.shape
+    blocks = -(-rows // 16)
+    spec = RoutingBufferSpec(f"fdr3_prof_{uuid.uuid4().hex[:8]}", 4 * blocks * 16, layers, top_k, "uint8")
+    buf = RoutingBuffer.create(spec)
+    table = list(range(blocks, 2 * blocks))  # the request's blocks, somewhere in the middle of the pool
+    slots = np.asarray([table[p // 16] * 16 + p % 16 for p in range(rows)], dtype=np.int64)
+    buf.write(moe, slots, np.full(rows, 7, dtype=np.int64))
+    manager = RoutingCacheManager(buf, 16, num_experts)
+
+    def gather() -> np.ndarray:
+        return manager.gather("r", table, [7] * blocks, 0, rows)
+
+    gather.close = buf.close  # type: ignore[attr-defined]
+    assert np.array_equal(gather(), moe)
+    return gather
 
 
 def main() -> None:
@@ -174,9 +204,9 @@ def main() -> None:
     if args.r3_payload:
         rows, layers, top_k = (int(x) for x in args.r3_payload.split(","))
         r = r3_payload(rows, layers, top_k)
-        print("rows x layers x K     payload_MiB  encode_ms  json.dumps_ms  spliced_ms")
-        print(f"{args.r3_payload:20s}  {r['mib']:11.2f}  {r['encode']:9.2f}  {r['json_dumps']:13.2f}  "
-              f"{r['spliced']:10.2f}")
+        print("rows x layers x K     engine_gather_ms  api_check_ms  payload_MiB  encode_ms  json.dumps_ms  spliced_ms")
+        print(f"{args.r3_payload:20s}  {r['gather']:16.2f}  {r['check']:12.2f}  {r['mib']:11.2f}  {r['encode']:9.2f}  "
+              f"{r['json_dumps']:13.2f}  {r['spliced']:10.2f}")
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_fake_model("qwen3_moe", tmp)

@@ -32,8 +32,11 @@ def first_no_route(rows: np.ndarray) -> tuple[int, int] | None:
     """
     if rows.dtype.kind != "u" or not rows.size:
         return None
-    holes = np.argwhere((rows == sentinel_of(rows.dtype)).any(axis=-1))  # [n, 2] (row, layer)
-    return None if not len(holes) else (int(holes[0][0]), int(holes[0][1]))
+    hit = rows == sentinel_of(rows.dtype)  # [R, L, K]
+    if not hit.any():  # one flat pass: the answer for every array worth delivering
+        return None
+    holes = np.argwhere(hit.any(axis=-1))  # [n, 2] (row, layer); a reduction over K is ~20x slower
+    return int(holes[0][0]), int(holes[0][1])
 
 
 def check_moe_rows(
