@@ -14,6 +14,8 @@ import json
 import secrets
 from typing import Any
 
+from fastapi.responses import Response
+
 _NONCE = secrets.token_hex(16)
 
 
@@ -47,3 +49,21 @@ class SplicedJson:
             parts += (head, payload)
         parts.append(rest)
         return "".join(parts)
+
+
+def dumps_choices(obj: Any, **json_kwargs: Any) -> str:
+    """json.dumps of an OpenAI answer or stream chunk, the routed_experts of its choices spliced in."""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not choices or not any(isinstance(c, dict) and isinstance(c.get("routed_experts"), str) for c in choices):
+        return json.dumps(obj, **json_kwargs)
+    spliced = SplicedJson()
+    held = [{**c, "routed_experts": spliced.hold(c["routed_experts"])}
+            if isinstance(c, dict) and isinstance(c.get("routed_experts"), str) else c for c in choices]
+    return spliced.dumps({**obj, "choices": held}, **json_kwargs)
+
+
+def json_answer(content: Any) -> Response:
+    """An OpenAI answer rendered as Starlette's JSONResponse renders it (compact, UTF-8, no NaN), the
+    choices' routed_experts spliced in."""
+    body = dumps_choices(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return Response(body, media_type="application/json")

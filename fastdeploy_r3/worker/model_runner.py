@@ -298,6 +298,7 @@ class ModelRunner:
                 launched.out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
         return launched
 
+    @torch.inference_mode()  # a failed step's penalty counts (inference tensors) are taken back here
     def finish(self, launched: LaunchedStep) -> StepOutput:
         """Wait for a launched step's draw and hand its tokens over. A step fed by a step that failed
         in its own finish (after this one was launched) fails too: the engine re-sends its ids."""

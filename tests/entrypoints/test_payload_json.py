@@ -44,3 +44,17 @@ def test_sglang_encoding_is_raw_little_endian_int32_for_every_dtype_and_empty_ar
         a = np.arange(2 * 3 * 4, dtype=dtype).reshape(2, 3, 4)
         assert base64.b64decode(encode_sglang_routed_experts(a)) == a.astype("<i4").tobytes()
     assert encode_sglang_routed_experts(np.empty((0, 3, 4), dtype=np.uint8)) == ""
+
+
+def test_openai_answers_and_chunks_splice_every_choice_payload_as_starlette_would_render_them() -> None:
+    from starlette.responses import JSONResponse
+
+    from fastdeploy_r3.entrypoints.payload_json import dumps_choices, json_answer
+
+    body = {"id": "cmpl-1", "choices": [{"index": 0, "text": "naïve \"x\"", "routed_experts": "QUFBQQ=="},
+                                        {"index": 1, "text": "", "routed_experts": None},
+                                        {"index": 2, "text": "b", "routed_experts": "QkJC"}], "usage": {"a": 1}}
+    assert json_answer(body).body == JSONResponse(body).body
+    assert dumps_choices(body) == json.dumps(body)
+    assert dumps_choices({"choices": [], "usage": None}) == json.dumps({"choices": [], "usage": None})
+    assert body["choices"][0]["routed_experts"] == "QUFBQQ=="  # the caller's answer is left as it was

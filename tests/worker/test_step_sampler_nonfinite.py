@@ -47,3 +47,24 @@ def test_a_row_with_every_token_masked_has_nothing_to_draw() -> None:
     sampler.remember(row.request)
     with pytest.raises(NonFiniteLogitsError, match="masked"):
         sampler.sample(torch.full((1, V), float("-inf")), [row])
+
+
+def test_a_draw_found_bad_when_finished_later_takes_its_counts_back() -> None:
+    """The worker launches a step's draw (sample_async, inside inference mode, as ModelRunner.launch) and
+    finishes it later, after the next step may have been launched: the ids count for the penalties at
+    once, and a row found without a distribution at the wait takes the whole step's counts back."""
+    sampler = StepSampler(V, 4, torch.device("cpu"))
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    rows = [_row(0, "good", penalised), _row(1, "bad", SamplingParams(temperature=1.0))]
+    logits = torch.arange(2 * V, dtype=torch.float32).reshape(2, V)
+    logits[1, 3] = float("nan")
+    with torch.inference_mode():
+        for r in rows:
+            sampler.remember(r.request)
+        pending = sampler.sample_async(logits.clone(), rows)
+        assert int(sampler.stats.stack(["good"])[1].sum()) == 1  # counted at launch: the next step sees it
+    with pytest.raises(NonFiniteLogitsError, match="request\\(s\\) bad;"):
+        pending.wait()  # outside inference mode, as a caller may be
+    assert int(sampler.stats.stack(["good"])[1].sum()) == 0
+    pending.discard()  # a second discard (ModelRunner.finish's) takes nothing more back
+    assert int(sampler.stats.stack(["good"])[1].sum()) == 0 and sampler.last_ids is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from fastdeploy_r3.config import ConfigError
 from fastdeploy_r3.entrypoints.openai.logprobs_format import LogprobFormatter
@@ -25,6 +25,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     response_extras,
     stream_events,
 )
+from fastdeploy_r3.entrypoints.payload_json import json_answer
 from fastdeploy_r3.outputs import RequestDelta, RequestOutput
 
 
@@ -163,4 +164,4 @@ class OpenAIServingChat(OpenAIServing):
             prompt_token_ids=prompt_token_ids if ids else None,
             **response_extras(final, r3),
         )
-        return JSONResponse(body.model_dump())
+        return json_answer(body.model_dump())  # R3 payloads spliced, not scanned

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from fastdeploy_r3.entrypoints.openai.logprobs_format import CompletionLogprobs, LogprobFormatter
 from fastdeploy_r3.entrypoints.openai.protocol import (
@@ -19,6 +19,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     response_extras,
     stream_events,
 )
+from fastdeploy_r3.entrypoints.payload_json import json_answer
 from fastdeploy_r3.outputs import CompletionOutput, RequestDelta, RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -172,4 +173,4 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_token_ids=prompt_token_ids if ids else None,
             **response_extras(final, r3),
         )
-        return JSONResponse(body.model_dump())
+        return json_answer(body.model_dump())  # R3 payloads spliced, not scanned

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -50,6 +49,7 @@ from fastdeploy_r3.entrypoints.openai.request_limits import (
     RequestBounds,
 )
 from fastdeploy_r3.entrypoints.openai.rollout_claims import RolloutClaims
+from fastdeploy_r3.entrypoints.payload_json import dumps_choices
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.delivery import (
@@ -357,8 +357,8 @@ def response_extras(final: RequestOutput, r3: R3Result) -> dict[str, Any]:
     return {"weight_version": spans[-1].version if spans else None, "routing_layout": r3.layout}
 
 
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+def sse(payload: dict | str) -> str:  # a chunk's R3 payloads spliced, not scanned (payload_json.py)
+    return f"data: {payload if isinstance(payload, str) else dumps_choices(payload)}\n\n"
 
 
 async def stream_events(

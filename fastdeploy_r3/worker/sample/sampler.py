@@ -257,6 +257,7 @@ class PendingSample:
         if self._discarded:
             return
         self._discarded = True
-        self.sampler.stats.record(self.request_ids, self.ids, -1)
+        with torch.inference_mode():  # the counts were made in the worker's inference mode
+            self.sampler.stats.record(self.request_ids, self.ids, -1)
         if self.sampler.last_ids is self.ids:
             self.sampler.last_ids = None
