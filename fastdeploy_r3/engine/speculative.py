@@ -1,0 +1,125 @@
+"""Speculative decoding, the engine's half: drafters propose, the step carries the drafts, the worker
+verifies, the token processor appends what was accepted.
+
+Drafts are made HERE, in the engine, not in the worker: the engine holds every request's whole token
+history (prompt + output) and its limits (max_tokens, max_model_len, the step's token budget), so a
+draft never asks for a slot the scheduler did not reserve, and the worker stays stateless about
+histories. A draft model (EAGLE-3, MTP) that needs hidden states would draft in the worker instead; it
+implements the same Drafter interface there and sends no drafts from here.
+
+    scheduler ── chunk that samples ── assign_drafts ─► chunk.drafts (<= k, reserved lookahead slots)
+    step_builder: token_ids = chunk + drafts, num_sample_rows = len(drafts) + 1
+    worker (worker/model_runner.py, worker/sample/draw.py): one forward over every request's drafts;
+        row i samples the token after draft i - 1; keep rows while the drawn token equals the draft
+        fed after it (greedy: argmax == draft; sampled: rejection sampling), then the bonus token
+    token_processor.append_tokens: accepted drafts + bonus, cut at a stop; the cursor advances over
+        the verified ones only, so R3 rows and KV of rejected drafts are never published (see there)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fastdeploy_r3.config.speculative import SpeculativeConfig
+from fastdeploy_r3.engine.request import Request
+from fastdeploy_r3.engine.scheduler import ScheduledChunk
+
+
+class Drafter(Protocol):
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        """Up to max_drafts draft ids to follow token_ids (a request's prompt + output), maybe none."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest suffix n-gram of the history (n from prompt_lookup_max down to
+    prompt_lookup_min) that occurred earlier in it; the drafts are the tokens that followed its first
+    occurrence (as vLLM's prompt lookup does: a later one may overlap the suffix and leave fewer tokens,
+    e.g. inside a run of one repeated token)."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        if max_drafts <= 0:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # windows starting at 0 .. L - n - 1: every n-gram but the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [L - n, n]
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[0]) + n
+                return tokens[start : start + max_drafts].tolist()
+        return []
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter:
+    if config.method == "ngram":
+        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"no drafter for speculative method {config.method!r}")  # SpeculativeConfig refuses it first
+
+
+@dataclass
+class SpecCounters:
+    """Speculative decoding totals for /metrics (per request: Request.spec_*)."""
+
+    verify_steps: int = 0  # engine steps that fed at least one draft
+    draft_tokens: int = 0  # drafts fed
+    accepted_tokens: int = 0  # drafts the target model agreed with
+
+
+class Speculation:
+    """The engine's speculative decoding: drafts for a step's chunks, counts of what was accepted."""
+
+    def __init__(self, config: SpeculativeConfig, max_step_tokens: int) -> None:
+        self.config = config
+        self.drafter = make_drafter(config)
+        self.max_step_tokens = max_step_tokens
+        self.counters = SpecCounters()
+
+    def assign(self, chunks: list[ScheduledChunk], max_model_len: int) -> None:
+        """Drafts for the chunks of a step about to be sent (kept on the chunks: a re-run sends the same)."""
+        if assign_drafts(chunks, self.drafter, self.config.num_speculative_tokens, self.max_step_tokens,
+                         max_model_len):
+            self.counters.verify_steps += 1
+
+    def record(self, chunk: ScheduledChunk, num_sampled: int) -> None:
+        """The worker returned num_sampled tokens for a sampling chunk: its accepted drafts and one more."""
+        req, accepted = chunk.request, max(num_sampled - 1, 0)
+        self.counters.draft_tokens += len(chunk.drafts)
+        self.counters.accepted_tokens += accepted
+        # SGLang's meaning: every decode step of a speculative engine is a verify (maybe of no draft)
+        req.spec_verify_ct += 1
+        req.spec_draft_tokens += len(chunk.drafts)
+        req.spec_accepted_tokens += accepted
+
+
+def assign_drafts(chunks: list[ScheduledChunk], drafter: Drafter, k: int, max_step_tokens: int,
+                  max_model_len: int) -> int:
+    """Give each chunk that samples up to k drafts; returns how many in all. A draft never goes past
+    the request's max_tokens (the bonus token comes after the drafts), max_model_len, or the step's
+    token budget (the routing capture holds max_num_batched_tokens rows). Requests with penalties get
+    none: a step counts every drawn row for the penalties, and a rejected draft's row must not count."""
+    room = max_step_tokens - sum(c.num_new_tokens for c in chunks)
+    total = 0
+    for chunk in chunks:
+        chunk.drafts = []
+        req = chunk.request
+        if not chunk.samples or chunk.ahead or room <= 0 or req.sampling_params.has_penalties:
+            continue
+        n = min(k, room, _tokens_left(req, max_model_len) - 1)
+        if n <= 0:
+            continue
+        chunk.drafts = drafter.propose(req.all_token_ids, n)
+        room -= len(chunk.drafts)
+        total += len(chunk.drafts)
+    return total
+
+
+def _tokens_left(req: Request, max_model_len: int) -> int:
+    """Tokens the request may still append."""
+    return min(req.sampling_params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens)
