@@ -93,3 +93,13 @@ def test_sglang_flags_map_onto_the_config() -> None:
     ]:
         with pytest.raises(ConfigError, match=words):
             _sglang_speculative(parser.parse_args(["--model", "m", *argv]))
+
+
+def test_llm_style_keyword_takes_the_json_and_a_dict(fake_model_dir) -> None:  # noqa: ANN001 - the fixture
+    from fastdeploy_r3.config import EngineConfig
+
+    model = fake_model_dir("qwen3_moe")
+    a = EngineConfig.from_kwargs(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    b = EngineConfig.from_kwargs(model, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    assert a.speculative_config == b.speculative_config == SpeculativeConfig("ngram", 2, 1, 4)
+    assert EngineConfig.from_kwargs(model).speculative_config is None
