@@ -215,6 +215,32 @@ def test_an_aborted_request_publishes_no_row_and_caches_only_verified_blocks(
     _assert_same(got, ref)
 
 
+def test_logprobs_chunked_prefill_and_penalties_are_the_plain_engine_s(
+    spec: EngineService, plain: EngineService
+) -> None:
+    """A 40-token repetitive prompt (chunked: 32 + 8) asking for logprobs: the accepted tokens' logprobs
+    are the target model's, as the plain engine computes them (to float32 rounding); a request with a
+    repetition penalty gets no drafts (a rejected draft would count for its penalties) and the plain
+    engine's tokens."""
+    long_prompt = [3, 4, 5, 6, 7] * 8
+    lp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    pen = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    reqs = {"lp": (long_prompt, lp), "pen": (WORKLOAD["rep"], pen)}
+    got, want = _run(spec, reqs), _run(plain, reqs)
+    _assert_same(got["lp"], want["lp"])
+    # float32 logits of a verify row come out of a matmul over more rows than a decode step's, so they may
+    # differ in the last bits (1e-6 here): the ids and ranks are equal, the values to rounding
+    got_lp, want_lp = got["lp"].outputs[0].logprobs, want["lp"].outputs[0].logprobs
+    assert len(got_lp) == len(want_lp) == 12
+    for g, w in zip(got_lp, want_lp):
+        assert (g.token_id, g.rank, [t for t, _ in g.top]) == (w.token_id, w.rank, [t for t, _ in w.top])
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
+    assert got["lp"].outputs[0].spec.accepted_tokens > 0
+    _assert_same(got["pen"], want["pen"])
+    assert got["pen"].outputs[0].spec.draft_tokens == 0
+
+
 # -- the two ends, in debug mode (rows are positions) -----------------------------------------------
 
 
