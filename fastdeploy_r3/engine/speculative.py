@@ -4,8 +4,15 @@ verifies, the token processor appends what was accepted.
 Drafts are made HERE, in the engine, not in the worker: the engine holds every request's whole token
 history (prompt + output) and its limits (max_tokens, max_model_len, the step's token budget), so a
 draft never asks for a slot the scheduler did not reserve, and the worker stays stateless about
-histories. A draft model (EAGLE-3, MTP) that needs hidden states would draft in the worker instead; it
-implements the same Drafter interface there and sends no drafts from here.
+histories. A draft model (EAGLE-3, MTP) needs the target's hidden states, so it drafts in the worker:
+nothing downstream depends on where drafts come from (the worker verifies whatever tokens follow a
+sampling chunk, the token processor appends what comes back, the lookahead slots are reserved either
+way), so it is one more Drafter whose propose runs in the worker before the step's inputs are built.
+
+Exactness: a verify forward computes a draft position in matmuls over more rows than a decode step's,
+so its float32 logits and router scores may differ from the plain engine's in the last bits (1e-6 on
+the test model). Greedy tokens and R3 rows are then equal unless an argmax or a router's K-th /
+(K+1)-th score is a near-tie at that level; tests/engine/test_spec_ngram.py sees none.
 
     scheduler ── chunk that samples ── assign_drafts ─► chunk.drafts (<= k, reserved lookahead slots)
     step_builder: token_ids = chunk + drafts, num_sample_rows = len(drafts) + 1

@@ -81,3 +81,32 @@ def test_plain_rows_are_untouched_and_greedy_rows_take_the_argmax() -> None:
 
 def test_the_same_seeds_draw_the_same_verdicts() -> None:
     assert np.array_equal(_draw([2] * N), _draw([2] * N))
+
+
+def test_the_step_sampler_reads_each_row_s_draft_from_its_chunk() -> None:
+    """A verify chunk [t, d] at positions 10, 11 samples two rows: the first decides on d (the token fed at
+    position 11, the one it draws for), the second is the bonus, an ordinary draw. 4,000 seeded requests."""
+    from fastdeploy_r3.sampling_params import SamplingParams
+    from fastdeploy_r3.worker.input_batch import SampleRow
+    from fastdeploy_r3.worker.messages import ScheduledRequestData
+    from fastdeploy_r3.worker.sample.sampler import StepSampler
+
+    n, d = 4000, 1
+    sampler = StepSampler(V, n, torch.device("cpu"))
+    rows = []
+    for i in range(n):
+        r = ScheduledRequestData(f"r{i}", [5, d], 10, [0, 1, 2], [1, 1, 1], sample=True, num_sample_rows=2,
+                                 sampling_params=SamplingParams(temperature=1.0, max_tokens=8), sampling_seed=i,
+                                 num_prompt_tokens=4)  # fmt: skip
+        sampler.remember(r)
+        rows += [SampleRow(2 * i, r, 11), SampleRow(2 * i + 1, r, 12)]
+    ids = np.array(sampler.sample(LOGITS.expand(2 * n, V).clone(), rows)[0])
+    p = _target()
+    verdicts, bonus = ids[0::2], ids[1::2]
+    for drawn in (verdicts, bonus):
+        stat, dof = _chi2(drawn, p)
+        assert stat < CHI2_CRIT[dof]
+    assert abs((verdicts == d).mean() - p[d]) < 0.03
+    # the first row really was a verify row: its draws differ from plain draws of the same (seed, position)
+    plain = SamplingBatch.build([1.0] * n, [0] * n, [1.0] * n, list(range(n)), [11] * n, torch.device("cpu"))
+    assert not np.array_equal(verdicts, sample_batch(LOGITS.expand(n, V).clone(), plain).numpy())
