@@ -65,7 +65,8 @@ class EngineService:
                                        config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)
         self.overlap_counters = OverlapCounters()
         sp = config.speculative_config
-        self.speculation = None if sp is None else Speculation(sp, config.scheduler_config.max_num_batched_tokens)
+        self.speculation = None if sp is None else Speculation(
+            sp, config.scheduler_config.max_num_batched_tokens, p.scheduler.num_lookahead_tokens)
         self._in_flight: SchedulerOutput | None = None  # the step sent and not collected yet
         self.step_counters = StepCounters()  # where each step's wall time goes (/metrics)
         self._input_seconds = self._worker_seconds = 0.0  # building inputs / waiting for the workers, retries included

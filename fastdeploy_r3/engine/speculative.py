@@ -82,16 +82,18 @@ class SpecCounters:
 class Speculation:
     """The engine's speculative decoding: drafts for a step's chunks, counts of what was accepted."""
 
-    def __init__(self, config: SpeculativeConfig, max_step_tokens: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_step_tokens: int, num_lookahead_tokens: int) -> None:
+        """num_lookahead_tokens: the slots the scheduler reserves past a sampling chunk (what the workers
+        asked for, WorkerReady); a draft never goes past them."""
         self.config = config
         self.drafter = make_drafter(config)
         self.max_step_tokens = max_step_tokens
+        self.num_drafts = min(config.num_speculative_tokens, num_lookahead_tokens)
         self.counters = SpecCounters()
 
     def assign(self, chunks: list[ScheduledChunk], max_model_len: int) -> None:
         """Drafts for the chunks of a step about to be sent (kept on the chunks: a re-run sends the same)."""
-        if assign_drafts(chunks, self.drafter, self.config.num_speculative_tokens, self.max_step_tokens,
-                         max_model_len):
+        if assign_drafts(chunks, self.drafter, self.num_drafts, self.max_step_tokens, max_model_len):
             self.counters.verify_steps += 1
 
     def record(self, chunk: ScheduledChunk, num_sampled: int) -> None:

@@ -103,3 +103,14 @@ def test_llm_style_keyword_takes_the_json_and_a_dict(fake_model_dir) -> None:  #
     b = EngineConfig.from_kwargs(model, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     assert a.speculative_config == b.speculative_config == SpeculativeConfig("ngram", 2, 1, 4)
     assert EngineConfig.from_kwargs(model).speculative_config is None
+
+
+def test_drafts_never_pass_the_lookahead_slots_the_workers_asked_for() -> None:
+    """A runner that reserves 1 lookahead slot (WorkerReady.num_lookahead_tokens) gets 1 draft, whatever k."""
+    from fastdeploy_r3.engine.speculative import Speculation
+
+    spec = Speculation(SpeculativeConfig("ngram", 3, 1, 2), max_step_tokens=100, num_lookahead_tokens=1)
+    c = _chunk(6, 0, SamplingParams(max_tokens=10))
+    c.request.prompt_token_ids = [1, 2, 3, 1, 2, 3]
+    spec.assign([c], max_model_len=64)
+    assert c.drafts == [1] and spec.counters.verify_steps == 1
