@@ -5,6 +5,11 @@ placeholders of a step scheduled ahead from the previous step's sampled ids (eng
 forward (MoE layers capture top-k ids) → rank 0 writes the step's R3 rows into routing_host_buffer at
 slot_mapping → sample → return tokens. The R3 write happens before
 the tokens leave the worker, so when the engine sees a token, every forwarded row is in place.
+
+A verify step (engine/speculative.py) forwards and writes the rows of every draft too; finish() returns
+only the accepted drafts and the bonus token, and the engine publishes rows only below its cursor,
+which moves over verified tokens alone (engine/token_processor.py append_tokens): a rejected draft's
+row sits in a slot the next step overwrites and is never read.
 """
 
 from __future__ import annotations
