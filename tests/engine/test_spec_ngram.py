@@ -280,6 +280,31 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(
     _assert_rows_are_positions(out)
 
 
+def test_a_stop_string_inside_an_accepted_run_ends_the_request_there(
+    debug_spec: EngineService, reference: dict[str, RequestOutput], model_dir: str
+) -> None:
+    """Every draft right; the stop string is the text of two adjacent reference tokens (printable ASCII):
+    the request ends at the token that completes it, the accepted drafts after it are dropped."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    prompt, ref_tokens = WORKLOAD["rnd2"], reference["rnd2"].outputs[0].token_ids
+    texts = [tok.decode([t]) for t in ref_tokens]
+    i = next(i for i in range(1, len(texts) - 1)
+             if all(x.isascii() and x.isprintable() and x.strip() for x in texts[i : i + 2]))
+    stop = texts[i] + texts[i + 1]
+    end = next(j for j in range(len(ref_tokens)) if stop in tok.decode(ref_tokens[: j + 1]))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])
+    with _drafter(debug_spec, OracleDrafter([prompt + ref_tokens], wrong=False)):
+        out = _one(debug_spec, "stopstr", prompt, params)
+    comp = out.outputs[0]
+    assert comp.token_ids == ref_tokens[: end + 1]
+    assert (comp.finish_reason, comp.stop_reason) == ("stop", stop)
+    assert stop not in comp.text
+    _assert_rows_are_positions(out)
+    assert end % (K + 1) != K  # the stop is not the last token of a verify step's list: drafts were dropped
+
+
 def test_max_tokens_inside_an_accepted_run(debug_spec: EngineService, reference: dict[str, RequestOutput]) -> None:
     """max_tokens 6 with every draft right: [t0..t3] from the prefill, then one draft (the bonus is the
     6th token): [t4 t5]; 6 tokens, P + 5 rows."""
