@@ -25,6 +25,7 @@ the test model). Greedy tokens and R3 rows are then equal unless an argmax or a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,8 +37,8 @@ from fastdeploy_r3.engine.scheduler import ScheduledChunk
 
 
 class Drafter(Protocol):
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
-        """Up to max_drafts draft ids to follow token_ids (a request's prompt + output), maybe none."""
+    def propose(self, token_ids: np.ndarray, max_drafts: int) -> list[int]:
+        """Up to max_drafts draft ids to follow token_ids (int64 [L], a request's prompt + output), maybe none."""
         ...
 
 
@@ -50,16 +51,22 @@ class NgramDrafter:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
-        if max_drafts <= 0:
+    def propose(self, token_ids: np.ndarray | list[int], max_drafts: int) -> list[int]:
+        tokens = np.asarray(token_ids, dtype=np.int64)  # [L]
+        size = len(tokens)
+        if max_drafts <= 0 or size < 2:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. L - n - 1: every n-gram but the suffix itself
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [L - n, n]
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[0]) + n
+        # one pass over the history: where the last token occurred before (an n-gram ending there, at e <= L - 2,
+        # is followed by e + 1); then each longer n only narrows those candidates
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [C] ascending
+        matched = [ends]  # matched[n - 1]: ends of earlier occurrences of the suffix n-gram
+        for n in range(2, min(self.max_n, size - 1) + 1):
+            prev = matched[-1]
+            prev = prev[prev >= n - 1]
+            matched.append(prev[tokens[prev - (n - 1)] == tokens[size - n]])
+        for n in range(len(matched), self.min_n - 1, -1):
+            if len(matched[n - 1]):
+                start = int(matched[n - 1][0]) + 1  # the first occurrence
                 return tokens[start : start + max_drafts].tolist()
         return []
 
@@ -90,10 +97,13 @@ class Speculation:
         self.max_step_tokens = max_step_tokens
         self.num_drafts = min(config.num_speculative_tokens, num_lookahead_tokens)
         self.counters = SpecCounters()
+        self.histories = TokenHistories()
 
     def assign(self, chunks: list[ScheduledChunk], max_model_len: int) -> None:
         """Drafts for the chunks of a step about to be sent (kept on the chunks: a re-run sends the same)."""
-        if assign_drafts(chunks, self.drafter, self.num_drafts, self.max_step_tokens, max_model_len):
+        self.histories.keep_only({c.request.request_id for c in chunks})
+        if assign_drafts(chunks, self.drafter, self.num_drafts, self.max_step_tokens, max_model_len,
+                         self.histories.of):
             self.counters.verify_steps += 1
 
     def record(self, chunk: ScheduledChunk, num_sampled: int) -> None:
@@ -107,12 +117,44 @@ class Speculation:
         req.spec_accepted_tokens += accepted
 
 
+class TokenHistories:
+    """Each drafted request's tokens as one int64 array, extended by what it appended since the last step
+    instead of rebuilt from the lists (a 32k-token history would cost the engine loop a millisecond per
+    request per step). Kept only for the requests of the latest step: one that sits out a step (waiting,
+    preempted, finished) is rebuilt if it comes back."""
+
+    def __init__(self) -> None:
+        # request id -> (the request, buffer, tokens filled); the request itself, since an id may be reused
+        self._arrays: dict[str, tuple[Request, np.ndarray, int]] = {}
+
+    def of(self, req: Request) -> np.ndarray:
+        held, buf, filled = self._arrays.get(req.request_id, (req, np.empty(0, np.int64), 0))
+        n, p = req.num_tokens, req.num_prompt_tokens
+        if held is not req or filled > n:
+            buf, filled = np.empty(0, np.int64), 0
+        if n > len(buf):
+            grown = np.empty(max(n, 2 * len(buf), 64), np.int64)
+            grown[:filled] = buf[:filled]
+            buf = grown
+        if filled < p:
+            buf[filled:p] = req.prompt_token_ids[filled:]
+            filled = p
+        buf[filled:n] = req.output_token_ids[filled - p :]
+        self._arrays[req.request_id] = (req, buf, n)
+        return buf[:n]
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        for rid in [r for r in self._arrays if r not in request_ids]:
+            del self._arrays[rid]
+
+
 def assign_drafts(chunks: list[ScheduledChunk], drafter: Drafter, k: int, max_step_tokens: int,
-                  max_model_len: int) -> int:
+                  max_model_len: int, history: Callable[[Request], np.ndarray] | None = None) -> int:
     """Give each chunk that samples up to k drafts; returns how many in all. A draft never goes past
     the request's max_tokens (the bonus token comes after the drafts), max_model_len, or the step's
     token budget (the routing capture holds max_num_batched_tokens rows). Requests with penalties get
-    none: a step counts every drawn row for the penalties, and a rejected draft's row must not count."""
+    none: a step counts every drawn row for the penalties, and a rejected draft's row must not count.
+    history(request): its tokens as an int64 array (TokenHistories.of; by default built from the lists)."""
     room = max_step_tokens - sum(c.num_new_tokens for c in chunks)
     total = 0
     for chunk in chunks:
@@ -123,7 +165,8 @@ def assign_drafts(chunks: list[ScheduledChunk], drafter: Drafter, k: int, max_st
         n = min(k, room, _tokens_left(req, max_model_len) - 1)
         if n <= 0:
             continue
-        chunk.drafts = drafter.propose(req.all_token_ids, n)
+        tokens = history(req) if history is not None else np.asarray(req.all_token_ids, dtype=np.int64)
+        chunk.drafts = drafter.propose(tokens, n)
         room -= len(chunk.drafts)
         total += len(chunk.drafts)
     return total

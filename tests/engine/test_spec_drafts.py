@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 
 from fastdeploy_r3.config import ConfigError, add_engine_args
@@ -34,7 +35,7 @@ def test_prompt_lookup_min_bounds_the_shortest_n_gram() -> None:
 
 
 class _Fixed:
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def propose(self, token_ids: np.ndarray, max_drafts: int) -> list[int]:
         return [1, 2, 3, 4, 5][:max_drafts]
 
 
@@ -114,3 +115,40 @@ def test_drafts_never_pass_the_lookahead_slots_the_workers_asked_for() -> None:
     c.request.prompt_token_ids = [1, 2, 3, 1, 2, 3]
     spec.assign([c], max_model_len=64)
     assert c.drafts == [1] and spec.counters.verify_steps == 1
+
+
+def test_token_histories_grow_with_the_request_and_follow_a_reused_id() -> None:
+    from fastdeploy_r3.engine.speculative import TokenHistories
+
+    h = TokenHistories()
+    r = Request("x", [1, 2, 3], SamplingParams(max_tokens=200))
+    assert h.of(r).tolist() == [1, 2, 3]
+    r.output_token_ids += [4, 5]
+    assert h.of(r).tolist() == [1, 2, 3, 4, 5]
+    r.output_token_ids += list(range(100))  # past the first buffer
+    assert h.of(r).tolist() == [1, 2, 3, 4, 5, *range(100)]
+    again = Request("x", [9], SamplingParams(max_tokens=4))  # the id of a finished request, reused
+    assert h.of(again).tolist() == [9]
+    h.keep_only(set())
+    assert h.of(r).tolist()[-3:] == [97, 98, 99]
+
+
+def test_the_one_pass_lookup_agrees_with_a_brute_force_search() -> None:
+    """Random short histories over 3 token ids (many repeats): the drafts equal a direct search for the
+    longest suffix n-gram's first earlier occurrence."""
+    import random
+
+    def brute(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            suffix = tokens[-n:]
+            for i in range(len(tokens) - n):
+                if tokens[i : i + n] == suffix:
+                    return tokens[i + n : i + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
+        lo, hi, k = rng.randrange(1, 3), rng.randrange(2, 5), rng.randrange(1, 4)
+        hi = max(lo, hi)
+        assert NgramDrafter(lo, hi).propose(tokens, k) == brute(tokens, lo, hi, k), (tokens, lo, hi, k)

@@ -90,7 +90,8 @@ class OracleDrafter:
     def __init__(self, sequences: list[list[int]], wrong: bool) -> None:
         self.sequences, self.wrong = sequences, wrong
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def propose(self, token_ids: np.ndarray, max_drafts: int) -> list[int]:
+        token_ids = token_ids.tolist()
         for seq in self.sequences:
             if seq[: len(token_ids)] == token_ids:
                 nxt = seq[len(token_ids) : len(token_ids) + max_drafts]
