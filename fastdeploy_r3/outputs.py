@@ -59,6 +59,16 @@ class CompletionOutput:
     finish_message: str | None = None  # why an aborted choice stopped, in words
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     spans_weight_versions: bool = False  # tokens/R3 of more than one weight version (an in-place update)
+    spec: SpecDecodeStats | None = None  # speculative decoding served it
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """A finished choice's speculative decoding (engine/speculative.py), SGLang's meta_info fields."""
+
+    verify_ct: int  # sampling steps, each a verify of 0..k drafts
+    draft_tokens: int
+    accepted_tokens: int
 
 
 @dataclass
@@ -108,6 +118,7 @@ class CompletionDelta:
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)  # so far (a few entries)
     spans_weight_versions: bool = False
     text_rule: TextRule = TextRule.IN_TEXT  # not IN_TEXT: `text` is "" until the receiver detokenizes
+    spec: SpecDecodeStats | None = None  # on the finishing delta, when speculative decoding served it
 
 
 @dataclass
@@ -175,6 +186,7 @@ class OutputAssembler:
                 finish_message=last.finish_message,
                 weight_versions=list(last.weight_versions),
                 spans_weight_versions=last.spans_weight_versions,
+                spec=last.spec,
             )
             for i, last in sorted(self._last.items())
         ]

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastdeploy_r3.config.engine import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy_r3.config.speculative import SpeculativeConfig
+from fastdeploy_r3.errors import ConfigError
 
 # the dataclasses whose fields are engine flags, in --help order
 SECTIONS: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig)
@@ -58,9 +60,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if "default" in kw and kw["default"] is not None:
             kw["help"] += " (default: %(default)s)"
         parser.add_argument(name, **kw)
+    sg = parser.add_argument_group("SGLang's speculative flags (the same as --speculative-config)")
+    sg.add_argument("--speculative-algorithm", default=None, help="NGRAM: n-gram prompt-lookup drafts")
+    sg.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                    help="tokens per verify, the verified one the drafts follow included (drafts = this - 1)")
+    sg.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None,
+                    help="shortest n-gram looked up (prompt_lookup_min)")
+    sg.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None,
+                    help="longest n-gram looked up (prompt_lookup_max)")
     return parser
+
+
+def _sglang_speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
+    algorithm = getattr(args, "speculative_algorithm", None)
+    rest = [getattr(args, n, None) for n in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                                             "speculative_ngram_max_match_window_size")]
+    if algorithm is None:
+        if any(v is not None for v in rest):
+            raise ConfigError("the --speculative-num-draft-tokens / --speculative-ngram-* flags need "
+                              "--speculative-algorithm NGRAM")
+        return None
+    if getattr(args, "speculative_config", None):
+        raise ConfigError("give either --speculative-config or --speculative-algorithm, not both")
+    return SpeculativeConfig.from_sglang(algorithm, *rest)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kwargs = {f.name: getattr(args, f.name) for f, _ in cli_fields() if f.name != "model"}
+    sglang = _sglang_speculative(args)
+    if sglang is not None:
+        kwargs["speculative_config"] = sglang
     return EngineConfig.from_kwargs(args.model, **kwargs)

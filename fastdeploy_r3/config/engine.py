@@ -39,6 +39,7 @@ from fastdeploy_r3.config.scheduler_defaults import (
     scheduler_defaults,
     weight_bytes_estimate,
 )
+from fastdeploy_r3.config.speculative import SpeculativeConfig
 from fastdeploy_r3.errors import ConfigError
 from fastdeploy_r3.r3.config import RoutingReplayConfig
 
@@ -291,6 +292,9 @@ class EngineConfig:
         metadata={"help": "R3 settings: a JSON object or the path of a JSON file (keys: see README)", "type": str},
     )
     device: str = flag("auto", "where the workers run; auto picks cuda when available", ("auto", "cpu", "cuda"))
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "help": 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+                '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (config/speculative.py)', "type": str})
 
     def __post_init__(self) -> None:
         # each part's checks, those that span parts, and the two fields that depend on others (the R3
@@ -354,6 +358,8 @@ class EngineConfig:
         for key, value in kwargs.items():
             if key == "routing_replay_config":
                 engine_kw[key] = RoutingReplayConfig.from_json(value)
+            elif key == "speculative_config":
+                engine_kw[key] = SpeculativeConfig.from_json(value)
             elif key == "device":
                 engine_kw[key] = value
             elif key in owners:

@@ -31,6 +31,7 @@ from fastdeploy_r3.engine.overlap import OverlapCounters, overlap_enabled, sched
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.request_groups import RequestGroups, validate_prompt
 from fastdeploy_r3.engine.scheduler import QueueFullError, ScheduledChunk, SchedulerOutput
+from fastdeploy_r3.engine.speculative import Speculation
 from fastdeploy_r3.engine.step_builder import StepBuilder
 from fastdeploy_r3.engine.step_counters import StepCounters, Stopwatch
 from fastdeploy_r3.engine.step_isolation import StepAttempt, run_isolating_failures
@@ -63,6 +64,9 @@ class EngineService:
         self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule,
                                        config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)
         self.overlap_counters = OverlapCounters()
+        sp = config.speculative_config
+        self.speculation = None if sp is None else Speculation(
+            sp, config.scheduler_config.max_num_batched_tokens, p.scheduler.num_lookahead_tokens)
         self._in_flight: SchedulerOutput | None = None  # the step sent and not collected yet
         self.step_counters = StepCounters()  # where each step's wall time goes (/metrics)
         self._input_seconds = self._worker_seconds = 0.0  # building inputs / waiting for the workers, retries included
@@ -145,6 +149,8 @@ class EngineService:
                     res.lookup.wait(0.01)  # nothing to run but lookups: do not spin
                 if out.chunks:
                     self.overlap_counters.sync_steps += 1
+                    if self.speculation is not None:  # no overlap then: num_lookahead_tokens > 0
+                        self.speculation.assign(out.chunks, self.parts.max_model_len)
                     self.workers.broadcast(self._build(out.chunks, False))
             if out.chunks:
                 if self.overlap and self.control.paused is None:
@@ -227,6 +233,8 @@ class EngineService:
             if rid in step.prompt_logprobs:
                 self.token_processor.add_prompt_logprobs(req, *step.prompt_logprobs[rid])
             if chunk.samples:
+                if self.speculation is not None:
+                    self.speculation.record(chunk, len(step.sampled[rid]))
                 self.token_processor.append_tokens(req, step.sampled[rid], step.logprobs.get(rid))
 
     def _run_batch(self, chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
@@ -316,7 +324,16 @@ class EngineService:
             "r3_failures": r3.failures,
             "r3_gather_seconds": r3.gather_seconds,
             **self.step_counters.as_metrics(),
+            **self._spec_metrics(),
         }
+
+    def _spec_metrics(self) -> dict[str, float]:
+        """Speculative decoding (engine/speculative.py): absent when it is off."""
+        if self.speculation is None:
+            return {}
+        c = self.speculation.counters
+        return {"spec_verify_steps": c.verify_steps, "spec_draft_tokens": c.draft_tokens,
+                "spec_accepted_tokens": c.accepted_tokens}
 
     def shutdown(self) -> None:
         if self._closed:

@@ -12,7 +12,8 @@ common part is a handful of numpy buffers (pickled as raw bytes) and one joined 
                version_of [C] -> versions (names), version_end [C]: the one span [0, end) a choice
                usually has; -1: its spans are in its extras
     extras     per choice row / request row, only where something is set: finish, stop reason,
-               error, R3 rows, logprobs, other weight-version spans / the prompt, prompt logprobs
+               error, R3 rows, logprobs, other weight-version spans, speculative decoding counts / the
+               prompt, prompt logprobs
 
 unpack_deltas(pack_deltas(d)) == d, field for field (tests/engine/test_output_wire.py).
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy_r3.logprobs import PromptLogprobs, TokenLogprob
-from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, TextRule, WeightVersionSpan
+from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, SpecDecodeStats, TextRule, WeightVersionSpan
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ChoiceExtras:
     logprobs: list[TokenLogprob] | None = None
     finish_message: str | None = None
     weight_versions: list[WeightVersionSpan] | None = None  # when not one span from 0 (version_of -1)
+    spec: SpecDecodeStats | None = None
 
 
 @dataclass
@@ -76,10 +78,10 @@ class PackedDeltas:
 
 def _choice_extras(c: CompletionDelta, one_span: bool) -> ChoiceExtras | None:
     if (c.finish_reason is None and c.stop_reason is None and c.routed_experts is None and c.error is None
-            and c.logprobs is None and c.finish_message is None and one_span):
+            and c.logprobs is None and c.finish_message is None and one_span and c.spec is None):
         return None
     return ChoiceExtras(c.finish_reason, c.stop_reason, c.routed_experts, c.error, c.logprobs, c.finish_message,
-                        None if one_span else list(c.weight_versions))
+                        None if one_span else list(c.weight_versions), c.spec)
 
 
 def pack_deltas(deltas: list[RequestDelta]) -> PackedDeltas:
@@ -161,6 +163,6 @@ def unpack_deltas(p: PackedDeltas) -> list[RequestDelta]:
             index=index, text=p.text[txt[c] : txt[c + 1]], token_ids=ids[tok[c] : tok[c + 1]],
             finish_reason=e.finish_reason, stop_reason=e.stop_reason, routed_experts=e.routed_experts,
             routed_experts_start=start, error=e.error, logprobs=e.logprobs, finish_message=e.finish_message,
-            weight_versions=wv, spans_weight_versions=spans, text_rule=TextRule(rules[c]),
+            weight_versions=wv, spans_weight_versions=spans, text_rule=TextRule(rules[c]), spec=e.spec,
         ))
     return deltas

@@ -66,6 +66,10 @@ class Request:
     # weight versions: the one computing this request now, and the updates it lived through
     weight_version: str = ""
     weight_version_events: list[WeightVersionEvent] = field(default_factory=list)
+    # speculative decoding (engine/speculative.py): sampling steps, drafts fed, drafts accepted
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.needs_prompt_logprobs = self.sampling_params.prompt_logprobs is not None and len(self.prompt_token_ids) > 1

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field, replace
 
 from fastdeploy_r3.engine.request import Request
 from fastdeploy_r3.engine.token_processor import TokenProcessor
-from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, WeightVersionSpan, weight_version_spans
+from fastdeploy_r3.outputs import (
+    CompletionDelta,
+    RequestDelta,
+    SpecDecodeStats,
+    WeightVersionSpan,
+    weight_version_spans,
+)
 from fastdeploy_r3.r3.layouts import row_range
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
 
@@ -126,6 +132,8 @@ class RequestGroups:
                     weight_versions=_spans(req, out.num_sent_tokens),
                     spans_weight_versions=bool(req.weight_version_events) and req.spans_weight_versions,
                     text_rule=out.text_rule,
+                    spec=(SpecDecodeStats(req.spec_verify_ct, req.spec_draft_tokens, req.spec_accepted_tokens)
+                          if finished and req.spec_verify_ct else None),
                 )
             )
         delta = RequestDelta(

@@ -29,6 +29,9 @@ class ScheduledChunk:
     # scheduled ahead (engine/overlap.py): the chunk feeds the one token that the step in flight samples
     # for the request, unknown to the engine when sent (the worker fills it in); it samples the next one
     ahead: bool = False
+    # speculative drafts fed after the chunk into its lookahead slots and verified by the step
+    # (engine/speculative.py): not counted in num_new_tokens, since only the accepted ones are computed
+    drafts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.start < 0:

@@ -1,6 +1,7 @@
 """What the workers are sent for a step (worker/messages.py), in proportion to what changed:
 
-  - every step, each chunk's tokens and positions (a chunk scheduled ahead: a placeholder, overlap.py);
+  - every step, each chunk's tokens and positions (a chunk scheduled ahead: a placeholder, overlap.py),
+    and the speculative drafts after a sampling chunk (speculative.py), each of them sampling;
   - a request's block table whole the first time the workers see it, after it was preempted (its
     blocks were freed and it got new ones), on a retry and after a failed step; otherwise only the
     blocks appended since the previous step (worker/batch_state.py keeps the tables);
@@ -72,11 +73,13 @@ class StepBuilder:
             self._worker_blocks[rid] = (blocks_from + len(block_ids), r.num_preemptions)
             data = ScheduledRequestData(
                 request_id=rid,
-                token_ids=_chunk_tokens(r, start, start + chunk.num_new_tokens),
+                # a verify step feeds the drafts after the chunk; each of them and the chunk's last token samples
+                token_ids=_chunk_tokens(r, start, start + chunk.num_new_tokens) + chunk.drafts,
                 start_pos=start,
                 block_table=block_ids,
                 block_tags=tags,
                 sample=chunk.samples,
+                num_sample_rows=len(chunk.drafts) + 1,
                 blocks_from=blocks_from,
                 sampling_params=r.sampling_params if first else None,
                 sampling_seed=r.sampling_params.seed if first else None,

@@ -134,6 +134,11 @@ class TokenProcessor:
             if status is not None:
                 break
         if kept > 1:
+            # INVARIANT (speculative decoding, engine/speculative.py): the cursor moves over the kept tokens
+            # before the last, i.e. accepted drafts cut at a stop, never over a rejected or dropped one.
+            # R3 rows are gathered only below the cursor (_gather_r3) and only blocks full below it are
+            # cached, so the rows and KV a verify step wrote for unverified drafts are never published
+            # (the next step writes the true tokens' over them)
             self.scheduler.advance(req, kept - 1)  # the kept tokens before the last were fed this step
         if status is not None:
             self.finish(req, status)

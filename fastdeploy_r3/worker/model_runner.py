@@ -5,6 +5,11 @@ placeholders of a step scheduled ahead from the previous step's sampled ids (eng
 forward (MoE layers capture top-k ids) → rank 0 writes the step's R3 rows into routing_host_buffer at
 slot_mapping → sample → return tokens. The R3 write happens before
 the tokens leave the worker, so when the engine sees a token, every forwarded row is in place.
+
+A verify step (engine/speculative.py) forwards and writes the rows of every draft too; finish() returns
+only the accepted drafts and the bonus token, and the engine publishes rows only below its cursor,
+which moves over verified tokens alone (engine/token_processor.py append_tokens): a rejected draft's
+row sits in a slot the next step overwrites and is never read.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ class ModelRunner:
         self.dtype = torch_dtype(config.model_config.dtype)
         self.kv_dtype = torch_dtype(config.cache_config.kv_cache_dtype)  # the model dtype today (config/engine.py)
         self.block_size = config.cache_config.block_size
+        if config.speculative_config is not None:  # a verify step feeds up to k drafts past its chunk
+            self.num_lookahead_tokens = config.speculative_config.num_speculative_tokens
         self.model: torch.nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, NB, BS, KVH, D]
         self._kv_segment: ShmSegment | None = None
@@ -314,11 +321,20 @@ class ModelRunner:
         except Exception:
             self._fail(launched)
             raise
+        verified: set[str] = set()  # requests whose verification ended: their later rows are dropped
         for i, (row, tok) in enumerate(zip(launched.sample_rows, ids)):  # rows of a request are in order
             rid = row.request.request_id
+            if rid in verified:
+                continue
             out.sampled_token_ids.setdefault(rid, []).append(tok)
             if i in records:
                 out.logprobs.setdefault(rid, []).append(records[i])
+            # a verify step (engine/speculative.py): the row keeps going while its token is the draft fed
+            # at the next position, since the next row's logits were computed after that draft; the
+            # first other token (or the row after the last draft: the bonus) ends the request's list
+            r, at = row.request, row.position - row.request.start_pos
+            if at >= len(r.token_ids) or r.token_ids[at] != tok:
+                verified.add(rid)
         return out
 
     def _fail(self, launched: LaunchedStep) -> None:

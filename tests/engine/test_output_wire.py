@@ -10,7 +10,7 @@ import numpy as np
 
 from fastdeploy_r3.engine.messages import OutputBatch
 from fastdeploy_r3.logprobs import TokenLogprob
-from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, TextRule, WeightVersionSpan
+from fastdeploy_r3.outputs import CompletionDelta, RequestDelta, SpecDecodeStats, TextRule, WeightVersionSpan
 
 
 def _v(version: str, end: int) -> list[WeightVersionSpan]:
@@ -27,11 +27,11 @@ def mixed_step() -> list[RequestDelta]:
                                                      weight_versions=_v("v1", 1))],
                      finished=False, num_cached_tokens=16, prompt="héllo", prompt_token_ids=[1, 2, 3],
                      moe_layer_ids=[1, 2], prompt_logprobs=[None, TokenLogprob(2, -0.5, 2, [(5, -0.1)])]),
-        # n = 3: choice 0 finishes at its length with R3 rows and logprobs, choice 2 goes on, choice 1 is
-        # not in this step (it finished earlier)
+        # n = 3: choice 0 finishes at its length with R3 rows, logprobs and speculative decoding counts,
+        # choice 2 goes on, choice 1 is not in this step (it finished earlier)
         RequestDelta("cmpl-n3", [
             CompletionDelta(0, "日本", [7, 8], finish_reason="length", routed_experts=rows, routed_experts_start=1,
-                            logprobs=lp, weight_versions=_v("v1", 4)),
+                            logprobs=lp, weight_versions=_v("v1", 4), spec=SpecDecodeStats(3, 6, 2)),
             CompletionDelta(2, "", [], weight_versions=_v("v1", 3), routed_experts_start=1),
         ], finished=False),
         # aborted by its client, in words

@@ -208,6 +208,11 @@ class NativeServing(OpenAIServing):
             "weight_versions": spans,
             "spans_weight_versions": c.spans_weight_versions,
         }
+        if c.spec is not None:  # SGLang's names; accept length = completion tokens per verify
+            meta.update(spec_verify_ct=c.spec.verify_ct, spec_draft_token_num=c.spec.draft_tokens,
+                        spec_accept_token_num=c.spec.accepted_tokens,
+                        spec_accept_rate=c.spec.accepted_tokens / c.spec.draft_tokens if c.spec.draft_tokens else 0.0,
+                        spec_accept_length=len(c.token_ids) / c.spec.verify_ct)
         records = c.logprobs or []
         if item.return_logprob:
             meta["output_token_logprobs"] = self._output_token_logprobs(c, item.return_text_in_logprobs)

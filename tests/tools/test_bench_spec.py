@@ -1,0 +1,34 @@
+"""The speculative decoding benchmark stays runnable on the CPU with the fake tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+from bench_spec import expected_tokens  # noqa: E402
+
+
+def test_expected_tokens_per_verify_step() -> None:
+    assert expected_tokens(0.0, 3) == 1.0  # every draft rejected: the bonus token alone
+    assert expected_tokens(1.0, 3) == 4.0  # every draft accepted: k + 1
+    assert abs(expected_tokens(0.7, 3) - (1 + 0.7 + 0.49 + 0.343)) < 1e-12
+
+
+def test_spec_bench_runs_on_cpu_and_writes_the_table(tmp_path: Path) -> None:
+    """batch 1 and 2, k 1 and 2, 2 timed steps each: a plain row and a row per k for each batch."""
+    cmd = [sys.executable, "tools/bench_spec.py", "--device", "cpu", "--batches", "1,2", "--ks", "1,2", "--steps", "2",
+           "--prompt-len", "8", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "| batch | k | step ms | cost x plain |" in proc.stdout
+    res = json.loads((tmp_path / "bench_spec.json").read_text())
+    assert [(r["batch"], r["k"]) for r in res["rows"]] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    for r in res["rows"]:
+        assert r["step_ms"] > 0
+        for a, tok_s in r["tok_s"].items():
+            assert abs(tok_s - r["batch"] * expected_tokens(float(a), r["k"]) / (r["step_ms"] / 1e3)) < 1e-6 * tok_s

@@ -1,0 +1,151 @@
+"""Speculative decoding's cost curve: a verify step of k drafts per request against the plain decode
+step, per batch size, and the tokens/s it would give at a per-draft acceptance rate.
+
+    python tools/bench_spec.py --preset qwen3-30b-a3b --device cuda [--layers 48] [--batches 1,8,32] [--ks 1,2,3,4,5]
+    python tools/bench_spec.py --preset glm-4.5-air --device cuda
+    python tools/bench_spec.py --device cpu        # the fake tiny qwen3_moe (tests/tools/test_bench_spec.py)
+
+One ModelRunner in-process (tools/step_bench.py), dummy weights of the preset (or the fake checkpoint).
+Per batch B: B random prompts, prefill, then the median of --steps plain decode steps (one token per
+request; CUDA graphs unless --enforce-eager) and, per k, of --steps verify steps (the last token and k
+random drafts per request, k + 1 sampling rows each, eager: verify steps have no graphs yet). Dummy
+weights accept no drafts, so acceptance is modelled: with each draft accepted with probability a
+independently, a verify step appends E(a, k) = (1 - a^(k+1)) / (1 - a) tokens per request, and
+
+    tokens/s = B * E(a, k) / verify step        speedup = that / (B / plain step)
+
+R3 capture stays on throughout (the engine's configuration for RL rollouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# tools/ is run as a script from a checkout where the package is not necessarily installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np
+from fake_model import make_fake_model
+from step_bench import StepBench
+
+from fastdeploy_r3.worker.messages import ScheduledRequestData
+
+RATES = (0.5, 0.7, 0.9)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a verify step of k drafts appends when each draft is accepted with probability `rate`
+    (until the first rejection) plus the bonus token: 1 + a + ... + a^k."""
+    return float(sum(rate**i for i in range(k + 1)))
+
+
+def _verify_steps(bench: StepBench, k: int, steps: int, rng: np.random.Generator, vocab: int) -> list[float]:
+    """`steps` verify steps of the whole batch, each request feeding its last token and k random drafts;
+    every request then moves on by the one token the dummy model keeps (its drafts' slots are rewritten
+    by the next step, as after a rejection). Seconds per step."""
+    times = []
+    for _ in range(steps):
+        step = [ScheduledRequestData(rid, [bench.last_tokens[rid]] + rng.integers(0, vocab, k).tolist(), pos, table,
+                                     [1] * len(table), sample=True, num_sample_rows=k + 1)
+                for rid, table, pos in bench.requests]  # fmt: skip
+        bench._sync()
+        t0 = time.perf_counter()
+        bench._step(step)
+        bench._sync()
+        times.append(time.perf_counter() - t0)
+        bench.requests = [(rid, table, pos + 1) for rid, table, pos in bench.requests]
+    return times
+
+
+def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    block_size = 16
+    # per request: warm-ups and timed plain steps, then per k its warm-up and timed steps, plus k lookahead
+    extra = (args.steps + 1) * (len(ks) + 1) + max(ks) + 1
+    per_req = -(-(args.prompt_len + extra) // block_size)
+    sb = StepBench(model_dir, args.device, args.dtype, load_format, max(batches), args.prompt_len + extra,
+                   max(batches) * per_req + 1, block_size, max(8192, max(batches) * (max(ks) + 1)),
+                   args.enforce_eager)  # fmt: skip
+    vocab = sb.runner.model.vocab_size
+    rng = np.random.default_rng(0)
+    rows = []
+    try:
+        for b in batches:
+            prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
+            sb.prefill(prompts, reserve=extra)
+            sb.decode([True])  # warm-up
+            plain = statistics.median(sb.decode([True] * args.steps))
+            rows.append({"batch": b, "k": 0, "step_ms": plain * 1e3, "cost": 1.0,
+                         "tok_s": {str(a): b / plain for a in RATES}, "speedup": {str(a): 1.0 for a in RATES}})
+            for k in ks:
+                _verify_steps(sb, k, 1, rng, vocab)  # warm-up at this shape
+                t = statistics.median(_verify_steps(sb, k, args.steps, rng, vocab))
+                tok_s = {str(a): b * expected_tokens(a, k) / t for a in RATES}
+                rows.append({"batch": b, "k": k, "step_ms": t * 1e3, "cost": t / plain, "tok_s": tok_s,
+                             "speedup": {a: v / (b / plain) for a, v in tok_s.items()}})
+            print(f"batch {b}: plain {plain * 1e3:.2f} ms, verify "
+                  + ", ".join(f"k={r['k']} {r['step_ms']:.2f} ms" for r in rows if r["batch"] == b and r["k"]),
+                  flush=True)
+    finally:
+        sb.close()
+    return {"rows": rows, "cuda_graphs": sb.runner.decode_graphs is not None}
+
+
+def print_table(res: dict, title: str) -> None:
+    print(f"\n{title}; plain decode {'in CUDA graphs' if res['cuda_graphs'] else 'eager'}, verify eager")
+    head = " | ".join(f"tok/s a={a} (x)" for a in RATES)
+    print(f"| batch | k | step ms | cost x plain | {head} |")
+    print("|---|---|---|---|" + "---|" * len(RATES))
+    for r in res["rows"]:
+        cells = " | ".join(f"{r['tok_s'][str(a)]:.0f} ({r['speedup'][str(a)]:.2f})" for a in RATES)
+        print(f"| {r['batch']} | {r['k'] or 'plain'} | {r['step_ms']:.2f} | {r['cost']:.2f} | {cells} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--preset", default=None, help="real-shape preset (tools/model_presets.py), dummy weights")
+    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 for a preset, float32 for the fake model")
+    ap.add_argument("--batches", default=None, help="default 1,8,32 on CUDA, 1,2 on the CPU")
+    ap.add_argument("--ks", default="1,2,3,4,5", help="drafts per request per verify step")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 1024 on CUDA, 16 on the CPU")
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per (batch, k)")
+    ap.add_argument("--enforce-eager", action="store_true", help="plain decode without CUDA graphs too")
+    ap.add_argument("--out", default=None, help="write bench_spec.json here")
+    args = ap.parse_args()
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = args.device == "cuda"
+    args.batches = args.batches or ("1,8,32" if cuda else "1,2")
+    args.prompt_len = args.prompt_len or (1024 if cuda else 16)
+    args.dtype = args.dtype or ("bfloat16" if args.preset else "float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.preset:
+            from model_presets import write_preset
+
+            model_dir, load_format, title = write_preset(args.preset, tmp, args.layers), "dummy", args.preset
+        else:
+            model_dir, load_format = make_fake_model("qwen3_moe", tmp, preset="tiny"), "auto"
+            title = "fake tiny qwen3_moe"
+        title += f", {args.dtype}, {args.device}, prompt {args.prompt_len}"
+        res = bench(args, model_dir, load_format)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_spec.json"), "w") as f:
+            json.dump({"title": title, "args": vars(args)} | res, f, indent=1)
+    print_table(res, title)
+
+
+if __name__ == "__main__":
+    main()
