@@ -154,17 +154,39 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):  # -> tokenizers.Tokenizer
     return tokenizer
 
 
-def make_fake_model(arch: str, out: str, preset: str = "tiny", seed: int = 0) -> str:
-    """Write a random `arch` checkpoint to directory `out` (created if needed); return `out`."""
+# what a block-wise fp8 checkpoint's config.json says (Qwen3-30B-A3B-FP8's, and what vLLM / SGLang read)
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+}
+
+
+def make_fake_model(
+    arch: str, out: str, preset: str = "tiny", seed: int = 0, dtype: str = "float32", fp8: bool = False
+) -> str:
+    """Write a random `arch` checkpoint to directory `out` (created if needed); return `out`.
+
+    dtype: the dtype the weights are saved in ("float32" or "bfloat16": the float32 draws rounded).
+    fp8: save them as a block-wise fp8 checkpoint instead, in the published layout: every dense linear and
+    expert projection `X.weight` float8_e4m3fn with `X.weight_scale_inv` float32 [ceil(O/128), ceil(I/128)],
+    quantized from the `dtype` weights (model_executor/quantization/fp8.py); router gates, norms, embeddings
+    and lm_head stay in `dtype`; config.json gets FP8_QUANTIZATION_CONFIG."""
     from safetensors.torch import save_file
 
     from fastdeploy_r3.model_executor.model_loader import random_weights
     from fastdeploy_r3.model_executor.models.registry import get_model_class
+    from fastdeploy_r3.model_executor.quantization.fp8 import SCALE_SUFFIX, quantize_blockwise
+    from fastdeploy_r3.model_executor.quantization.fp8_loading import quantize_layers
 
     hf = fake_hf_config(arch, preset)
     os.makedirs(out, exist_ok=True)
     model = get_model_class(hf["architectures"][0])(hf, torch.float32)
     weights = random_weights(model, seed, router_std=_ROUTER_STD[arch])
+    weights = {name: w.to(getattr(torch, dtype)) for name, w in weights.items()}
+    hf["torch_dtype"] = dtype
+    if fp8:
+        for name in sorted(quantize_layers(model)):  # the checkpoint names of the fp8 layers' weights
+            weights[name], weights[name + SCALE_SUFFIX] = quantize_blockwise(weights[name])
+        hf["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})
     _write_json(os.path.join(out, "config.json"), hf)

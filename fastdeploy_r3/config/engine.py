@@ -65,8 +65,10 @@ class ModelConfig:
                                  "cache only; the server resolves it, see config/hub.py)"})
     dtype: str = flag("float32", "dtype of the weights and activations ('auto': the dtype config.json names); "
                       "the KV cache follows it unless --kv-cache-dtype says otherwise", _DTYPE_CHOICES)
-    quantization: str = flag("none", "how the weights are quantized (config/quantization.py): 'none' only, so "
-                                     "far; a checkpoint saved quantized (fp8, ...) is refused", QUANTIZATION_METHODS)
+    quantization: str = flag("none", "how the weights are quantized (config/quantization.py): 'fp8' serves "
+                                     "block-wise fp8 weights (quantizing an unquantized checkpoint at load and at "
+                                     "every weight update); an fp8 checkpoint selects it by itself",
+                             QUANTIZATION_METHODS)
     load_format: str = flag("auto", "'auto' reads *.safetensors; 'dummy' draws random weights from config.json",
                             ("auto", "dummy"))
     max_model_len: int | None = flag(None, "longest prompt + output in tokens (default: the model's "
@@ -112,7 +114,7 @@ class ModelConfig:
         _set("moe_top_k", int(hf.get("num_experts_per_tok", 0) or 0))
         _set("moe_layer_ids", moe_layer_ids_from_hf_config(hf))
         _set("quantization_config", QuantizationConfig.from_hf(hf))
-        resolve_quantization(self.quantization, self.quantization_config, self.model)
+        _set("quantization", resolve_quantization(self.quantization, self.quantization_config, self.model))
         if self.num_experts <= 0 or self.moe_top_k <= 0 or not self.moe_layer_ids:
             raise ConfigError(
                 f"{self.model!r} is not a MoE model (no routed experts / experts per token / MoE layers); "
@@ -141,8 +143,10 @@ class ModelConfig:
 
     @property
     def model_identity(self) -> str:
-        """Seeds the prefix-cache hash chain and namespaces the storage tier."""
-        return f"{self.architecture}:{os.path.abspath(self.model)}:{self.dtype}"
+        """Seeds the prefix-cache hash chain and namespaces the storage tier: fp8 weights compute other KV
+        than the same checkpoint unquantized, so the method is part of it (unquantized: as before)."""
+        method = "" if self.quantization == "none" else f":{self.quantization}"
+        return f"{self.architecture}:{os.path.abspath(self.model)}:{self.dtype}{method}"
 
     @property
     def family(self) -> str:

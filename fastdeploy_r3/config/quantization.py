@@ -1,10 +1,12 @@
 """What a checkpoint says about its quantization (config.json's `quantization_config`), read without torch.
 
-    --quantization      the method the engine runs the weights with: "none" (the only one today)
+    --quantization      the method the engine runs the weights with: "none" or "fp8"
     quantization_config {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], ...}
 
-A checkpoint that was saved quantized needs a method that reads its scales; one asking for a method
-this engine lacks is refused here, before any process starts, naming what it asked for. The methods
+"fp8" serves block-wise float8_e4m3fn weights with 128x128 float32 scales: a checkpoint saved that way
+is read as is (and chosen without the flag, as vLLM and SGLang do), an unquantized one is quantized at
+load. A checkpoint that was saved quantized in a way this engine cannot read (another method, block
+size, format, or static activation scales) is refused here, before any process starts, naming it. The methods
 themselves (how a layer creates, prepares and applies its weights) live in model_executor/quantization/.
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 from fastdeploy_r3.errors import ConfigError
 
 # --quantization choices: a method here has a QuantizationMethod pair in model_executor/quantization/
-QUANTIZATION_METHODS = ("none",)
+QUANTIZATION_METHODS = ("none", "fp8")
 
 
 @dataclass(frozen=True)
@@ -63,4 +65,15 @@ def resolve_quantization(asked: str, checkpoint: QuantizationConfig, model: str)
             + f", which this engine does not support (quantization methods: {', '.join(QUANTIZATION_METHODS)}); "
             "serve the unquantized (bf16/fp16) checkpoint instead"
         )
+    if checkpoint.method == "fp8":
+        wrong = [f"{key}={value!r} (served: {want!r})" for key, value, want in (
+            ("fmt", checkpoint.fmt or "e4m3", "e4m3"),
+            ("weight_block_size", checkpoint.weight_block_size, (128, 128)),
+            ("activation_scheme", checkpoint.activation_scheme or "dynamic", "dynamic"),
+        ) if value != want]
+        if wrong:
+            raise ConfigError(f"{model!r} is an fp8 checkpoint with {', '.join(wrong)}; this engine serves block-wise "
+                              "e4m3 weights with 128x128 scales and dynamic activations: serve the unquantized "
+                              "checkpoint with --quantization fp8 instead")
+        return "fp8"  # the checkpoint's scales need the fp8 method, asked for or not (vLLM and SGLang agree)
     return asked

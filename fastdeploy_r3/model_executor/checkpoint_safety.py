@@ -11,7 +11,9 @@ carry text its author wants echoed back, a tensor may be int8 or full of NaN. Th
     headers  parsed by safetensors; any failure is "file N is not a readable safetensors file",
              never the parser's text (it can quote the header)
     dtypes   floating point only; a dtype other than the model's is converted only when every
-             value survives the round trip (`lossless_cast`), else refused
+             value survives the round trip (`lossless_cast`), else refused; float8_e4m3fn weights and
+             their `*_scale_inv` scales (float32) are kept as they are: which layers may hold them is
+             the model's to say (quantization/fp8_loading.py), before any of them is read
     values   finite (no NaN, no inf)
 
 Errors are `CheckpointError`: they name the tensor or the file's name inside the directory, never
@@ -34,6 +36,9 @@ INDEX_NAME = "model.safetensors.index.json"
 _MAX_INDEX_BYTES = 64 * 2**20
 # safetensors dtype names that hold floating point values
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# and the fp8 weights of a block-wise fp8 checkpoint
+HEADER_DTYPES = {**FLOAT_DTYPES, "F8_E4M3": torch.float8_e4m3fn}
+SCALE_SUFFIX = "_scale_inv"
 
 
 class CheckpointError(WeightLoadingError):
@@ -116,10 +121,10 @@ def safetensors_header(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]
                 "header or data)"
             ) from None
     for name, (dtype, _) in out.items():
-        if dtype not in FLOAT_DTYPES:
+        if dtype not in HEADER_DTYPES:
             raise CheckpointError(
-                f"weight {name!r} is stored as {dtype}; only floating point weights ({', '.join(FLOAT_DTYPES)}) "
-                "are loaded (a quantized or integer checkpoint needs its own loader)"
+                f"weight {name!r} is stored as {dtype}; only floating point weights ({', '.join(HEADER_DTYPES)}) "
+                "are loaded (an integer checkpoint needs its own loader)"
             )
     return out
 
@@ -147,7 +152,8 @@ def iter_checked_safetensors(files: list[str], device: torch.device | str) -> It
 def check_tensor(name: str, tensor: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
     """`tensor` in model_dtype after the dtype and finiteness rules; CheckpointError otherwise."""
     _check_dtype(name, tensor)
-    if not bool(torch.isfinite(tensor).all()):
+    values = tensor.float() if tensor.dtype == torch.float8_e4m3fn else tensor  # isfinite has no fp8 kernel
+    if not bool(torch.isfinite(values).all()):
         raise CheckpointError(f"weight {name!r} holds NaN or inf values; the trainer's weights are broken")
     return lossless_cast(name, tensor, model_dtype)
 
@@ -160,8 +166,10 @@ def check_tensors(named: list[tuple[str, torch.Tensor]], model_dtype: torch.dtyp
     for name, t in named:
         _check_dtype(name, t)
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (_, t) in enumerate(named):
-        if t.numel():
+    for i, (name, t) in enumerate(named):
+        if t.dtype == torch.float8_e4m3fn:
+            check_tensor(name, t, model_dtype)  # no fused norm for fp8: checked alone (rare: fp8 pushes)
+        elif t.numel():
             by_kind.setdefault((t.device, t.dtype), []).append(i)
     for idx in by_kind.values():
         norms = torch._foreach_norm([named[i][1] for i in idx], 2)
@@ -176,12 +184,20 @@ def _check_dtype(name: str, tensor: torch.Tensor) -> None:
         raise CheckpointError(
             f"weight {name!r} is {str(tensor.dtype).removeprefix('torch.')}; only floating point weights are loaded"
         )
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise CheckpointError(f"weight {name!r} is float8; this engine loads fp16, bf16, fp32 or fp64 weights")
+    if tensor.dtype == torch.float8_e5m2 or (tensor.dtype.itemsize == 1 and tensor.dtype != torch.float8_e4m3fn):
+        raise CheckpointError(f"weight {name!r} is {str(tensor.dtype).removeprefix('torch.')}; this engine loads "
+                              "fp16, bf16, fp32 or fp64 weights, and float8_e4m3fn ones with their scales")
 
 
 def lossless_cast(name: str, tensor: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
-    """tensor.to(model_dtype) when no value changes (bf16 -> fp32, or fp32 holding bf16 values), else refused."""
+    """tensor.to(model_dtype) when no value changes (bf16 -> fp32, or fp32 holding bf16 values), else refused.
+
+    An fp8 weight stays fp8 and a `*_scale_inv` scale becomes float32 (by the same rule): the model checked
+    that they belong to fp8 layers (quantization/fp8_loading.py's check_update_dtypes)."""
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor
+    if name.endswith(SCALE_SUFFIX):
+        model_dtype = torch.float32
     if tensor.dtype == model_dtype:
         return tensor
     cast = tensor.to(model_dtype)

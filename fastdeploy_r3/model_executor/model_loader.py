@@ -15,7 +15,11 @@ from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
-from fastdeploy_r3.model_executor.quantization import check_checkpoint_tensors, process_weights_after_loading
+from fastdeploy_r3.model_executor.quantization import (
+    check_checkpoint_tensors,
+    process_weights_after_loading,
+    quantize_model,
+)
 
 
 def random_weight(
@@ -60,7 +64,8 @@ def iter_random_weights(
     generator = torch.Generator(device).manual_seed(seed)
     shapes = model.checkpoint_weight_shapes()
     for name in sorted(shapes):
-        yield name, random_weight(name, shapes[name], generator, router_std, dtype)
+        if not name.endswith("_scale_inv"):  # an fp8 model quantizes the drawn weights (the same draws)
+            yield name, random_weight(name, shapes[name], generator, router_std, dtype)
 
 
 def random_weights(model: nn.Module, seed: int, router_std: float = 0.5) -> dict[str, torch.Tensor]:
@@ -146,6 +151,8 @@ def load_model(
     try:
         with torch.device(device):
             model = model_cls(hf, dtype, tp_rank, tp_size, expert_placement)
+            # fp8 parameters replace the dense linears' and experts' before loading (biases: the model dtype)
+            quantize_model(model, model_config.quantization, model_config.quantization_config.ignored_layers)
     finally:
         torch.set_default_dtype(prev_dtype)
     if model_config.load_format == "dummy":

@@ -35,6 +35,7 @@ from fastdeploy_r3.distributed.weight_update_group import (
 )
 from fastdeploy_r3.model_executor.checkpoint_safety import (
     FLOAT_DTYPES,
+    HEADER_DTYPES,
     CheckpointError,
     check_tensor,
     check_tensors,
@@ -43,6 +44,7 @@ from fastdeploy_r3.model_executor.checkpoint_safety import (
     safetensors_header,
 )
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
+from fastdeploy_r3.model_executor.quantization.fp8_loading import check_update_dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,8 @@ class WeightUpdateError(RuntimeError):
         self.weights_changed = weights_changed
 
 
-_FLOAT_NAMES = {"float16", "half", "bfloat16", "float32", "float", "float64", "double"}
+# float8_e4m3fn: an fp8 engine's weights, sent with their float32 *_scale_inv (quantization/fp8_loading.py)
+_FLOAT_NAMES = {"float16", "half", "bfloat16", "float32", "float", "float64", "double", "float8_e4m3fn"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -64,7 +67,8 @@ def torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, short, None) if short in _FLOAT_NAMES else None
     if not isinstance(dtype, torch.dtype):
         raise WeightUpdateError(
-            f"dtype {name!r} is not a floating point torch dtype; announce float16, bfloat16, float32 or float64"
+            f"dtype {name!r} is not a floating point torch dtype; announce float16, bfloat16, float32 or float64 "
+            "(float8_e4m3fn for an fp8 engine's weights, with their scales)"
         )
     return dtype
 
@@ -127,15 +131,19 @@ class WeightUpdater:
                 f"(known: {sorted(self.groups) or 'none'})"
             )
         torch_dtypes = [torch_dtype(d) for d in dtypes]
-        self._check(dict(zip(names, (tuple(s) for s in shapes))), require_all=False)
+        self._check(dict(zip(names, (tuple(s) for s in shapes))), require_all=False,
+                    dtypes=dict(zip(names, torch_dtypes)))
         deadline = timedelta(seconds=self.deadline_s)
 
         def received() -> Iterator[tuple[str, torch.Tensor]]:
             refused: CheckpointError | None = None
             for name, dtype, shape in zip(names, torch_dtypes, shapes):
-                tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+                # fp8 travels as its bytes (gloo has no float8 type; NCCL moves the same bytes)
+                wire = torch.uint8 if dtype == torch.float8_e4m3fn else dtype
+                tensor = torch.empty(tuple(shape), dtype=wire, device=self.device)
                 # waited on here with the deadline: a trainer that stalls (or died) fails this call
                 dist.broadcast(tensor, src=0, group=group, async_op=True).wait(timeout=deadline)
+                tensor = tensor.view(dtype)
                 if refused is not None:
                     continue  # keep receiving so that the trainer's broadcasts end and the group stays usable
                 try:
@@ -168,7 +176,8 @@ class WeightUpdater:
         try:
             files = safe_checkpoint_files(model_dir)
             header = safetensors_header(files)
-            self._check({name: shape for name, (_, shape) in header.items()}, require_all=True)
+            self._check({name: shape for name, (_, shape) in header.items()}, require_all=True,
+                        dtypes={name: HEADER_DTYPES[dtype] for name, (dtype, _) in header.items()})
             for name, tensor in iter_checked_safetensors(files, self.device):
                 check_tensor(name, tensor, self.model_dtype)
         except CheckpointError as e:
@@ -183,7 +192,8 @@ class WeightUpdater:
 
     def from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Full checkpoint tensors handed over in memory (a subset is fine); all checked before any copy."""
-        self._check({name: tuple(t.shape) for name, t in named_tensors}, require_all=False)
+        self._check({name: tuple(t.shape) for name, t in named_tensors}, require_all=False,
+                    dtypes={name: t.dtype for name, t in named_tensors})
         try:
             checked = check_tensors(named_tensors, self.model_dtype)
         except CheckpointError as e:
@@ -196,9 +206,13 @@ class WeightUpdater:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _check(self, shapes: dict[str, tuple[int, ...]], require_all: bool) -> None:
+    def _check(
+        self, shapes: dict[str, tuple[int, ...]], require_all: bool, dtypes: dict[str, torch.dtype]
+    ) -> None:
         try:
             self.model.check_checkpoint_weights(shapes, require_all=require_all)  # type: ignore[operator]
+            # fp8 only on fp8 layers, weights and scales in pairs (a float weight alone is quantized on arrival)
+            check_update_dtypes(dtypes, getattr(self.model, "fp8_weight_names", frozenset()))
         except WeightLoadingError as e:
             raise WeightUpdateError(f"weight update refused, no weight changed: {e}") from e
 

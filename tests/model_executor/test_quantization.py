@@ -1,10 +1,11 @@
-"""The quantization seam: 'none' is the only method, checkpoints that need another are refused by name,
-the KV cache dtype is its own setting, and every large layer goes through its method."""
+"""The quantization seam: 'none' and 'fp8' (tests/model_executor/test_fp8.py), checkpoints that need another
+are refused by name, the KV cache dtype is its own setting, and every large layer goes through its method."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -33,12 +34,22 @@ def _copy_with_config(src: str, dst: str, **config_keys: object) -> str:
     return dst
 
 
-def test_an_fp8_checkpoint_is_refused_naming_its_method(fake_model_dir, tmp_path) -> None:
+def test_an_fp8_checkpoint_selects_fp8_and_other_fp8_layouts_are_refused_naming_them(fake_model_dir, tmp_path) -> None:
+    """The published block-wise layout is served with or without the flag (as vLLM and SGLang read it); an
+    fp8 checkpoint this engine cannot read (per-tensor scales, static activations, e5m2) says so by key."""
     d = _copy_with_config(fake_model_dir("qwen3_moe"), str(tmp_path / "fp8"), quantization_config=FP8_CONFIG)
-    with pytest.raises(ConfigError, match=r"quantized with quant_method 'fp8' \(fmt=e4m3, weight_block_size="
-                                          r"\(128, 128\)\), which this engine does not support \(quantization "
-                                          r"methods: none\)"):
-        ModelConfig(model=d)
+    assert ModelConfig(model=d).quantization == ModelConfig(model=d, quantization="fp8").quantization == "fp8"
+    for key, value, shown in (("weight_block_size", None, "weight_block_size=None"),
+                              ("activation_scheme", "static", "activation_scheme='static'"),
+                              ("fmt", "e5m2", "fmt='e5m2'")):
+        bad = _copy_with_config(d, str(tmp_path / key), quantization_config={**FP8_CONFIG, key: value})
+        with pytest.raises(ConfigError, match=rf"is an fp8 checkpoint with {re.escape(shown)} \(served: .*serve the "
+                                              r"unquantized checkpoint with --quantization fp8 instead"):
+            ModelConfig(model=bad)
+    awq = _copy_with_config(d, str(tmp_path / "awq"), quantization_config={"quant_method": "awq"})
+    with pytest.raises(ConfigError, match=r"quantized with quant_method 'awq', which this engine does not support "
+                                          r"\(quantization methods: none, fp8\)"):
+        ModelConfig(model=awq)
 
 
 def test_the_checkpoint_quantization_config_is_read_into_a_frozen_config(fake_model_dir) -> None:
@@ -50,9 +61,9 @@ def test_the_checkpoint_quantization_config_is_read_into_a_frozen_config(fake_mo
         QuantizationConfig.from_hf({"quantization_config": {"fmt": "e4m3"}})
 
 
-def test_a_quantization_flag_other_than_none_is_refused(fake_model_dir) -> None:
-    with pytest.raises(ConfigError, match=r"quantization 'fp8' is not supported; use one of none"):
-        ModelConfig(model=fake_model_dir("qwen3_moe"), quantization="fp8")
+def test_a_quantization_flag_other_than_none_or_fp8_is_refused(fake_model_dir) -> None:
+    with pytest.raises(ConfigError, match=r"quantization 'int8' is not supported; use one of none, fp8"):
+        ModelConfig(model=fake_model_dir("qwen3_moe"), quantization="int8")
 
 
 def test_scale_tensors_without_a_quantization_config_are_refused_by_name(fake_model_dir, tmp_path) -> None:

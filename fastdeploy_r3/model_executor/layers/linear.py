@@ -40,7 +40,8 @@ class ShardedLinear(nn.Module):
         self.quant_method.create_weights(self, in_features, out_features, bias)  # weight [O_local, I_local]
 
     def _param_shard_dim(self, param_name: str) -> int | None:
-        return self.shard_dim if param_name == "weight" else self.bias_shard_dim
+        # an fp8 layer's weight_scale_inv (rows expanded, quantization/fp8.py) is cut like its weight
+        return self.shard_dim if param_name in ("weight", "weight_scale_inv") else self.bias_shard_dim
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         """Shape of the checkpoint tensor `param_name` is a shard of."""

@@ -151,22 +151,27 @@ class StackedExperts(nn.Module):
         self.quant_method.create_weights(self, self.placement.num_local_experts, hidden_size, self.intermediate_size)
         self.backend = "auto"
 
-    def load_expert(self, expert: int, proj: str, full: torch.Tensor) -> None:
+    def load_expert(self, expert: int, proj: str, full: torch.Tensor, param: str = "weight") -> None:
         """Copy this rank's slice of logical `expert`'s checkpoint tensor into its slot:
-        proj "gate"/"up" [I_full, H], "down" [H, I_full]."""
+        proj "gate"/"up" [I_full, H], "down" [H, I_full]. param "weight_scale_inv": an fp8 layer's scale,
+        rows already expanded (quantization/fp8.py), into w13_weight_scale_inv / w2_weight_scale_inv."""
         slot = self.placement.local_slot(expert)
         if slot is None:
             raise ExpertPlacementError(f"expert {expert} is held by rank {self.placement.expert_rank[expert]}, "
                                        f"not by rank {self.placement.ep_rank}: skip its weights")
         inter = self.intermediate_size
         start = self.tp_rank * inter
+        suffix = "" if param == "weight" else "_" + param
+        w13, w2 = getattr(self, "w13" + suffix), getattr(self, "w2" + suffix)
         if proj == "gate":
-            self.w13[slot, :inter].copy_(full[start : start + inter])
+            w13[slot, :inter].copy_(full[start : start + inter])
         elif proj == "up":
-            self.w13[slot, inter:].copy_(full[start : start + inter])
+            w13[slot, inter:].copy_(full[start : start + inter])
         else:
             assert proj == "down", proj
-            self.w2[slot].copy_(full[:, start : start + inter])
+            cols = w2.shape[2]  # I, or a scale's ceil(I/128) (a multiple of 128 per rank under TP)
+            first = self.tp_rank * cols
+            w2[slot].copy_(full[:, first : first + cols])
 
     def triton_block_m(self, x: torch.Tensor, top_k: int) -> int | None:
         """The block of rows the Triton backend will align this batch to (so the routing kernel can align

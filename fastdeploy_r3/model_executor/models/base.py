@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdeploy_r3.errors import WeightLoadingError
 from fastdeploy_r3.model_executor.layers.attention import Attention
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.linear import RowParallelLinear, ShardedLinear, divide
@@ -40,10 +41,10 @@ from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExper
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.layers.qkv_linear import QKVParallelLinear
 from fastdeploy_r3.model_executor.layers.rotary import CosSin, RotaryEmbedding
+from fastdeploy_r3.model_executor.quantization.fp8 import BLOCK, SCALE_SUFFIX, expand_scale_rows, scale_shape
+from fastdeploy_r3.model_executor.quantization.fp8_loading import weight_stream
 
-
-class WeightLoadingError(ValueError):
-    """A checkpoint does not match the model built from its config.json."""
+__all__ = ["MoeCausalLM", "WeightLoadingError"]
 
 
 def rope_theta(hf_config: dict[str, Any]) -> float:
@@ -137,8 +138,10 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
 
 
-_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-_QKV_KEY = re.compile(r"^(?P<attn>.+\.self_attn)\.(?P<shard>[qkv])_proj\.(?P<param>weight|bias)$")
+_EXPERT_KEY = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>weight|weight_scale_inv)$"
+)
+_QKV_KEY = re.compile(r"^(?P<attn>.+\.self_attn)\.(?P<shard>[qkv])_proj\.(?P<param>weight|bias|weight_scale_inv)$")
 
 
 class MoeCausalLM(nn.Module):
@@ -255,6 +258,8 @@ class MoeCausalLM(nn.Module):
         for name, tensor in self._loadable_tensors():
             module_name, param_name = name.rsplit(".", 1)
             module = self.get_submodule(module_name)
+            if param_name.endswith(SCALE_SUFFIX):
+                continue  # served layout; the checkpoint's follows from the weight's shape below
             if isinstance(module, QKVParallelLinear):
                 if param_name == "weight":  # one pass per module: weight and bias names together
                     attn = self._to_checkpoint_name(module_name.rsplit(".", 1)[0])
@@ -264,6 +269,8 @@ class MoeCausalLM(nn.Module):
                 shapes[self._to_checkpoint_name(name)] = module.full_shape(param_name)
             elif not isinstance(module, StackedExperts):
                 shapes[self._to_checkpoint_name(name)] = tuple(tensor.shape)
+        for name in self.fp8_weight_names:  # quantization/fp8.py: [ceil(O/128), ceil(I/128)]
+            shapes[name + SCALE_SUFFIX] = scale_shape(shapes[name])
         return shapes
 
     def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -274,6 +281,8 @@ class MoeCausalLM(nn.Module):
             raise WeightLoadingError("checkpoint_weights() needs the whole model (tensor_parallel_size 1)")
         if not self.expert_placement.is_identity:
             raise WeightLoadingError("checkpoint_weights() needs the whole model (every expert on this rank)")
+        if self.fp8_weight_names:
+            raise WeightLoadingError("checkpoint_weights() gives unquantized models' weights; this one serves fp8")
         gate_name, up_name, down_name = self.expert_proj_names
         split_back = (StackedExperts, QKVParallelLinear)
         for mod_name, module in self.named_modules():
@@ -291,6 +300,8 @@ class MoeCausalLM(nn.Module):
         for name, tensor in self._loadable_tensors():
             if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), split_back):
                 yield self._to_checkpoint_name(name), tensor
+
+    fp8_weight_names: frozenset[str] = frozenset()  # set by quantization.quantize_layers
 
     def _loadable_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         # named_parameters() drops the tied lm_head.weight as a duplicate, which is what we want
@@ -316,8 +327,8 @@ class MoeCausalLM(nn.Module):
                 raise WeightLoadingError(
                     f"weight {name!r} has shape {tuple(shape)}, the model expects {expected[name]}"
                 )
-        if require_all:
-            missing = sorted(set(expected) - set(shapes))
+        if require_all:  # a float weight of an fp8 layer comes without a scale: it is quantized on arrival
+            missing = sorted(n for n in set(expected) - set(shapes) if not n.endswith(SCALE_SUFFIX))
             if missing:
                 more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
                 raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
@@ -336,7 +347,7 @@ class MoeCausalLM(nn.Module):
             modules = self.__dict__["_modules_by_name"] = dict(self.named_modules())
         loaded: set[str] = set()
         gate_name, up_name, down_name = self.expert_proj_names
-        for ckpt_name, w in weights:
+        for ckpt_name, w in weight_stream(weights, self.fp8_weight_names, expected):
             if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 continue  # some tied checkpoints still store it; the embedding is authoritative
             if ckpt_name not in expected:
@@ -353,11 +364,13 @@ class MoeCausalLM(nn.Module):
             if not self.holds_checkpoint_weight(ckpt_name):
                 continue
             name = self._from_checkpoint_name(ckpt_name)
+            if name.endswith(SCALE_SUFFIX):  # rows expanded: stacks and shards cut it like the weight
+                w = expand_scale_rows(w, expected[ckpt_name.removesuffix(SCALE_SUFFIX)][0], BLOCK)
             m = _EXPERT_KEY.match(name)
             qkv = _QKV_KEY.match(name)
             if m is not None:
                 proj = {gate_name: "gate", up_name: "up", down_name: "down"}[m["proj"]]
-                modules[m["prefix"]].load_expert(int(m["expert"]), proj, w)
+                modules[m["prefix"]].load_expert(int(m["expert"]), proj, w, m["param"])
             elif qkv is not None:
                 modules[f"{qkv['attn']}.qkv_proj"].load_shard(qkv["shard"], qkv["param"], w)
             else:

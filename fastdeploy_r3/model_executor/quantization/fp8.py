@@ -1,0 +1,123 @@
+"""Block-wise FP8 weights (the DeepSeek-V3 / Qwen3-FP8 checkpoint format), weight-only on the CPU.
+
+Checkpoint layout (per quantized Linear, and per expert projection):
+
+    X.weight            [O, I]                     float8_e4m3fn
+    X.weight_scale_inv  [ceil(O/128), ceil(I/128)] float32 (bf16 accepted: converted exactly)
+    dequantised         w[o, i] = weight[o, i] * weight_scale_inv[o // 128, i // 128]
+
+Edge blocks of a shape that is not a multiple of 128 are partial; their scale covers only the rows
+and columns that exist. Online quantization (a bf16/float32 weight arriving for a quantized layer)
+uses the same blocks: scale = amax(|block|) / 448, weight = round-to-nearest-fp8(w / scale).
+
+Served layout: a layer holds `weight` (fp8, its own [O, I]) and `weight_scale_inv` expanded along the
+output rows, [O, ceil(I/128)] float32 (row o carries its block row's scales). The expansion lets the
+loaders stack q/k/v, gate/up and tensor-parallel row slices whose block rows do not line up with the
+stacked tensor's (a tiny model's 48 q rows, then k), at 4 bytes per 128 weights (3 % of the fp8 bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
+from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMethod
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+BLOCK = 128  # weight_block_size [128, 128], the only one served
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+# amax floor: an all-zero block gets a tiny positive scale and zero codes instead of 0 / 0
+_AMAX_FLOOR = 1e-12
+
+
+def scale_shape(weight_shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, int]:
+    """The checkpoint scale's shape for a [O, I] weight: (ceil(O / block), ceil(I / block))."""
+    out_features, in_features = weight_shape
+    return -(-out_features // block), -(-in_features // block)
+
+
+def quantize_blockwise(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] (any float dtype) -> (fp8 [O, I], weight_scale_inv float32 [ceil(O/128), ceil(I/128)]).
+
+    Computed in float32 whatever w's dtype, so a bf16 tensor and the float32 tensor holding the same
+    values quantize to the same bytes."""
+    out_features, in_features = w.shape
+    rows, cols = scale_shape((out_features, in_features), block)
+    padded = w.new_zeros((rows * block, cols * block), dtype=torch.float32)
+    padded[:out_features, :in_features] = w.float()
+    blocks = padded.view(rows, block, cols, block)  # [R, 128, C, 128]
+    amax = blocks.abs().amax(dim=(1, 3))  # [R, C]
+    scale = amax.clamp(min=_AMAX_FLOOR) / FP8_MAX  # [R, C]
+    # w / scale is at most 448 up to one rounding: clamp, since out-of-range values do not saturate in .to()
+    codes = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes.view(rows * block, cols * block)[:out_features, :in_features].contiguous(), scale
+
+
+def expand_scale_rows(scale: torch.Tensor, out_features: int, block: int = BLOCK) -> torch.Tensor:
+    """Checkpoint scale [ceil(O/128), C] -> served scale [O, C] (row o holds block row o // 128)."""
+    return scale.float().repeat_interleave(block, dim=0)[:out_features].contiguous()
+
+
+def dequantize(weight: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
+    """fp8 weight [..., O, I] and served scale [..., O, ceil(I/128)] -> the weight in `dtype`.
+
+    The product is taken in float32 (exact: an fp8 code times a float32 scale rounds once) and then cast
+    to the compute dtype, so float32 compute sees exactly fp8 * scale."""
+    in_features = weight.shape[-1]
+    per_column = scale_rows.repeat_interleave(block, dim=-1)[..., :in_features]  # [..., O, I]
+    return (weight.float() * per_column).to(dtype)
+
+
+class Fp8LinearMethod(LinearMethod):
+    """y = x dequantize(W)^T (+ b): weight-only FP8, the activations stay in the compute dtype.
+
+    A Triton kernel that loads fp8 tiles of W and multiplies each by its scale row inside the K loop
+    (no dequantised W in memory) replaces `apply` below and nothing else: the parameters it reads
+    (`weight` fp8 [O, I], `weight_scale_inv` [O, ceil(I/128)]) are what create_weights registers."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        layer.weight_scale_inv = nn.Parameter(  # [O, ceil(I/128)]
+            torch.empty(out_features, scale_shape((out_features, in_features))[1], dtype=torch.float32),
+            requires_grad=False,
+        )
+        layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O], the model dtype
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, dequantize(layer.weight, layer.weight_scale_inv, x.dtype), bias)  # [T, O]
+
+
+class Fp8MoEMethod(MoEMethod):
+    """Stacked experts in fp8: w13 [E, 2I, H] with w13_weight_scale_inv [E, 2I, ceil(H/128)], w2 [E, H, I]
+    with w2_weight_scale_inv [E, H, ceil(I/128)]; gate and up keep their own checkpoint blocks (rows).
+
+    apply dequantises every expert and runs the layer's plain-weight kernel. The Triton fused MoE
+    (layers/fused_moe.py's triton_experts) is where a kernel reading fp8 tiles and their scale rows
+    plugs in, called from here with the four parameters instead of the dequantised pair."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        two_inter = 2 * intermediate_size
+        layer.w13 = nn.Parameter(torch.empty(num_experts, two_inter, hidden_size, dtype=FP8_DTYPE),
+                                 requires_grad=False)
+        layer.w13_weight_scale_inv = nn.Parameter(
+            torch.empty(num_experts, two_inter, scale_shape((two_inter, hidden_size))[1], dtype=torch.float32),
+            requires_grad=False,
+        )
+        layer.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE),
+                                requires_grad=False)
+        layer.w2_weight_scale_inv = nn.Parameter(
+            torch.empty(num_experts, hidden_size, scale_shape((hidden_size, intermediate_size))[1],
+                        dtype=torch.float32),
+            requires_grad=False,
+        )
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        blocks: MoeBlocks | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        w13 = dequantize(layer.w13, layer.w13_weight_scale_inv, x.dtype)  # [E, 2I, H]
+        w2 = dequantize(layer.w2, layer.w2_weight_scale_inv, x.dtype)  # [E, H, I]
+        return layer.run_experts(x, w13, w2, topk_weights, topk_ids, blocks)
