@@ -41,7 +41,8 @@ def test_defaults_types_and_choices_follow_the_fields() -> None:
     assert (args.block_size, args.swap_space, args.enable_prefix_caching) == (8, 0.5, False)
     assert (args.quantization, args.kv_cache_dtype) == ("none", "auto")
     with pytest.raises(SystemExit):  # argparse: invalid choice
-        parser().parse_args(["--model", "m", "--quantization", "fp8"])
+        parser().parse_args(["--model", "m", "--quantization", "int8"])
+    assert parser().parse_args(["--model", "m", "--quantization", "fp8"]).quantization == "fp8"
     assert (args.max_model_len, args.dtype, args.max_num_seqs) == (None, "float32", None)  # None: the device decides
     assert args.routing_replay_config is None
     with pytest.raises(SystemExit):
