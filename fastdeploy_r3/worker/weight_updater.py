@@ -210,9 +210,9 @@ class WeightUpdater:
         self, shapes: dict[str, tuple[int, ...]], require_all: bool, dtypes: dict[str, torch.dtype]
     ) -> None:
         try:
-            self.model.check_checkpoint_weights(shapes, require_all=require_all)  # type: ignore[operator]
             # fp8 only on fp8 layers, weights and scales in pairs (a float weight alone is quantized on arrival)
             check_update_dtypes(dtypes, getattr(self.model, "fp8_weight_names", frozenset()))
+            self.model.check_checkpoint_weights(shapes, require_all=require_all)  # type: ignore[operator]
         except WeightLoadingError as e:
             raise WeightUpdateError(f"weight update refused, no weight changed: {e}") from e
 
