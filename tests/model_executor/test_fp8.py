@@ -147,3 +147,40 @@ def test_the_prefix_cache_identity_names_the_quantization(checkpoints) -> None:
     assert plain.model_identity.endswith(":float32") and quantized.model_identity == plain.model_identity + ":fp8"
     assert root_hash(plain.model_identity, "0") != root_hash(quantized.model_identity, "0")
     assert ModelConfig(model=fp8_dir).model_identity.endswith(":fp8")
+
+
+def test_modules_the_checkpoint_leaves_unconverted_stay_in_the_model_dtype(checkpoints, tmp_path) -> None:
+    """quantization_config's modules_to_not_convert (ignored_layers) names modules kept unquantized; a merged
+    layer (q/k/v here) cannot be split between fp8 and not, and says so."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from fastdeploy_r3.config import ConfigError
+
+    bf16_dir, fp8_dir = checkpoints["qwen3_moe"]
+    o_proj = "model.layers.0.self_attn.o_proj"
+
+    def variant(name: str, ignored: list[str]) -> str:
+        d = str(tmp_path / name)
+        shutil.copytree(fp8_dir, d)
+        tensors = _tensors(d)
+        tensors[f"{o_proj}.weight"] = _tensors(bf16_dir)[f"{o_proj}.weight"]
+        del tensors[f"{o_proj}.weight_scale_inv"]
+        save_file(tensors, os.path.join(d, "model.safetensors"))
+        with open(os.path.join(d, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"]["modules_to_not_convert"] = ignored
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(config, f)
+        return d
+
+    model = load_model(ModelConfig(model=variant("o_proj", ["lm_head", o_proj])), CPU)
+    layer = model.model.layers[0].self_attn.o_proj
+    assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_scale_inv")
+    assert torch.equal(layer.weight, _tensors(bf16_dir)[f"{o_proj}.weight"].float())
+    assert f"{o_proj}.weight" not in model.fp8_weight_names
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    with pytest.raises(ConfigError, match=r"leaves only some of 'model.layers.0.self_attn.qkv_proj'"):
+        load_model(ModelConfig(model=variant("q_only", [o_proj, "model.layers.0.self_attn.q_proj"])), CPU)
