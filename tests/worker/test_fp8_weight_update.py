@@ -135,3 +135,42 @@ def test_an_unquantized_engine_refuses_fp8_tensors(dirs) -> None:
     with pytest.raises(WeightUpdateError, match=r"is an fp8 weight or scale, but this engine runs quantization "
                                                 r"'none'; start it with --quantization fp8"):
         WeightUpdater(model, CPU, 0).from_tensors([(DOWN, codes), (DOWN + "_scale_inv", scale)])
+
+
+def _trainer(tensors: list[tuple[str, torch.Tensor]], port: int) -> None:
+    from fastdeploy_r3.distributed.weight_update_group import destroy_weight_update_group, init_weight_update_group
+
+    group = init_weight_update_group("127.0.0.1", port, 0, 2, "wug", "gloo")
+    for _, tensor in tensors:  # gloo has no float8: fp8 goes as its bytes, as the engine receives it
+        torch.distributed.broadcast(tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor, src=0,
+                                    group=group)
+    destroy_weight_update_group(group)
+
+
+def test_a_trainer_broadcasting_bf16_and_fp8_lands_quantized_and_as_is(dirs) -> None:
+    """The distributed path (a trainer over gloo, one engine rank): bf16 is quantized on arrival, an announced
+    float8_e4m3fn weight and its scale land byte for byte."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    g = torch.Generator().manual_seed(11)
+    pushed = (torch.randn(32, 64, generator=g) * 0.1).bfloat16()
+    codes, scale = quantize_blockwise(torch.randn(64, 32, generator=g))
+    tensors = [(K_PROJ, pushed), (DOWN, codes), (DOWN + "_scale_inv", scale * 3)]
+    trainer = mp.get_context("spawn").Process(target=_trainer, args=(tensors, port))
+    trainer.start()
+    model = load_model(ModelConfig(model=dirs[1]), CPU)
+    updater = WeightUpdater(model, CPU, 0, torch.float32, deadline_s=60)
+    try:
+        updater.init_group("127.0.0.1", port, 1, 2, "wug", "gloo")
+        n = updater.from_distributed([name for name, _ in tensors], ["bfloat16", "float8_e4m3fn", "float32"],
+                                     [list(t.shape) for _, t in tensors], "wug")
+        updater.close()
+    finally:
+        trainer.join(timeout=60)
+    assert (n, trainer.exitcode) == (3, 0)
+    _assert_serves(model, K_PROJ, *quantize_blockwise(pushed))
+    _assert_serves(model, DOWN, codes, scale * 3)
