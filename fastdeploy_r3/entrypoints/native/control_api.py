@@ -135,7 +135,8 @@ def add_control_routes(app: FastAPI, ctx: ServingContext) -> None:
         state = (await control(EngineStateQuery())).state
         return JSONResponse({
             "success": True,
-            "message": "nothing to post-process: this engine loads unquantized weights in their serving layout, "
-                       "so restore_weights_before_load and post_process_quantization have no work (no-op)",
+            "message": "nothing to post-process: this engine loads weights in their serving layout (an fp8 engine "
+                       "quantizes each float weight as it arrives), so restore_weights_before_load and "
+                       "post_process_quantization have no work (no-op)",
             "weight_version": state.weight_version, "paused": state.paused is not None,
         })
