@@ -211,7 +211,8 @@ class WeightUpdater:
     ) -> None:
         try:
             # fp8 only on fp8 layers, weights and scales in pairs (a float weight alone is quantized on arrival)
-            check_update_dtypes(dtypes, getattr(self.model, "fp8_weight_names", frozenset()))
+            check_update_dtypes(dtypes, getattr(self.model, "fp8_weight_names", frozenset()),
+                                self.model.checkpoint_weight_shapes())  # type: ignore[operator]
             self.model.check_checkpoint_weights(shapes, require_all=require_all)  # type: ignore[operator]
         except WeightLoadingError as e:
             raise WeightUpdateError(f"weight update refused, no weight changed: {e}") from e

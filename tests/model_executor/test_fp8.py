@@ -184,3 +184,35 @@ def test_modules_the_checkpoint_leaves_unconverted_stay_in_the_model_dtype(check
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
     with pytest.raises(ConfigError, match=r"leaves only some of 'model.layers.0.self_attn.qkv_proj'"):
         load_model(ModelConfig(model=variant("q_only", [o_proj, "model.layers.0.self_attn.q_proj"])), CPU)
+
+
+def test_tensor_parallel_fp8_needs_whole_scale_blocks_per_rank(checkpoints) -> None:
+    """A row-parallel shard (o_proj / down_proj, the experts' I) cuts the input dimension, which the scale
+    blocks tile by 128: the tiny model's 64 / 2 = 32 columns per rank cannot be served, and says what to change."""
+    from fastdeploy_r3.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"per rank \(32\) must be a multiple of 128 under tensor parallelism"):
+        load_model(ModelConfig(model=checkpoints["qwen3_moe"][1]), CPU, tp_rank=0, tp_size=2)
+
+
+def test_glm_draft_layers_of_an_fp8_checkpoint_are_skipped_fp8_or_not(checkpoints, tmp_path) -> None:
+    """GLM-4.5-FP8 stores its multi-token-prediction layer quantized too; this engine never loads it, so its
+    fp8 weights and scales are skipped like its other tensors instead of refused as fp8 on an unknown layer."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = str(tmp_path / "mtp")
+    shutil.copytree(checkpoints["glm4_moe"][1], d)
+    tensors = _tensors(d)
+    mtp = "model.layers.4.mlp.experts.0.down_proj.weight"  # layer 4 of a 4-layer model: the draft layer
+    tensors[mtp], tensors[mtp + "_scale_inv"] = quantize_blockwise(torch.ones(64, 32))
+    tensors["model.layers.4.input_layernorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({**config, "num_nextn_predict_layers": 1}, f)
+    model = load_model(ModelConfig(model=d), CPU)
+    assert torch.equal(_logits(model), _logits(load_model(ModelConfig(model=checkpoints["glm4_moe"][1]), CPU)))

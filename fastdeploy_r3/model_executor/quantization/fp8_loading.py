@@ -124,20 +124,22 @@ def weight_stream(
     waiting_scale: dict[str, torch.Tensor] = {}
     for name, w in weights:
         base = name.removesuffix(SCALE_SUFFIX)
-        if name in fp8_names and tuple(w.shape) == expected.get(name):
-            if w.dtype == FP8_DTYPE:
+        if name in fp8_names:
+            if tuple(w.shape) != expected.get(name):
+                yield name, w  # load_weights names the shape it expects
+            elif w.dtype == FP8_DTYPE:
                 if name in waiting_scale:
                     yield name, w
                     yield name + SCALE_SUFFIX, waiting_scale.pop(name)
                 else:
                     waiting_weight[name] = w
-                continue
-            if w.dtype in FLOAT8_DTYPES:
+            elif w.dtype in FLOAT8_DTYPES:
                 raise WeightLoadingError(f"weight {name!r} is {str(w.dtype).removeprefix('torch.')}; fp8 weights are "
-                                     "float8_e4m3fn")
-            codes, scale = quantize_blockwise(w)  # online quantization
-            yield name, codes
-            yield name + SCALE_SUFFIX, scale
+                                         "float8_e4m3fn")
+            else:
+                codes, scale = quantize_blockwise(w)  # online quantization
+                yield name, codes
+                yield name + SCALE_SUFFIX, scale
         elif base != name and base in fp8_names:
             scale = _checked_scale(name, w, expected[base])
             if base in waiting_weight:
@@ -146,13 +148,16 @@ def weight_stream(
             else:
                 waiting_scale[base] = scale
         else:
-            if w.dtype in FLOAT8_DTYPES or name.endswith(SCALE_SUFFIX):
+            if base in expected and (w.dtype in FLOAT8_DTYPES or base != name):
                 raise WeightLoadingError(unquantized_layer_message(name, bool(fp8_names)))
-            yield name, w  # unquantized (load_weights checks its name and shape)
+            # unquantized, or a name the model lacks: load_weights checks it (GLM's MTP layers, fp8 or not, are
+            # skipped there; anything else is an unexpected weight)
+            yield name, w
     left = sorted(waiting_weight) + sorted(waiting_scale)
     if left:
-        raise WeightLoadingError(f"fp8 weight {left[0]!r} came without its pair (an fp8 weight needs its "
-                             f"weight_scale_inv and a scale its fp8 weight){' and others' if len(left) > 1 else ''}")
+        more = " (and others)" if len(left) > 1 else ""
+        raise WeightLoadingError(f"fp8 weight {left[0]!r}{more} came without its pair (an fp8 weight needs its "
+                                 "weight_scale_inv and a scale its fp8 weight)")
 
 
 def unquantized_layer_message(name: str, quantized_model: bool) -> str:
@@ -163,12 +168,17 @@ def unquantized_layer_message(name: str, quantized_model: bool) -> str:
             "embeddings and lm_head are not quantized); send it in the model dtype")
 
 
-def check_update_dtypes(dtypes: Mapping[str, torch.dtype], fp8_names: frozenset[str]) -> None:
+def check_update_dtypes(
+    dtypes: Mapping[str, torch.dtype], fp8_names: frozenset[str], expected: Mapping[str, tuple[int, ...]]
+) -> None:
     """Refuse, before any weight changes, an update whose fp8 tensors cannot all land: fp8 on a layer that
     is not quantized, an fp8 weight without its scale among the same update, or a scale without its fp8
-    weight. (A float weight alone is fine: it is quantized on arrival.)"""
+    weight. (A float weight alone is fine: it is quantized on arrival.) Names the model lacks (`expected`:
+    its checkpoint_weight_shapes) are the model's check to skip or refuse."""
     for name, dtype in dtypes.items():
         base = name.removesuffix(SCALE_SUFFIX)
+        if base not in expected:
+            continue
         if base != name:
             if base not in fp8_names:
                 raise WeightLoadingError(unquantized_layer_message(name, bool(fp8_names)))
