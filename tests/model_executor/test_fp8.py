@@ -216,3 +216,16 @@ def test_glm_draft_layers_of_an_fp8_checkpoint_are_skipped_fp8_or_not(checkpoint
         json.dump({**config, "num_nextn_predict_layers": 1}, f)
     model = load_model(ModelConfig(model=d), CPU)
     assert torch.equal(_logits(model), _logits(load_model(ModelConfig(model=checkpoints["glm4_moe"][1]), CPU)))
+
+
+@pytest.mark.parametrize("shape", [(200, 130), (130, 256)])  # a partial last column block, and whole ones
+def test_the_served_dequantisation_is_code_times_block_scale(shape: tuple[int, int]) -> None:
+    from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows
+
+    codes, scale = quantize_blockwise(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    want = _dequantised_by_hand(codes, scale)
+    rows = expand_scale_rows(scale, shape[0])
+    assert torch.equal(dequantize(codes, rows, torch.float32), want)
+    assert torch.equal(dequantize(codes, rows, torch.bfloat16), want.bfloat16())  # one rounding, from float32
+    stacked = torch.stack([codes, codes])  # [E, O, I] as the experts hold them
+    assert torch.equal(dequantize(stacked, torch.stack([rows, rows * 2]), torch.float32)[1], want * 2)

@@ -67,6 +67,9 @@ def dequantize(weight: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtyp
     The product is taken in float32 (exact: an fp8 code times a float32 scale rounds once) and then cast
     to the compute dtype, so float32 compute sees exactly fp8 * scale."""
     in_features = weight.shape[-1]
+    if in_features % block == 0:  # whole column blocks: broadcast the scale, no [..., O, I] scale copy
+        blocks = weight.float().unflatten(-1, (in_features // block, block))  # [..., O, I/128, 128]
+        return (blocks * scale_rows.unsqueeze(-1)).flatten(-2).to(dtype)
     per_column = scale_rows.repeat_interleave(block, dim=-1)[..., :in_features]  # [..., O, I]
     return (weight.float() * per_column).to(dtype)
 
