@@ -15,12 +15,11 @@ Only the n-gram drafter exists (engine/speculative.py); a method that needs a dr
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from fastdeploy_r3.errors import ConfigError
+from fastdeploy_r3.json_args import json_object_arg
 
 METHODS = ("ngram",)
 # methods other engines know that need a draft model: refused by name rather than as unknown
@@ -56,15 +55,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            text = value.strip()
-            if not text.startswith("{") and os.path.isfile(text):
-                with open(text) as f:
-                    text = f.read()
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--speculative-config is not valid JSON ({e}); pass an object such as "
-                                  '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from e
+            value = json_object_arg(value, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
         if not isinstance(value, dict):
             raise ConfigError("--speculative-config must be a JSON object")
         if not value:

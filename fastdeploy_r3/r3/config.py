@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fastdeploy_r3.errors import ConfigError
+from fastdeploy_r3.json_args import json_object_arg
 
 
 class ModelShape(Protocol):
@@ -83,17 +83,7 @@ class RoutingReplayConfig:
         if isinstance(value, RoutingReplayConfig):
             return value
         if isinstance(value, str):
-            text = value.strip()
-            if not text.startswith("{") and os.path.isfile(text):
-                with open(text) as f:
-                    text = f.read()
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"--routing-replay-config is not valid JSON ({e}); pass a JSON object such as "
-                    '\'{"enable_routing_replay": true}\' or the path of a file holding one'
-                ) from e
+            value = json_object_arg(value, "--routing-replay-config", '{"enable_routing_replay": true}')
         if not isinstance(value, dict):
             raise ConfigError("--routing-replay-config must be a JSON object")
         types_of = cls.json_keys()

@@ -10,11 +10,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from engine_runs import run_requests
 from k_token_runner import K, KTokenRunner
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
-from fastdeploy_r3.outputs import OutputAssembler, RequestOutput
+from fastdeploy_r3.outputs import RequestOutput
 from fastdeploy_r3.sampling_params import SamplingParams
 
 BS = 4
@@ -28,21 +29,6 @@ def _config(model_dir: str) -> EngineConfig:
         model_dir, block_size=BS, num_gpu_blocks_override=32, max_num_seqs=4, max_num_batched_tokens=32,
         routing_replay_config={"enable_routing_replay": True, "debug_mode": True},
     )
-
-
-def _run(engine: EngineService, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    assemblers = {rid: OutputAssembler(rid) for rid in requests}
-    done: dict[str, RequestOutput] = {}
-    for _ in range(200):
-        for delta in engine.step():
-            assemblers[delta.request_id].add(delta)
-            if delta.finished:
-                done[delta.request_id] = assemblers[delta.request_id].output()
-        if not engine.has_unfinished_requests():
-            return done
-    raise AssertionError("the engine made no progress")
 
 
 def _assert_rows_are_positions(out: RequestOutput, prompt: list[int]) -> None:
@@ -60,7 +46,7 @@ def one_token(fake_model_dir: Callable[..., str]) -> dict[str, RequestOutput]:
     """The reference: the same requests on the ordinary one-token runner."""
     engine = EngineService(_config(fake_model_dir("qwen3_moe")))
     try:
-        return _run(engine, {"greedy": (PROMPT, GREEDY), "seeded": (PROMPT[:7], SEEDED)})
+        return run_requests(engine, {"greedy": (PROMPT, GREEDY), "seeded": (PROMPT[:7], SEEDED)})
     finally:
         engine.shutdown()
 
@@ -78,7 +64,7 @@ def test_k_tokens_per_step_give_the_one_token_engine_s_tokens_logprobs_and_rows(
     """Greedy (8 tokens: the last step's third token is past max_tokens, dropped) and seeded sampling
     with logprobs: token for token what one token per step gives, and P + N - 1 rows of positions."""
     assert k_engine.scheduler.num_lookahead_tokens == K - 1
-    got = _run(k_engine, {"greedy": (PROMPT, GREEDY), "seeded": (PROMPT[:7], SEEDED)})
+    got = run_requests(k_engine, {"greedy": (PROMPT, GREEDY), "seeded": (PROMPT[:7], SEEDED)})
     for rid, prompt in (("greedy", PROMPT), ("seeded", PROMPT[:7])):
         comp, ref = got[rid].outputs[0], one_token[rid].outputs[0]
         assert comp.token_ids == ref.token_ids and comp.finish_reason == ref.finish_reason == "length"
@@ -98,7 +84,7 @@ def test_a_stop_token_inside_a_step_s_list_ends_the_request_there(
     stop = ref[4]
     first = ref.index(stop)  # the stop ends the request at its first occurrence
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop])
-    out = _run(k_engine, {"stops": (PROMPT, params)})["stops"]
+    out = run_requests(k_engine, {"stops": (PROMPT, params)})["stops"]
     comp = out.outputs[0]
     assert comp.token_ids == ref[: first + 1]
     assert (comp.finish_reason, comp.stop_reason) == ("stop", stop)
@@ -111,9 +97,9 @@ def test_blocks_computed_in_lookahead_slots_are_prefix_hits_of_the_next_turn(
     """Turn 2 sends prompt + turn 1's 8 tokens (18 tokens): the 4 full blocks, two of them computed
     partly from verified drafts, are hit, and their rows are still positions."""
     k_engine.kv.flush()
-    turn1 = _run(k_engine, {"t1": (PROMPT, GREEDY)})["t1"].outputs[0].token_ids
+    turn1 = run_requests(k_engine, {"t1": (PROMPT, GREEDY)})["t1"].outputs[0].token_ids
     prompt2 = PROMPT + turn1
-    out = _run(k_engine, {"t2": (prompt2, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))})["t2"]
+    out = run_requests(k_engine, {"t2": (prompt2, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))})["t2"]
     assert out.num_cached_tokens == 16
     _assert_rows_are_positions(out, prompt2)
     k_engine.kv.check_integrity()

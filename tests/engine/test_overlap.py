@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from engine_runs import run_requests
 from failing_runner import FAIL_POSITION, FailingRunner
 
 from fastdeploy_r3.config import EngineConfig
@@ -39,28 +40,6 @@ def _config(model_dir: str, disable: bool) -> EngineConfig:
     )
 
 
-def _run(engine: EngineService, requests: dict[str, tuple[list[int], SamplingParams]],
-         abort_after: dict[str, int] | None = None) -> dict[str, RequestOutput]:
-    """Serve `requests` (all added at once); abort_after: request id -> abort once it has that many tokens."""
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    assemblers = {rid: OutputAssembler(rid) for rid in requests}
-    done: dict[str, RequestOutput] = {}
-    abort_after = dict(abort_after or {})
-    for _ in range(500):
-        for delta in engine.step():
-            assemblers[delta.request_id].add(delta)
-            if delta.finished:
-                done[delta.request_id] = assemblers[delta.request_id].output()
-        for rid, n in list(abort_after.items()):
-            if len(assemblers[rid].output().outputs[0].token_ids) >= n:
-                engine.abort_request(rid)
-                del abort_after[rid]
-        if not engine.has_unfinished_requests():
-            return done
-    raise AssertionError("the engine made no progress")
-
-
 @pytest.fixture(scope="module", params=["worker finishes each step", "worker launches the next step first"])
 def engines(request: pytest.FixtureRequest, fake_model_dir: Callable[..., str]):
     """The overlapped engine twice: its worker finishing each step before taking the next (the CPU's
@@ -85,7 +64,7 @@ def workload(engines) -> dict[str, tuple[list[int], SamplingParams]]:
     """Stop ids and strings taken from what the synchronous engine generates, so that they stop mid-way."""
     _, off = engines
     plain = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-    ref = _run(off, {"stopid": (PROMPTS["stopid"], plain), "stopstr": (PROMPTS["stopstr"], plain)})
+    ref = run_requests(off, {"stopid": (PROMPTS["stopid"], plain), "stopstr": (PROMPTS["stopstr"], plain)})
     toks, p = ref["stopid"].outputs[0].token_ids, len(PROMPTS["stopid"])
     # stop at the first new token from the third on that makes P + N even: then the discarded position
     # P + N - 1 completes a block (BS = 2), which a wrongly advanced cursor would cache
@@ -143,7 +122,7 @@ def test_stops_are_applied_one_step_late_and_the_extra_chunk_discarded(engines, 
     reqs = {k: workload[k] for k in ("len", "stopid", "stopstr")}
     names = ("overlapped_steps", "discarded_chunks")
     m_on = on.metrics()
-    got, want = _run(on, reqs), _run(off, reqs)
+    got, want = run_requests(on, reqs), run_requests(off, reqs)
     _assert_same_outputs(got, want, reqs)
     assert got["stopid"].outputs[0].finish_reason == "stop" and len(got["stopid"].outputs[0].token_ids) < 9
     assert got["stopstr"].outputs[0].stop_reason == workload["stopstr"][1].stop[0]
@@ -159,13 +138,13 @@ def test_overlap_serves_what_the_synchronous_engine_serves(engines, workload, re
     """Under memory pressure (preemptions, CPU-tier swaps), with n > 1, penalties, seeds and prompt logprobs."""
     on, off = engines
     m_on, m_off = on.metrics(), off.metrics()
-    got, want = _run(on, workload), _run(off, workload)
+    got, want = run_requests(on, workload), run_requests(off, workload)
     # a second wave extends every prompt: the first wave's prompt blocks, pushed out of the small GPU
     # cache into the CPU tier, come back in (swap-in) on both engines
     again = {f"{rid}2": (prompt + [60, 61, 62], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
              for rid, (prompt, _) in workload.items()}
-    got.update(_run(on, again))
-    want.update(_run(off, again))
+    got.update(run_requests(on, again))
+    want.update(run_requests(off, again))
     _assert_same_outputs(got, want, workload | again)
     names = ("overlapped_steps", "discarded_chunks", "preemptions", "swap_in_blocks", "launched_ahead_steps")
     d_on, d_off = _metric_delta(on, m_on, *names), _metric_delta(off, m_off, *names)
@@ -190,13 +169,13 @@ def test_a_discarded_chunk_is_never_prefix_cached(engines, workload) -> None:
     for engine in (on, off):
         engine.kv.flush()
     prompt, params = workload["stopid"]
-    first = {e: _run(e, {f"a{id(e)}": (prompt, params)}) for e in (on, off)}
+    first = {e: run_requests(e, {f"a{id(e)}": (prompt, params)}) for e in (on, off)}
     hits = {}
     for e in (on, off):
         out = first[e][f"a{id(e)}"].outputs[0]
         follow = prompt + out.token_ids + [17, 18]
         before = e.metrics()
-        _run(e, {f"b{id(e)}": (follow, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))})
+        run_requests(e, {f"b{id(e)}": (follow, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))})
         hits[e] = _metric_delta(e, before, "prefix_hit_blocks")["prefix_hit_blocks"]
     assert first[on][f"a{id(on)}"].outputs[0].token_ids == first[off][f"a{id(off)}"].outputs[0].token_ids
     # only full blocks of computed tokens: P + N - 1 of them were forwarded
@@ -210,8 +189,8 @@ def test_aborts_while_a_step_is_in_flight(engines, workload) -> None:
     others are served as without overlap, the aborted one returns no rows, every block comes back."""
     on, off = engines
     reqs = {k: workload[k] for k in ("len", "seeded", "plp")}
-    got = _run(on, reqs, abort_after={"len": 2})
-    want = _run(off, {k: v for k, v in reqs.items() if k != "len"})
+    got = run_requests(on, reqs, abort_after={"len": 2})
+    want = run_requests(off, {k: v for k, v in reqs.items() if k != "len"})
     aborted = got["len"].outputs[0]
     assert aborted.finish_reason == "abort" and aborted.routed_experts is None
     assert 2 <= len(aborted.token_ids) < 7
@@ -237,7 +216,7 @@ def test_control_calls_drain_the_step_in_flight(engines, workload) -> None:
     while on.has_unfinished_requests():
         for d in on.step():
             assemblers.add(d)
-    want = _run(off, {"c": (prompt, params)})["c"].outputs[0]
+    want = run_requests(off, {"c": (prompt, params)})["c"].outputs[0]
     assert assemblers.output().outputs[0].token_ids == want.token_ids
 
 
@@ -260,8 +239,8 @@ def test_a_failed_step_in_flight_fails_its_culprit_alone(engines, workload, culp
     assert len(prompt) < FAIL_POSITION < len(prompt) + 7  # fails while decoding
     reqs = {"len": workload["len"], culprit: (prompt, greedy), "seeded": workload["seeded"]}
     m_on = on.metrics()
-    got = _run(on, reqs)
-    want = _run(off, {k: v for k, v in reqs.items() if k != culprit})
+    got = run_requests(on, reqs)
+    want = run_requests(off, {k: v for k, v in reqs.items() if k != culprit})
     failed = got[culprit].outputs[0]
     assert failed.finish_reason == "error" and failed.routed_experts is None
     assert f"failed on this request alone ({error})" in failed.error

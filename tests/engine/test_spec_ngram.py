@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from engine_runs import run_requests
 
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
@@ -46,23 +47,8 @@ def _config(model_dir: str, spec: bool, debug: bool = False) -> EngineConfig:
     )
 
 
-def _run(engine: EngineService, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    assemblers = {rid: OutputAssembler(rid) for rid in requests}
-    done: dict[str, RequestOutput] = {}
-    for _ in range(300):
-        for delta in engine.step():
-            assemblers[delta.request_id].add(delta)
-            if delta.finished:
-                done[delta.request_id] = assemblers[delta.request_id].output()
-        if not engine.has_unfinished_requests():
-            return done
-    raise AssertionError("the engine made no progress")
-
-
 def _one(engine: EngineService, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> RequestOutput:
-    return _run(engine, {rid: (prompt, params)})[rid]
+    return run_requests(engine, {rid: (prompt, params)})[rid]
 
 
 def _assert_same(got: RequestOutput, ref: RequestOutput) -> None:
@@ -141,7 +127,7 @@ def debug_spec(model_dir: str) -> Iterator[EngineService]:
 @pytest.fixture(scope="module")
 def reference(plain: EngineService) -> dict[str, RequestOutput]:
     """The workload on the plain engine, all four at once (it preempts too)."""
-    return _run(plain, {rid: (p, GREEDY) for rid, p in WORKLOAD.items()})
+    return run_requests(plain, {rid: (p, GREEDY) for rid, p in WORKLOAD.items()})
 
 
 # -- greedy: equal to the plain engine -----------------------------------------------------------------
@@ -153,7 +139,7 @@ def test_greedy_speculation_gives_the_plain_engine_s_tokens_and_rows(
     """All four at once through 20 blocks: preemptions, accepted and rejected drafts; every request
     has the plain engine's tokens and rows, bit for bit."""
     m0 = spec.metrics()
-    got = _run(spec, {rid: (p, GREEDY) for rid, p in WORKLOAD.items()})
+    got = run_requests(spec, {rid: (p, GREEDY) for rid, p in WORKLOAD.items()})
     for rid in WORKLOAD:
         _assert_same(got[rid], reference[rid])
         stats = got[rid].outputs[0].spec
@@ -227,7 +213,7 @@ def test_logprobs_chunked_prefill_and_penalties_are_the_plain_engine_s(
     lp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     pen = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
     reqs = {"lp": (long_prompt, lp), "pen": (WORKLOAD["rep"], pen)}
-    got, want = _run(spec, reqs), _run(plain, reqs)
+    got, want = run_requests(spec, reqs), run_requests(plain, reqs)
     _assert_same(got["lp"], want["lp"])
     # float32 logits of a verify row come out of a matmul over more rows than a decode step's, so they may
     # differ in the last bits (1e-6 here): the ids and ranks are equal, the values to rounding
@@ -325,7 +311,7 @@ def test_a_seeded_sampled_request_reproduces_itself(spec: EngineService) -> None
     beside another, gives the same tokens; the repeated prompt gets drafts accepted."""
     params = SamplingParams(temperature=0.7, seed=123, max_tokens=12, ignore_eos=True)
     a = _one(spec, "s1", WORKLOAD["rep2"], params)
-    b = _run(spec, {"s2": (WORKLOAD["rep2"], params), "other": (WORKLOAD["rnd"], GREEDY)})["s2"]
+    b = run_requests(spec, {"s2": (WORKLOAD["rep2"], params), "other": (WORKLOAD["rnd"], GREEDY)})["s2"]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert len(a.outputs[0].token_ids) == 12
     assert a.outputs[0].spec is not None and a.outputs[0].spec.draft_tokens > 0
