@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fake_model import make_fake_model
+from model_presets import add_model_args, bench_model
 
 from fastdeploy_r3 import LLM, SamplingParams
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer, RoutingBufferSpec
@@ -287,10 +288,7 @@ def print_engine_table(res: dict, hf: dict, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("engine", "cost"), default="engine")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--preset", default=None, help="real-shape preset (tools/model_presets.py), dummy weights")
-    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 for a preset, float32 for the fake model")
+    add_model_args(ap)
     ap.add_argument("--batches", default=None, help="default 1,16,64,256 on CUDA, 1,4 on the CPU")
     ap.add_argument("--prompt-len", type=int, default=None, help="engine default 1024 (CPU 32); cost default 64")
     ap.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch (half R3 off)")
@@ -309,27 +307,14 @@ def main() -> None:
     if args.mode == "cost":
         args.prompt_len = args.prompt_len or 64
         return main_cost(args)
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = args.device == "cuda"
-    args.batches = args.batches or ("1,16,64,256" if cuda else "1,4")
-    args.prompt_len = args.prompt_len or (1024 if cuda else 32)
-    args.prefill_len = args.prefill_len or (4096 if cuda else 64)
-    args.dtype = args.dtype or ("bfloat16" if args.preset else "float32")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
-        if args.preset:
-            from model_presets import write_preset
-
-            model_dir, load_format = write_preset(args.preset, tmp, args.layers), "dummy"
-            title = f"{args.preset}"
-        else:
-            model_dir, load_format = make_fake_model("qwen3_moe", tmp, preset="tiny"), "auto"
-            title = "fake tiny qwen3_moe"
+        model_dir, load_format, title = bench_model(args, tmp)
+        cuda = args.device == "cuda"
+        args.batches = args.batches or ("1,16,64,256" if cuda else "1,4")
+        args.prompt_len = args.prompt_len or (1024 if cuda else 32)
+        args.prefill_len = args.prefill_len or (4096 if cuda else 64)
         with open(os.path.join(model_dir, "config.json")) as f:
             num_layers = json.load(f)["num_hidden_layers"]
         title += f", {num_layers} layers, {args.dtype}, {args.device}, prompt {args.prompt_len}"

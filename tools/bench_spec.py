@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
-from fake_model import make_fake_model
+from model_presets import add_model_args, bench_model
 from step_bench import StepBench
 
 from fastdeploy_r3.worker.messages import ScheduledRequestData
@@ -111,10 +111,7 @@ def print_table(res: dict, title: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--preset", default=None, help="real-shape preset (tools/model_presets.py), dummy weights")
-    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 for a preset, float32 for the fake model")
+    add_model_args(ap)
     ap.add_argument("--batches", default=None, help="default 1,8,32 on CUDA, 1,2 on the CPU")
     ap.add_argument("--ks", default="1,2,3,4,5", help="drafts per request per verify step")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 1024 on CUDA, 16 on the CPU")
@@ -122,22 +119,11 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="plain decode without CUDA graphs too")
     ap.add_argument("--out", default=None, help="write bench_spec.json here")
     args = ap.parse_args()
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = args.device == "cuda"
-    args.batches = args.batches or ("1,8,32" if cuda else "1,2")
-    args.prompt_len = args.prompt_len or (1024 if cuda else 16)
-    args.dtype = args.dtype or ("bfloat16" if args.preset else "float32")
     with tempfile.TemporaryDirectory() as tmp:
-        if args.preset:
-            from model_presets import write_preset
-
-            model_dir, load_format, title = write_preset(args.preset, tmp, args.layers), "dummy", args.preset
-        else:
-            model_dir, load_format = make_fake_model("qwen3_moe", tmp, preset="tiny"), "auto"
-            title = "fake tiny qwen3_moe"
+        model_dir, load_format, title = bench_model(args, tmp)
+        cuda = args.device == "cuda"
+        args.batches = args.batches or ("1,8,32" if cuda else "1,2")
+        args.prompt_len = args.prompt_len or (1024 if cuda else 16)
         title += f", {args.dtype}, {args.device}, prompt {args.prompt_len}"
         res = bench(args, model_dir, load_format)
     if args.out:

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the process launchers th
 
 import httpx  # noqa: E402
 from api_server_process import api_server, free_port  # noqa: E402
+from model_presets import add_model_args, bench_model  # noqa: E402
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
@@ -220,10 +221,7 @@ def plot(res: dict, path: str, title: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--preset", default=None, help="real-shape preset (tools/model_presets.py), dummy weights")
-    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 for a preset, float32 for the fake model")
+    add_model_args(ap)
     ap.add_argument("--bucket-mb", type=int, default=1024, help="bytes of tensors per /update_weights_from_tensor")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tensor-formats", default="direct,flattened_bucket",
@@ -236,26 +234,11 @@ def main() -> None:
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.dtype = args.dtype or ("bfloat16" if args.preset else "float32")
     with tempfile.TemporaryDirectory() as tmp:
         if args.work_dir:  # the server's logs outlive the run
             os.makedirs(args.work_dir, exist_ok=True)
             tmp = args.work_dir
-        if args.preset:
-            from model_presets import write_preset
-
-            model_dir, args.load_format = write_preset(args.preset, os.path.join(tmp, "model"), args.layers), "dummy"
-            title = args.preset
-        else:
-            from fake_model import make_fake_model
-
-            model_dir, args.load_format = make_fake_model("qwen3_moe", os.path.join(tmp, "model"), preset="tiny"), \
-                "auto"
-            title = "fake tiny qwen3_moe"
+        model_dir, args.load_format, title = bench_model(args, os.path.join(tmp, "model"))
         title += f", {args.dtype}, {args.device}"
         res = run(args, model_dir, tmp)
     print_table(res, title)

@@ -12,6 +12,7 @@ tokenizer and EOS agree. `num_hidden_layers` can be cut (the benchmark's --layer
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -93,3 +94,26 @@ def write_preset(name: str, out: str, num_layers: int | None = None) -> str:
             f.write("\n")
     build_tokenizer(hf["vocab_size"]).save(os.path.join(out, "tokenizer.json"))
     return out
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model a benchmark runs: --preset (real shapes, dummy weights) or the fake tiny qwen3_moe."""
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--preset", default=None, help="real-shape preset (tools/model_presets.py), dummy weights")
+    ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 for a preset, float32 for the fake model")
+
+
+def bench_model(args: argparse.Namespace, out: str) -> tuple[str, str, str]:
+    """Resolve add_model_args' --device auto and --dtype in args, write the model into directory `out`;
+    -> (model dir, load format, title)."""
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = args.dtype or ("bfloat16" if args.preset else "float32")
+    if args.preset:
+        return write_preset(args.preset, out, args.layers), "dummy", args.preset
+    from fake_model import make_fake_model
+
+    return make_fake_model("qwen3_moe", out, preset="tiny"), "auto", "fake tiny qwen3_moe"
