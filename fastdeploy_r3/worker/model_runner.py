@@ -91,8 +91,7 @@ class ModelRunner:
         self.routing_capture: RoutingCapture | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA, graph-safe attention, not enforce_eager
         self.input_batcher = InputBatcher(self.block_size, self.device)
-        self.sampler = StepSampler(config.model_config.vocab_size, config.scheduler_config.max_num_seqs,
-                                   self.device)
+        self.sampler = StepSampler(config.model_config.vocab_size, self.device)
         self.weight_updater = None  # WeightUpdater, once the model is loaded
         self.memory = None  # MemoryOccupation, once the model is loaded
         # the previous step's sampled ids on the device and, by request, the row of its last one

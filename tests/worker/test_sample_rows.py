@@ -14,7 +14,7 @@ V = 32
 
 
 def _sampler() -> StepSampler:
-    s = StepSampler(V, max_num_seqs=4, device=torch.device("cpu"))
+    s = StepSampler(V, device=torch.device("cpu"))
     first = ScheduledRequestData("r", [1, 2, 3], 0, [0], [1], sample=True,
                                  sampling_params=SamplingParams(temperature=0.8, seed=5, logprobs=1),
                                  sampling_seed=5, num_prompt_tokens=3)

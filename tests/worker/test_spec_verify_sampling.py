@@ -92,7 +92,7 @@ def test_the_step_sampler_reads_each_row_s_draft_from_its_chunk() -> None:
     from fastdeploy_r3.worker.sample.sampler import StepSampler
 
     n, d = 4000, 1
-    sampler = StepSampler(V, n, torch.device("cpu"))
+    sampler = StepSampler(V, torch.device("cpu"))
     rows = []
     for i in range(n):
         r = ScheduledRequestData(f"r{i}", [5, d], 10, [0, 1, 2], [1, 1, 1], sample=True, num_sample_rows=2,

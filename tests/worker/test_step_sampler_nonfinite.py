@@ -26,7 +26,7 @@ def _row(index: int, rid: str, params: SamplingParams) -> SampleRow:
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_a_row_of_non_finite_logits_fails_alone_and_counts_nothing(poison: float) -> None:
-    sampler = StepSampler(V, 4, torch.device("cpu"))
+    sampler = StepSampler(V, torch.device("cpu"))
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=0)
     rows = [_row(0, "good", penalised), _row(1, "bad", SamplingParams(temperature=1.0))]
     for r in rows:
@@ -42,7 +42,7 @@ def test_a_row_of_non_finite_logits_fails_alone_and_counts_nothing(poison: float
 
 
 def test_a_row_with_every_token_masked_has_nothing_to_draw() -> None:
-    sampler = StepSampler(V, 4, torch.device("cpu"))
+    sampler = StepSampler(V, torch.device("cpu"))
     row = _row(0, "masked", SamplingParams(temperature=0.0))
     sampler.remember(row.request)
     with pytest.raises(NonFiniteLogitsError, match="masked"):
@@ -53,7 +53,7 @@ def test_a_draw_found_bad_when_finished_later_takes_its_counts_back() -> None:
     """The worker launches a step's draw (sample_async, inside inference mode, as ModelRunner.launch) and
     finishes it later, after the next step may have been launched: the ids count for the penalties at
     once, and a row found without a distribution at the wait takes the whole step's counts back."""
-    sampler = StepSampler(V, 4, torch.device("cpu"))
+    sampler = StepSampler(V, torch.device("cpu"))
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
     rows = [_row(0, "good", penalised), _row(1, "bad", SamplingParams(temperature=1.0))]
     logits = torch.arange(2 * V, dtype=torch.float32).reshape(2, V)

@@ -45,7 +45,7 @@ class _RequestState:
 
 
 class StepSampler:
-    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.device = device
         self.stats = TokenStats(vocab_size, device)
         self._requests: dict[str, _RequestState] = {}
@@ -77,7 +77,7 @@ class StepSampler:
     ) -> tuple[list[int], dict[int, TokenLogprob]]:
         """logits [S, V] of rows (one or more per sampling request) -> (one token per row, {row index:
         logprob record} for the rows whose params ask for logprobs). Three stages, so that a batched
-        device sampler replaces `draw` alone: process -> draw -> finish."""
+        device sampler replaces `draw` alone: process -> draw -> finish_async (then its wait)."""
         return self.sample_async(logits, rows).wait()
 
     def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
@@ -112,18 +112,12 @@ class StepSampler:
         )
         return sample_batch(processed, batch)
 
-    def finish(
-        self, processed: torch.Tensor, rows: list[SampleRow], ids: torch.Tensor
-    ) -> tuple[list[int], dict[int, TokenLogprob]]:
-        """Count the drawn ids [S] for the penalties, take the logprob records the rows asked for
-        (from processed [S, V]), and hand both to the host."""
-        return self.finish_async(processed, rows, ids).wait()
-
     def finish_async(self, processed: torch.Tensor, rows: list[SampleRow], ids: torch.Tensor) -> PendingSample:
-        """`finish` with every device read of processed [S, V] enqueued now (a step launched after this
-        one may overwrite it: a decode graph's logits buffer) and the wait left to PendingSample.wait().
-        The ids count for the penalties at once, so that the next step's penalties see them; wait()
-        takes them back if the step fails."""
+        """Count the drawn ids [S] for the penalties and take the logprob records the rows asked for
+        (from processed [S, V]), every device read of processed enqueued now (a step launched after this
+        one may overwrite it: a decode graph's logits buffer); PendingSample.wait() hands both to the
+        host. The ids count at once, so that the next step's penalties see them; wait() takes them back
+        if the step fails."""
         states = [self._requests[r.request.request_id] for r in rows]
         request_ids = [r.request.request_id for r in rows]
         # a row whose logits hold a NaN or +inf, or no finite value at all, has no distribution to
