@@ -29,6 +29,7 @@ from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher, SampleRow, StepInputs
+from fastdeploy_r3.worker.kv_budget import num_kv_blocks, usable_blocks
 from fastdeploy_r3.worker.messages import (
     ChecksumWeights,
     DestroyWeightUpdateGroup,
@@ -138,7 +139,12 @@ class ModelRunner:
             budget = free - total * (1.0 - cc.gpu_memory_utilization)
         else:
             budget = cc.kv_cache_space_gib * 2**30
-        n = int(budget // per_block)
+        sc, mc = self.config.scheduler_config, self.config.model_config
+        cap = usable_blocks(sc.max_num_seqs, mc.max_model_len, self.block_size)
+        n = num_kv_blocks(budget, per_block, cap)
+        if n == cap:
+            logger.info("KV cache: %d blocks, capped at what %d sequences of %s tokens can use (memory holds %d)",
+                        n, sc.max_num_seqs, mc.max_model_len, int(budget // per_block))
         if n < 2:
             raise RuntimeError(
                 f"the KV cache budget holds {n} blocks of {per_block} bytes; raise kv_cache_space_gib / "

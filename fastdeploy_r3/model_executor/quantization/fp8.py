@@ -50,7 +50,9 @@ def quantize_blockwise(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
     padded[:out_features, :in_features] = w.float()
     blocks = padded.view(rows, block, cols, block)  # [R, 128, C, 128]
     amax = blocks.abs().amax(dim=(1, 3))  # [R, C]
-    scale = amax.clamp(min=_AMAX_FLOOR) / FP8_MAX  # [R, C]
+    # divided by a tensor, not the Python scalar: CUDA divides by a scalar as a multiply by its reciprocal
+    # (1/448 is inexact), which made some scales one ulp off the CPU's correctly rounded quotient
+    scale = amax.clamp(min=_AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)  # [R, C]
     # w / scale is at most 448 up to one rounding: clamp, since out-of-range values do not saturate in .to()
     codes = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes.view(rows * block, cols * block)[:out_features, :in_features].contiguous(), scale
