@@ -8,7 +8,8 @@ step, per batch size, and the tokens/s it would give at a per-draft acceptance r
 One ModelRunner in-process (tools/step_bench.py), dummy weights of the preset (or the fake checkpoint).
 Per batch B: B random prompts, prefill, then the median of --steps plain decode steps (one token per
 request; CUDA graphs unless --enforce-eager) and, per k, of --steps verify steps (the last token and k
-random drafts per request, k + 1 sampling rows each, eager: verify steps have no graphs yet). Dummy
+random drafts per request, k + 1 sampling rows each; in the verify CUDA graphs of query length k + 1,
+captured for each k, unless --enforce-eager). Dummy
 weights accept no drafts, so acceptance is modelled: with each draft accepted with probability a
 independently, a verify step appends E(a, k) = (1 - a^(k+1)) / (1 - a) tokens per request, and
 
@@ -75,8 +76,9 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
                    max(batches) * per_req + 1, block_size, max(8192, max(batches) * (max(ks) + 1)),
                    args.enforce_eager)  # fmt: skip
     vocab = sb.runner.model.vocab_size
+    cuda_graphs = sb.runner.decode_graphs is not None  # close() below drops them
     rng = np.random.default_rng(0)
-    rows = []
+    rows, verify_graph_steps = [], 0
     try:
         for b in batches:
             prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
@@ -86,8 +88,12 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
             rows.append({"batch": b, "k": 0, "step_ms": plain * 1e3, "cost": 1.0,
                          "tok_s": {str(a): b / plain for a in RATES}, "speedup": {str(a): 1.0 for a in RATES}})
             for k in ks:
+                if not args.enforce_eager:  # the verify graphs of this k (query length k + 1)
+                    sb.runner.capture_decode_graphs(verify_query_len=k + 1)
                 _verify_steps(sb, k, 1, rng, vocab)  # warm-up at this shape
                 t = statistics.median(_verify_steps(sb, k, args.steps, rng, vocab))
+                graphs = sb.runner.decode_graphs
+                verify_graph_steps += graphs.replays.get(k + 1, 0) if graphs is not None else 0
                 tok_s = {str(a): b * expected_tokens(a, k) / t for a in RATES}
                 rows.append({"batch": b, "k": k, "step_ms": t * 1e3, "cost": t / plain, "tok_s": tok_s,
                              "speedup": {a: v / (b / plain) for a, v in tok_s.items()}})
@@ -96,11 +102,12 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
                   flush=True)
     finally:
         sb.close()
-    return {"rows": rows, "cuda_graphs": sb.runner.decode_graphs is not None}
+    return {"rows": rows, "cuda_graphs": cuda_graphs, "verify_graph_steps": verify_graph_steps}
 
 
 def print_table(res: dict, title: str) -> None:
-    print(f"\n{title}; plain decode {'in CUDA graphs' if res['cuda_graphs'] else 'eager'}, verify eager")
+    where = "in CUDA graphs" if res["cuda_graphs"] else "eager"
+    print(f"\n{title}; plain decode and verify {where} ({res['verify_graph_steps']} verify steps replayed a graph)")
     head = " | ".join(f"tok/s a={a} (x)" for a in RATES)
     print(f"| batch | k | step ms | cost x plain | {head} |")
     print("|---|---|---|---|" + "---|" * len(RATES))

@@ -197,17 +197,20 @@ class ModelRunner:
             device=self.device,
         )
 
-    def capture_decode_graphs(self) -> None:
-        """CUDA: record the decode graphs at start-up, after attach_routing (they bake in its capture)."""
+    def capture_decode_graphs(self, verify_query_len: int | None = None) -> None:
+        """CUDA: record the decode graphs at start-up, after attach_routing (they bake in its capture), and
+        the verify graphs of query length k + 1 under speculative decoding (verify_query_len overrides)."""
         if self.device.type != "cuda" or self.config.model_config.enforce_eager or self.model is None:
             return
         if not attention_is_graph_safe(self.model):
             logger.info("decode runs eagerly: the attention backend is not CUDA-graph safe")
             return
         assert self.kv_cache is not None and self.config.model_config.max_model_len is not None
+        self.decode_graphs = None  # a re-capture frees the old graphs' pool first
         graphs = DecodeGraphs(
             self.model, self._kv_caches(), self.routing_capture, self.config.scheduler_config.max_num_seqs,
             self.config.model_config.max_model_len, self.block_size, self.device,
+            verify_query_len or self.num_lookahead_tokens + 1,
         )  # fmt: skip
         graphs.capture()
         self.decode_graphs = graphs
@@ -278,10 +281,11 @@ class ModelRunner:
             capture.begin_step(inp.num_tokens, pos_t)
         graphs = self.decode_graphs
         logits = hidden = None
-        if graphs is not None and graphs.can_run(step.requests, inp.block_tables.shape[1]):
+        q = graphs.query_len_for(step.requests, inp.block_tables.shape[1]) if graphs is not None else None
+        if q is not None:
             if capture is not None:
                 capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
-            logits = graphs.replay(inp)  # [B, V]: a decode step, every row samples
+            logits = graphs.replay(inp, q)  # [S, V]: a decode or verify step, every token samples
         else:
             with set_forward_context(ForwardContext(meta, kv_caches, capture)):
                 hidden = model(inp.input_ids, pos_t)  # [T, H]

@@ -6,9 +6,9 @@ CI has no GPU: tests/gpu/conftest.py skips these there. They run through the dev
 
 Tiny qwen3_moe, float32, block_size 4, 12 requests side by side (repetitive prompts whose drafts are
 accepted, random ones whose drafts are rejected) plus seeded sampling that must reproduce itself. The
-plain engine decodes through its CUDA graphs; verify steps (q_len = k + 1) run eagerly through the
-varlen attention path. Float32 on a tiny model leaves no near-ties in practice; a failure here names
-the request and the first differing token or row.
+plain engine decodes through its CUDA graphs; verify steps (q_len = k + 1) replay graphs of query
+length k + 1 (worker/cuda_graph_runner.py). Float32 on a tiny model leaves no near-ties in practice; a
+failure here names the request and the first differing token or row.
 """
 
 from __future__ import annotations
