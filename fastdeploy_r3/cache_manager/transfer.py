@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBufferSpec
+from fastdeploy_r3.config.dtypes import DTYPE_BYTES
 
 
 class CacheTransferError(RuntimeError):
@@ -86,12 +87,10 @@ class KVCacheSpec:
 
     @property
     def itemsize(self) -> int:
-        import torch  # only the processes that copy KV (workers, CTM) ask; the engine never does
-
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise TypeError(f"KV dtype {self.dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
-        return torch.empty((), dtype=dt).element_size()
+        size = DTYPE_BYTES.get(self.dtype)
+        if size is None:
+            raise TypeError(f"KV dtype {self.dtype!r} is not a KV cache dtype; use one of {', '.join(DTYPE_BYTES)}")
+        return size
 
     @property
     def layer_block_nbytes(self) -> int:

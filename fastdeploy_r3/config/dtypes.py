@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     import torch
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# bytes per element of the dtypes a KV cache may hold, for the processes that size byte copies without
+# importing torch (the cache transfer manager: a torch import costs ~3 s of CPU per process start)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def torch_dtype(name: str) -> torch.dtype:
