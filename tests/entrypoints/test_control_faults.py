@@ -141,10 +141,13 @@ def test_a_trainer_that_stops_mid_broadcast_leaves_a_server_that_says_why_and_re
     trainer.kill()  # a stalled one is still waiting; the server gave up on it at its deadline
     trainer.join(30)
     assert "mixed" in health["weights"]
+    not_ready = httpx.get(f"{server.url}/ready", timeout=10)  # a router must stop sending it requests
+    assert not_ready.status_code == 503 and "mixed" in not_ready.json()["weights"]
     refused = _post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert refused.status_code == 503 and "push a complete update" in refused.text
     new = fake_model_dir("qwen3_moe", seed=1)
     healed = _post(server, "/update_weights_from_disk", {"model_path": new, "weight_version": "healed"})
     assert healed.status_code == 200, healed.text
     assert "weights" not in httpx.get(f"{server.url}/health").json()
+    assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
     assert server.proc.poll() is None and len(_tokens(server)) == GREEDY["max_new_tokens"]

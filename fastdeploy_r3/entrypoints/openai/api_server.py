@@ -227,7 +227,8 @@ def build_app(
         return JSONResponse(err.body(), status_code=500)
 
     async def health_body() -> tuple[dict[str, str | None], bool]:
-        """({"status", "engine", "paused", and per degraded part why}, can R3 be delivered); EngineDeadError.
+        """({"status", "engine", "paused", and per degraded part why}, can requests be served with their
+        R3: no store problem, no mixed weights refusing generation); EngineDeadError.
 
         Never waits on a store: its state is the last probe's (r3/delivery.py probes in the background),
         so a stalled store cannot make a health check time out. Paths are scrubbed from the reasons."""
@@ -239,7 +240,7 @@ def build_app(
         status = "degraded" if degraded else ("paused" if paused is not None else "ok")
         body: dict[str, str | None] = {"status": status, "engine": "ok", "paused": paused}
         body.update({part: scrub_paths(why) for part, why in degraded.items()})
-        return body, r3_problem is None
+        return body, r3_problem is None and "weights" not in degraded
 
     @app.get("/health")
     async def health() -> Response:
@@ -252,12 +253,13 @@ def build_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Readiness: 200 only while the server can serve requests and deliver their R3 (503 otherwise)."""
+        """Readiness: 200 only while the server can serve requests and deliver their R3 (503 otherwise: the
+        R3 store is down, or a half-done weight update left mixed weights that refuse generation)."""
         try:
-            body, r3_ok = await health_body()
+            body, can_serve = await health_body()
         except EngineDeadError as e:
             return JSONResponse(engine_unavailable(str(e)).body(), status_code=503)
-        return JSONResponse(body, status_code=200 if r3_ok else 503)
+        return JSONResponse(body, status_code=200 if can_serve else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
