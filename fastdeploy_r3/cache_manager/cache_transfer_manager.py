@@ -33,7 +33,7 @@ import numpy as np
 from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError, validate_key
 from fastdeploy_r3.cache_manager.block_copy import BlockCopier, BlockData
-from fastdeploy_r3.cache_manager.kv_tiers import make_kv_tiers
+from fastdeploy_r3.cache_manager.kv_tiers import CpuKVTiers, KVTiers
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import pid_alive, unlink_quietly
 from fastdeploy_r3.cache_manager.storage import (
@@ -47,6 +47,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     CacheTransferConfig,
     CacheTransferError,
     CTMReady,
+    KVCacheSpec,
     TransferAck,
     TransferKind,
     TransferTask,
@@ -322,3 +323,12 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
         if ctm is not None:
             ctm.close()
 
+
+def make_kv_tiers(specs: list[KVCacheSpec], num_cpu_blocks: int, kv_cpu_name: str | None) -> KVTiers:
+    """The copier for the device the workers' KV caches live on (all ranks on one device kind): here, not
+    in kv_tiers.py, so that kv_tiers_cuda.py (which builds on kv_tiers.py) is imported only for CUDA."""
+    if specs[0].device == "cuda":
+        from fastdeploy_r3.cache_manager.kv_tiers_cuda import CudaKVTiers  # torch only where CUDA is
+
+        return CudaKVTiers(specs, num_cpu_blocks)
+    return CpuKVTiers(specs, num_cpu_blocks, kv_cpu_name)

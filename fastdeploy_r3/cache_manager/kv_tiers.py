@@ -105,12 +105,3 @@ class CpuKVTiers(KVTiers):
         for seg in self._owned + self._attached:
             seg.close()
         self._owned, self._attached = [], []
-
-
-def make_kv_tiers(specs: list[KVCacheSpec], num_cpu_blocks: int, kv_cpu_name: str | None) -> KVTiers:
-    """The copier for the device the workers' KV caches live on (all ranks on one device kind)."""
-    if specs[0].device == "cuda":
-        from fastdeploy_r3.cache_manager.kv_tiers_cuda import CudaKVTiers  # torch only where CUDA is
-
-        return CudaKVTiers(specs, num_cpu_blocks)
-    return CpuKVTiers(specs, num_cpu_blocks, kv_cpu_name)

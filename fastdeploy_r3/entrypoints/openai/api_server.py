@@ -227,8 +227,7 @@ def build_app(
         return JSONResponse(err.body(), status_code=500)
 
     async def health_body() -> tuple[dict[str, str | None], bool]:
-        """({"status", "engine", "paused", and per degraded part why}, can requests be served with their
-        R3: no store problem, no mixed weights refusing generation); EngineDeadError.
+        """({"status", "engine", "paused", and per degraded part why}, can it serve: R3 store up, weights whole).
 
         Never waits on a store: its state is the last probe's (r3/delivery.py probes in the background),
         so a stalled store cannot make a health check time out. Paths are scrubbed from the reasons."""
@@ -253,8 +252,7 @@ def build_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Readiness: 200 only while the server can serve requests and deliver their R3 (503 otherwise: the
-        R3 store is down, or a half-done weight update left mixed weights that refuse generation)."""
+        """Readiness: 200 only while the server can serve requests and deliver their R3 (not: mixed weights)."""
         try:
             body, can_serve = await health_body()
         except EngineDeadError as e:

@@ -54,6 +54,9 @@ def _expert_gemm_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    w_scale_ptr,  # FP8_W: the weight's scale rows, w13 [E, 2I, ceil(H/128)] or w2 [E, H, ceil(I/128)] float32
+    stride_se,
+    stride_sn,
     A_ROW_DIV: tl.constexpr,  # a row of flat row n: n // K for x (GATED), n for act
     GATED: tl.constexpr,  # silu(a @ w[:I].T) * (a @ w[I:].T), stored in out's dtype
     ROUTED_WEIGHT: tl.constexpr,  # (a @ w.T) * topk_weight[n], stored as float32
@@ -61,6 +64,7 @@ def _expert_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8_W: tl.constexpr,  # w holds float8_e4m3fn codes: each tile is dequantised as it is loaded
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -88,8 +92,16 @@ def _expert_gemm_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
         w = tl.load(w_base + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+        if FP8_W:  # code x its 128x128 block's scale, in float32, rounded once to the activations' dtype
+            # (quantization/fp8.py dequantize's arithmetic); BLOCK_K divides 128: one scale column a tile
+            s_rows = w_scale_ptr + expert * stride_se + n.to(tl.int64) * stride_sn  # [BN] scale rows
+            s = tl.load(s_rows + k0 // 128, mask=n_ok, other=0.0)  # [BN]
+            w = (w.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
         if GATED:
             wu = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+            if FP8_W:
+                su = tl.load(s_rows + out_cols * stride_sn + k0 // 128, mask=n_ok, other=0.0)  # [BN] up half
+                wu = (wu.to(tl.float32) * su[None, :]).to(a_ptr.dtype.element_ty)
             acc = _dot(a, w, acc, IEEE)
             acc_up = _dot(a, wu, acc_up, IEEE)
         else:
@@ -136,11 +148,16 @@ def triton_experts(
     topk_ids: torch.Tensor,
     config: TritonMoeConfig | None = None,
     blocks: MoeBlocks | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K] -> [T, H] in x.dtype.
 
     Same function as moe.loop_experts; no host sync (graph-safe). blocks: topk_ids already aligned (the
     fused routing kernel does it in its own launch); used when aligned for this batch's block size.
+    w13_scale [E, 2I, ceil(H/128)], w2_scale [E, H, ceil(I/128)] float32: w13 and w2 are float8_e4m3fn
+    block-quantized (quantization/fp8.py's served layout) and each tile is dequantised as it is loaded,
+    the same arithmetic as dequantize(), so the result equals this kernel on the dequantised weights.
     """
     require_triton("triton_experts")
     num_tokens, hidden = x.shape
@@ -153,15 +170,20 @@ def triton_experts(
     if w13.stride(2) != 1 or w2.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError("triton_experts: x, w13 and w2 must be contiguous in their last dimension")
     cfg = config or pick_config(num_tokens, top_k, num_experts)
+    fp8 = w13_scale is not None
+    if fp8 != (w2_scale is not None) or (fp8 and 128 % cfg.block_k):
+        raise ValueError("triton_experts: fp8 weights need both scales and a block_k dividing 128")
     if blocks is None or blocks.block_m != cfg.block_m:
         blocks = align_to_blocks(topk_ids, num_experts, cfg.block_m)
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 FP8_W=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1)) if fp8 else (None, 0, 0)
+    s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1)) if fp8 else (None, 0, 0)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # [N, I]
     # gate_up: act[n] = silu(x[n // K] @ w13[e, :I].T) * (x[n // K] @ w13[e, I:].T)
     _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(inter, cfg.block_n))](
         x, w13, act, None, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
-        num_rows, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        num_rows, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *s13,
         A_ROW_DIV=top_k, GATED=True, ROUTED_WEIGHT=False, **tiles,
     )
     part = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)  # [N, H]
@@ -169,7 +191,7 @@ def triton_experts(
     # down: part[n] = topk_weight[n] * (act[n] @ w2[e].T)
     _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(hidden, cfg.block_n))](
         act, w2, part, weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
-        num_rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
+        num_rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), part.stride(0), *s2,
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=True, **tiles,
     )
     return part.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

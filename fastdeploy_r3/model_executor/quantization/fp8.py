@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMethod
 
@@ -99,9 +101,11 @@ class Fp8MoEMethod(MoEMethod):
     """Stacked experts in fp8: w13 [E, 2I, H] with w13_weight_scale_inv [E, 2I, ceil(H/128)], w2 [E, H, I]
     with w2_weight_scale_inv [E, H, ceil(I/128)]; gate and up keep their own checkpoint blocks (rows).
 
-    apply dequantises every expert and runs the layer's plain-weight kernel. The Triton fused MoE
-    (layers/fused_moe.py's triton_experts) is where a kernel reading fp8 tiles and their scale rows
-    plugs in, called from here with the four parameters instead of the dequantised pair."""
+    apply: where the layer's backend is the Triton fused MoE (CUDA graphs, decode), the kernel reads the
+    fp8 tiles and their scale rows and dequantises each tile as it loads it (ops/fused_moe_triton.py,
+    FP8_W): the weights cross HBM at one byte each. Elsewhere (the CPU loop, eager bf16 prefill's
+    grouped GEMM) it dequantises every expert and runs the plain-weight backend; both give the bits of
+    the plain kernel on the dequantised weights."""
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         two_inter = 2 * intermediate_size
@@ -123,6 +127,9 @@ class Fp8MoEMethod(MoEMethod):
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         blocks: MoeBlocks | None = None,
     ) -> torch.Tensor:  # fmt: skip
+        if choose_backend(layer.backend, x) == "triton":
+            return triton_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks=blocks,
+                                  w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv)
         w13 = dequantize(layer.w13, layer.w13_weight_scale_inv, x.dtype)  # [E, 2I, H]
         w2 = dequantize(layer.w2, layer.w2_weight_scale_inv, x.dtype)  # [E, H, I]
         return layer.run_experts(x, w13, w2, topk_weights, topk_ids, blocks)

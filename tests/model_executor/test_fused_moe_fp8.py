@@ -1,0 +1,61 @@
+"""The fused MoE kernel on block-quantized fp8 experts (ops/fused_moe_triton.py, FP8_W) dequantises each
+weight tile as it loads it, with quantization/fp8.py dequantize()'s arithmetic: its output equals the
+same kernel on the dequantised weights exactly (float32 activations under TRITON_INTERPRET=1, where the
+interpreter's bf16 rounding is not the GPU's; tests/gpu/test_fp8_gpu.py checks bf16 on the H200). The
+shapes leave partial 128-wide scale blocks on both dimensions, as tiny checkpoints do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fp8_tiles_dequantised_in_the_kernel_equal_the_kernel_on_dequantised_weights() -> None:
+    body = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
+        from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
+
+        def quantize_stack(w):  # [E, O, I] -> fp8 codes and served scale rows [E, O, ceil(I/128)]
+            pairs = [quantize_blockwise(m) for m in w]
+            codes = torch.stack([c for c, _ in pairs])
+            rows = torch.stack([expand_scale_rows(s, w.shape[1]) for _, s in pairs])
+            return codes, rows
+
+        torch.manual_seed(0)
+        for T, E, K, H, I in ((3, 8, 2, 200, 136), (17, 16, 4, 64, 40)):
+            x = torch.randn(T, H)
+            w13, w2 = quantize_stack(torch.randn(E, 2 * I, H) * 0.1), quantize_stack(torch.randn(E, H, I) * 0.1)
+            ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+            w = torch.rand(T, K)
+            plain13, plain2 = dequantize(*w13, torch.float32), dequantize(*w2, torch.float32)
+            for cfg in (TritonMoeConfig(16, 32, 64, 4, 1), TritonMoeConfig(16, 16, 128, 4, 1)):
+                want = triton_experts(x, plain13, plain2, w, ids, cfg)
+                got = triton_experts(x, w13[0], w2[0], w, ids, cfg, w13_scale=w13[1], w2_scale=w2[1])
+                assert torch.equal(got, want), (T, cfg, (got - want).abs().max().item())
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_fp8_weights_need_both_scales_and_whole_k_tiles_of_a_scale_block() -> None:
+    x, w = torch.zeros(1, 8), torch.zeros(2, 8, 8)
+    ids, weights = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="both scales"):
+        triton_experts(x, w, w, weights, ids, TritonMoeConfig(16, 16, 64, 4, 1), w13_scale=torch.ones(2, 8, 1))
+    with pytest.raises(ValueError, match="block_k dividing 128"):
+        triton_experts(x, w, w, weights, ids, TritonMoeConfig(16, 16, 96, 4, 1), w13_scale=torch.ones(2, 8, 1),
+                       w2_scale=torch.ones(2, 8, 1))  # fmt: skip
