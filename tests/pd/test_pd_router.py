@@ -1,0 +1,203 @@
+"""Prefill/decode disaggregation driven by the registry's sglang-router (0.3.2, `--pd-disaggregation`):
+a prefill server, a decode server, the router, a real redis-server as the shared KV store (the
+`store` transfer backend), and a colocated server to compare with, all real processes, started once
+for the file.
+
+What must hold (docs/pd.md): through PD, greedy tokens and R3 rows equal the colocated server's bit
+for bit, P + N - 1 rows, streaming or not, /generate and /v1/completions; D loads every full prompt
+block P stored (its cached_tokens) and computes only the partial tail and P's first token.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import pytest
+from api_server_process import REPO_ROOT, ServerHandle, api_servers, free_port, server_env, stop_process
+from redis_server import redis_server
+
+from fastdeploy_r3.client import decode_routed_experts
+
+NUM_LAYERS, MOE_LAYER_IDS, TOP_K = 4, [1, 2, 3], 4  # the fake glm4_moe: layer 0 dense
+BLOCK = 4
+R3_ON = '{"enable_routing_replay": true}'
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "pd", "sglang_router_pd_requests.json")
+# a shared prefix of 3 full blocks, then suffixes of different lengths (full and partial last blocks)
+PREFIX = [30 + i for i in range(12)]
+PROMPTS = [PREFIX + [60 + i for i in range(k)] for k in (0, 1, 3, 4, 6)]
+
+
+@dataclass
+class Deployment:
+    router: str
+    prefill: ServerHandle
+    decode: ServerHandle
+    colocated: ServerHandle
+    bootstrap_port: int
+
+
+@pytest.fixture(scope="module")
+def pd(fake_model_dir, tmp_path_factory) -> Iterator[Deployment]:
+    logs = str(tmp_path_factory.mktemp("pd_logs"))
+    model = fake_model_dir("glm4_moe")
+    common = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "128",
+              "--block-size", str(BLOCK))
+    bootstrap_port = free_port()
+    with redis_server() as url, api_servers(
+        logs,
+        (model, *common, "--kv-storage", url, "--disaggregation-mode", "prefill",
+         "--disaggregation-bootstrap-port", str(bootstrap_port)),
+        (model, *common, "--kv-storage", url, "--disaggregation-mode", "decode"),
+        (model, *common),
+    ) as (p, d, colocated):
+        port = free_port()
+        log = open(os.path.join(logs, "router.log"), "w")  # noqa: SIM115 - closed below, after the process
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--pd-disaggregation", "--prefill", p.url, str(bootstrap_port), "--decode", d.url,
+             "--policy", "round_robin", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT)
+        url_router = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # /health answers before the workers are registered: wait for a routed request
+                assert router.poll() is None, open(log.name).read()[-3000:]
+                try:
+                    r = httpx.post(f"{url_router}/generate", timeout=30, json={
+                        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+                    if r.status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, open(log.name).read()[-3000:]
+                time.sleep(0.3)
+            yield Deployment(url_router, p, d, colocated, bootstrap_port)
+        finally:
+            stop_process(router, 10)
+            log.close()
+
+
+def _generate(url: str, prompt: list[int], max_new_tokens: int = 6, **extra) -> httpx.Response:
+    body = {"input_ids": prompt, "return_logprob": True, **extra,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
+def _rows(meta: dict, num_rows: int) -> np.ndarray:
+    rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+    return rows.reshape(num_rows, NUM_LAYERS, TOP_K)
+
+
+def test_server_info_advertises_each_role_and_p_bootstrap_port(pd: Deployment) -> None:
+    infos = [httpx.get(f"{s.url}/get_server_info", timeout=30).json() for s in (pd.prefill, pd.decode, pd.colocated)]
+    assert [i["disaggregation_mode"] for i in infos] == ["prefill", "decode", "null"]
+    assert [i["disaggregation_bootstrap_port"] for i in infos] == [pd.bootstrap_port, None, None]
+
+
+def test_generate_through_the_router_equals_colocated_tokens_and_r3_bit_for_bit(pd: Deployment) -> None:
+    for prompt in PROMPTS:
+        r = _generate(pd.router, prompt)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        ref = _generate(pd.colocated.url, prompt).json()
+        assert out["output_ids"] == ref["output_ids"] and len(out["output_ids"]) == 6
+        assert out["text"] == ref["text"], (prompt, out["output_ids"], out["text"], ref["text"])
+        # logprobs: the first token's is P's, the rest D's; both computed in other chunk shapes than the
+        # colocated run's (P from its prefix hit, D prompt tail + first token in one chunk), so float-close
+        got, want = out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in got] == [t for _, t, _ in want]
+        assert np.allclose([lp for lp, _, _ in got], [lp for lp, _, _ in want], rtol=0, atol=1e-4)
+        assert out["meta_info"]["prompt_tokens"] == len(prompt)
+        num_rows = len(prompt) + 6 - 1
+        assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
+        # D loaded every full prompt block P stored: only the partial tail and the first token ran on D
+        assert out["meta_info"]["cached_tokens"] == len(prompt) // BLOCK * BLOCK
+
+
+def test_streamed_generate_through_the_router_ends_with_the_colocated_tokens_and_r3(pd: Deployment) -> None:
+    prompt = PROMPTS[2]
+    chunks = []
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    with httpx.stream("POST", f"{pd.router}/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    ref = _generate(pd.colocated.url, prompt, 5).json()
+    last = chunks[-1]
+    assert last["output_ids"] == ref["output_ids"]
+    assert [c["output_ids"][0] for c in chunks] == [ref["output_ids"][0]] * len(chunks)  # P's token leads
+    num_rows = len(prompt) + 5 - 1
+    assert np.array_equal(_rows(last["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
+
+
+def _completion(url: str, model: str, prompt: str, stream: bool) -> tuple[str, str]:
+    """(text, routed_experts) of one greedy /v1/completions call, streamed or not (the router needs `model`)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if not stream:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["text"], c["routed_experts"]
+    text, routed = "", None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[len("data: "):])["choices"]:
+                    text += c.get("text") or ""
+                    routed = c.get("routed_experts") or routed
+    assert routed is not None
+    return text, routed
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_through_the_router_equal_colocated(pd: Deployment, stream: bool) -> None:
+    model = httpx.get(f"{pd.colocated.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    for prompt in ("the quick brown fox jumps over", "the quick brown fox sleeps"):
+        text, routed = _completion(pd.router, model, prompt, stream)
+        ref_text, ref_routed = _completion(pd.colocated.url, model, prompt, stream)
+        assert text == ref_text
+        assert np.array_equal(decode_routed_experts(routed), decode_routed_experts(ref_routed))
+
+
+def test_the_recorded_router_bodies_run_on_p_and_d_directly(pd: Deployment) -> None:
+    """The exact bodies sglang-router sent a recording stub (tests/fixtures/pd/), posted to P and D as
+    it posts them (at once): D answers with P's first token continued, the same as colocated."""
+    fixture = json.load(open(FIXTURE))
+    assert {(p["role"], p["path"]) for p in fixture["startup_probes"]} == {
+        (role, path) for role in ("prefill", "decode") for path in ("/health", "/server_info", "/model_info")}
+    forwarded = fixture["forwarded"]
+    model = httpx.get(f"{pd.colocated.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    for room, (path, stream) in enumerate([("/generate", False), ("/v1/completions", False)], start=7000):
+        sent = [f for f in forwarded if f["path"] == path and f["body"].get("stream") is stream]
+        assert {f["role"] for f in sent} == {"prefill", "decode"}
+        body = {**sent[0]["body"], "bootstrap_port": pd.bootstrap_port, "bootstrap_room": room}
+        if body["model"] is not None:  # the stub served "m"
+            body["model"] = model
+        assert all(f["body"]["bootstrap_room"] == sent[0]["body"]["bootstrap_room"] for f in sent)  # one room, P and D
+        with httpx.Client(timeout=120) as client:
+            with ThreadPoolExecutor(2) as pool:
+                d = pool.submit(client.post, f"{pd.decode.url}{path}", json=body)
+                p = pool.submit(client.post, f"{pd.prefill.url}{path}", json=body)
+                d_r, p_r = d.result(), p.result()
+        assert p_r.status_code == 200, p_r.text
+        assert d_r.status_code == 200, d_r.text
+        plain = {k: v for k, v in body.items() if not k.startswith("bootstrap_")}
+        ref = httpx.post(f"{pd.colocated.url}{path}", json=plain, timeout=120)
+        if path == "/generate":
+            assert d_r.json()["output_ids"] == ref.json()["output_ids"]
+            assert p_r.json()["output_ids"] == ref.json()["output_ids"][:1]  # P samples the first token only
+        else:
+            assert d_r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
