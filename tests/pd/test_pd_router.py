@@ -201,3 +201,40 @@ def test_the_recorded_router_bodies_run_on_p_and_d_directly(pd: Deployment) -> N
             assert p_r.json()["output_ids"] == ref.json()["output_ids"][:1]  # P samples the first token only
         else:
             assert d_r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+
+
+def test_a_first_token_that_ends_the_request_comes_from_p_with_the_prompt_rows(pd: Deployment) -> None:
+    prompt = PROMPTS[3]
+    out = _generate(pd.router, prompt, max_new_tokens=1).json()
+    ref = _generate(pd.colocated.url, prompt, max_new_tokens=1).json()
+    assert out["output_ids"] == ref["output_ids"] and out["text"] == ref["text"]
+    assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+    num_rows = len(prompt)  # P + 1 - 1
+    assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
+
+
+def test_a_closed_bootstrap_port_fails_the_request_on_d_with_502_and_leaves_nothing_running(pd: Deployment) -> None:
+    body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 99}
+    started = time.monotonic()
+    r = httpx.post(f"{pd.decode.url}/generate", json=body, timeout=60)
+    assert r.status_code == 502
+    assert "unreachable" in r.json()["error"]["message"]
+    assert time.monotonic() - started < 30
+    load = httpx.get(f"{pd.decode.url}/v1/loads", timeout=30).json()["loads"][0]
+    assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
+
+
+def test_p_and_d_on_different_weight_versions_fail_the_request_instead_of_mixing(pd: Deployment) -> None:
+    """Last in the file: P keeps the new version name."""
+    r = httpx.post(f"{pd.prefill.url}/update_weight_version", json={"new_version": "pd-other"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 123}
+    with ThreadPoolExecutor(2) as pool:
+        d = pool.submit(httpx.post, f"{pd.decode.url}/generate", json=body, timeout=60)
+        p = pool.submit(httpx.post, f"{pd.prefill.url}/generate", json=body, timeout=60)
+        d_r, p_r = d.result(), p.result()
+    assert p_r.status_code == 200
+    assert d_r.status_code == 502
+    assert "weight_version 'pd-other', this decode server has '0'" in d_r.json()["error"]["message"]

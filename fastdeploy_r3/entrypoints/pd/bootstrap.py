@@ -101,6 +101,7 @@ class BootstrapServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host, port))
+            self.sock.listen(128)  # now, so that a second server on the port fails here, by name
         except OSError as e:
             self.sock.close()
             raise OSError(f"--disaggregation-bootstrap-port {port}: cannot bind {host}:{port} ({e}); choose a free "
@@ -117,7 +118,7 @@ class BootstrapServer:
         self.sock.close()
 
 
-async def fetch_handoff(boot: Bootstrap, deadline: float, connect_timeout_s: float = 5.0) -> Handoff:
+async def fetch_handoff(boot: Bootstrap, deadline: float, connect_timeout_s: float = 2.0) -> Handoff:
     """D: the handoff of boot.room from P's bootstrap server, by loop time `deadline`.
 
     HandoffError when the server cannot be reached (after connect_timeout_s of refused connections:
