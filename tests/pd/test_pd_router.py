@@ -44,6 +44,7 @@ class Deployment:
     decode: ServerHandle
     colocated: ServerHandle
     bootstrap_port: int
+    store_url: str  # the redis-server P and D share
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def pd(fake_model_dir, tmp_path_factory) -> Iterator[Deployment]:
                     pass
                 assert time.monotonic() < deadline, open(log.name).read()[-3000:]
                 time.sleep(0.3)
-            yield Deployment(url_router, p, d, colocated, bootstrap_port)
+            yield Deployment(url_router, p, d, colocated, bootstrap_port, url)
         finally:
             stop_process(router, 10)
             log.close()
@@ -223,6 +224,34 @@ def test_a_closed_bootstrap_port_fails_the_request_on_d_with_502_and_leaves_noth
     assert time.monotonic() - started < 30
     load = httpx.get(f"{pd.decode.url}/v1/loads", timeout=30).json()["loads"][0]
     assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
+
+
+def test_a_flipped_byte_in_every_transferred_block_costs_d_a_recompute_never_a_wrong_row(pd: Deployment) -> None:
+    """P stores a fresh prompt's blocks and publishes; a byte of each stored blob is flipped before D
+    loads them: D's loads fail their checksum, D computes the whole prompt, R3 equals colocated."""
+    import redis
+
+    store = redis.Redis.from_url(pd.store_url)
+    prompt = [200 + i for i in range(13)]  # no block shared with the other tests' prompts: 3 new blocks
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 4242}
+    before = set(store.keys("*"))
+    assert httpx.post(f"{pd.prefill.url}/generate", json=body, timeout=60).status_code == 200  # published
+    new = sorted(set(store.keys("*")) - before)
+    blobs = [k for k in new if store.type(k) == b"string" and store.strlen(k) > 1024]
+    assert len(blobs) == 3  # the prompt's full blocks, KV and rows in one blob each
+    for key in blobs:
+        middle = store.strlen(key) // 2
+        store.setrange(key, middle, bytes([store.getrange(key, middle, middle)[0] ^ 0xFF]))
+    r = httpx.post(f"{pd.decode.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ref = _generate(pd.colocated.url, prompt, 4).json()
+    assert out["output_ids"] == ref["output_ids"]
+    assert out["meta_info"]["cached_tokens"] == 0  # nothing corrupt was used
+    num_rows = len(prompt) + 4 - 1
+    assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
 
 
 def test_p_and_d_on_different_weight_versions_fail_the_request_instead_of_mixing(pd: Deployment) -> None:
