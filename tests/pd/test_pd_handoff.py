@@ -165,3 +165,84 @@ def test_what_pd_cannot_serve_like_a_colocated_server_is_refused_by_name() -> No
                          (dict(frequency_penalty=0.5), "frequency"), (dict(prompt_logprobs=0), "prompt_logprobs")):
         with pytest.raises(InvalidRequestError, match=f"{name}.*--disaggregation-mode null"):
             _check_pd_params(dataclasses.replace(SamplingParams(max_tokens=4), **change))
+
+
+class _FakeEngine:
+    """The engine client as the roles see it: generate() yields the given deltas (then raises `fail`, if
+    given); control() answers with weight version v1 and records the commands."""
+
+    def __init__(self, deltas: list[RequestDelta], fail: BaseException | None = None) -> None:
+        self.deltas, self.fail, self.commands = deltas, fail, []
+
+    async def generate(self, request_id, prompt_token_ids, params, prompt=None, rewrite=None):
+        for delta in self.deltas:
+            yield delta if rewrite is None else rewrite(delta)
+        if self.fail is not None:
+            raise self.fail
+
+    async def control(self, command, timeout_s=0.0):
+        from fastdeploy_r3.engine.messages import ControlReply, EngineState
+
+        self.commands.append(type(command).__name__)
+        return ControlReply(0, True, "ok", EngineState("v1", None, 0))
+
+
+def _prefill(deltas: list[RequestDelta], fail: BaseException | None = None, close_after: int | None = None):
+    from fastdeploy_r3.entrypoints.pd.roles import PdPrefill
+
+    async def run() -> tuple[Rooms, list[str]]:
+        rooms, engine = Rooms(), _FakeEngine(deltas, fail)
+        role = PdPrefill(engine, rooms, server=None)  # type: ignore[arg-type] - no bootstrap server needed
+        gen = role.generate("r", PROMPT, SamplingParams(max_tokens=8, logprobs=1), None,
+                            Bootstrap("127.0.0.1", 1, 42), deadline=0.0)
+        seen = 0
+        try:
+            async for _ in gen:
+                seen += 1
+                if close_after is not None and seen == close_after:
+                    break
+        except RuntimeError:
+            pass
+        finally:
+            await gen.aclose()
+        return rooms, engine.commands
+
+    return asyncio.run(run())
+
+
+def test_p_publishes_the_first_token_only_after_the_write_through_is_done() -> None:
+    lp = TokenLogprob(17, -0.5, 1, [(17, -0.5), (3, -1.25)])
+    done = RequestDelta("r", [CompletionDelta(0, " x", [17], finish_reason="length", logprobs=[lp])], True,
+                        num_cached_tokens=4, prompt_token_ids=PROMPT)
+    rooms, commands = _prefill([done])
+    assert commands == ["AwaitWriteThrough"]
+    assert rooms.get(42) == _handoff(stop_reason=None)  # token, text, logprob, finish, version, digest
+
+
+def test_p_publishes_an_error_when_its_request_fails_or_is_dropped_so_d_does_not_wait_out_its_deadline() -> None:
+    failed = RequestDelta("r", [CompletionDelta(0, "", [], finish_reason="error", error="the step raised")], True)
+    rooms, _ = _prefill([failed])
+    assert rooms.get(42).error == "the step raised"
+    rooms, _ = _prefill([], fail=RuntimeError("engine gone"))
+    assert rooms.get(42).error == "the prefill request ended before its first token"
+    pending = RequestDelta("r", [CompletionDelta(0, "", [])], False, prompt_token_ids=PROMPT)
+    rooms, commands = _prefill([pending, pending], close_after=1)  # the client hung up on P
+    assert rooms.get(42).error == "the prefill request ended before its first token" and commands == []
+
+
+def test_p_stopping_mid_long_poll_fails_d_at_once() -> None:
+    """P stopped while D waits for its room: the poll in flight is answered 503 (a killed P closes the
+    connection instead, and D's next poll finds the port closed: the test above)."""
+
+    async def run() -> None:
+        rooms = Rooms()
+        server = BootstrapServer(rooms, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        fetch = asyncio.create_task(fetch_handoff(Bootstrap("127.0.0.1", server.port, 5), loop.time() + 60,
+                                                  connect_timeout_s=0.3))
+        await asyncio.sleep(0.3)
+        await server.close()  # uvicorn ends the long poll in flight; the port closes
+        with pytest.raises(HandoffError, match="answered 503 for room 5: .*shutting down"):
+            await asyncio.wait_for(fetch, 5)
+
+    asyncio.run(run())

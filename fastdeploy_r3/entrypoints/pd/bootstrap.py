@@ -4,6 +4,7 @@
     D: GET  http://P_host:bootstrap_port/pd/rooms/R?wait_s=W
          200 {handoff}       P is done with R (or failed it: `error` says why)
          404 {"pending": R}  nothing yet within W seconds: ask again (a long poll, so D hears at once)
+         503 {"error"}       P is shutting down (its waiting polls are answered at once)
 
 The router sends a request to P and D at the same moment, so D usually asks before P has finished;
 the long poll answers the moment the room is published. A published room is kept for ROOM_TTL_S (D
@@ -37,6 +38,13 @@ class Rooms:
         self.ttl_s, self.max_rooms = ttl_s, max_rooms
         self._done: OrderedDict[int, tuple[float, Handoff]] = OrderedDict()
         self._waiting: dict[int, tuple[asyncio.Event, list[int]]] = {}  # room -> (event, [number of waiters])
+        self.closed = False
+
+    def close(self) -> None:
+        """P is stopping: every long poll answers now (503), not when its wait runs out."""
+        self.closed = True
+        for event, _ in self._waiting.values():
+            event.set()
 
     def publish(self, handoff: Handoff) -> None:
         now = time.monotonic()
@@ -56,7 +64,7 @@ class Rooms:
     async def wait(self, room: int, wait_s: float) -> Handoff | None:
         """The room's handoff, waiting up to wait_s for P to publish it; None if it did not."""
         found = self.get(room)
-        if found is not None or wait_s <= 0:
+        if found is not None or wait_s <= 0 or self.closed:
             return found
         event, count = self._waiting.setdefault(room, (asyncio.Event(), [0]))
         count[0] += 1
@@ -86,6 +94,8 @@ def bootstrap_app(rooms: Rooms) -> FastAPI:
         if not 0 <= room <= MAX_ROOM:
             return JSONResponse({"error": f"room {room} is not in [0, 2^64)"}, status_code=400)
         handoff = await rooms.wait(room, min(max(wait_s, 0.0), LONG_POLL_S))
+        if handoff is None and rooms.closed:
+            return JSONResponse({"error": "the prefill server is shutting down"}, status_code=503)
         if handoff is None:
             return JSONResponse({"pending": room}, status_code=404)
         return JSONResponse(handoff.to_json())
@@ -97,6 +107,7 @@ class BootstrapServer:
     """P's bootstrap server on its own port, in the API server's event loop."""
 
     def __init__(self, rooms: Rooms, host: str, port: int) -> None:
+        self.rooms = rooms
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -112,6 +123,7 @@ class BootstrapServer:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
 
     async def close(self) -> None:
+        self.rooms.close()
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await asyncio.wait_for(self.task, 5.0)
@@ -149,7 +161,8 @@ async def fetch_handoff(boot: Bootstrap, deadline: float, connect_timeout_s: flo
             if r.status_code == 404:
                 continue
             if r.status_code != 200:
-                raise HandoffError(f"the prefill bootstrap server answered {r.status_code} for room {boot.room}")
+                raise HandoffError(f"the prefill bootstrap server answered {r.status_code} for room {boot.room}: "
+                                   f"{r.text[:200]}")
             try:
                 body = r.json()
             except ValueError:
