@@ -4,8 +4,9 @@ a prefill server, a decode server, the router, a real redis-server as the shared
 for the file.
 
 What must hold (docs/pd.md): through PD, greedy tokens and R3 rows equal the colocated server's bit
-for bit, P + N - 1 rows, streaming or not, /generate and /v1/completions; D loads every full prompt
-block P stored (its cached_tokens) and computes only the partial tail and P's first token.
+for bit, P + N - 1 rows, streaming or not, /generate and /v1/completions, with chunked prefill on every
+server and preemption on D; D loads every full prompt block P stored (its cached_tokens) and computes
+only the partial tail and P's first token; the faults end as docs/pd.md says.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fastdeploy_r3.client import decode_routed_experts
 
 NUM_LAYERS, MOE_LAYER_IDS, TOP_K = 4, [1, 2, 3], 4  # the fake glm4_moe: layer 0 dense
 BLOCK = 4
+D_BLOCKS = 12
 R3_ON = '{"enable_routing_replay": true}'
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "pd", "sglang_router_pd_requests.json")
 # a shared prefix of 3 full blocks, then suffixes of different lengths (full and partial last blocks)
@@ -51,14 +53,17 @@ class Deployment:
 def pd(fake_model_dir, tmp_path_factory) -> Iterator[Deployment]:
     logs = str(tmp_path_factory.mktemp("pd_logs"))
     model = fake_model_dir("glm4_moe")
-    common = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "128",
-              "--block-size", str(BLOCK))
+    # chunked prefill everywhere (8 tokens a step), and a D with room for 12 blocks: requests in flight
+    # together preempt one another there
+    common = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "48",
+              "--block-size", str(BLOCK), "--max-num-batched-tokens", "8")
     bootstrap_port = free_port()
     with redis_server() as url, api_servers(
         logs,
         (model, *common, "--kv-storage", url, "--disaggregation-mode", "prefill",
          "--disaggregation-bootstrap-port", str(bootstrap_port)),
-        (model, *common, "--kv-storage", url, "--disaggregation-mode", "decode"),
+        (model, *common, "--kv-storage", url, "--disaggregation-mode", "decode", "--num-gpu-blocks-override",
+         str(D_BLOCKS)),
         (model, *common),
     ) as (p, d, colocated):
         port = free_port()
@@ -123,6 +128,23 @@ def test_generate_through_the_router_equals_colocated_tokens_and_r3_bit_for_bit(
         assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
         # D loaded every full prompt block P stored: only the partial tail and the first token ran on D
         assert out["meta_info"]["cached_tokens"] == len(prompt) // BLOCK * BLOCK
+
+
+def test_requests_in_flight_together_preempt_each_other_on_d_and_still_equal_colocated(pd: Deployment) -> None:
+    # no shared prefix: 4 x 8 blocks once decoded (14 + 16 tokens), D holds 12
+    prompts = [[100 + 20 * i + j for j in range(14)] for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda p: _generate(pd.router, p, 16), prompts))
+    for prompt, r in zip(prompts, answers, strict=True):
+        assert r.status_code == 200, r.text
+        out, ref = r.json(), _generate(pd.colocated.url, prompt, 16).json()
+        assert out["output_ids"] == ref["output_ids"]
+        num_rows = len(prompt) + 16 - 1
+        assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
+    metrics = httpx.get(f"{pd.decode.url}/metrics", timeout=30).text
+    preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("fastdeploy_r3_engine_preemptions"))
+    assert preempted > 0, "D never preempted: the test no longer covers preemption"
 
 
 def test_streamed_generate_through_the_router_ends_with_the_colocated_tokens_and_r3(pd: Deployment) -> None:
