@@ -25,7 +25,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +35,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # the launchers the tests use
 
-from api_server_process import api_servers, free_port, server_env, stop_process  # noqa: E402
-from redis_server import redis_server  # noqa: E402
+from pd_deployment import pd_deployment  # noqa: E402
 
 R3_ON = json.dumps({"enable_routing_replay": True})
 
@@ -123,47 +121,21 @@ def main() -> None:
                for i in range(args.prompts)]
     common = ("--device", args.device, "--routing-replay-config", R3_ON, "--block-size", str(args.block_size),
               *args.server_arg)
-    bootstrap_port = free_port()
-    with redis_server() as store, api_servers(
-        logs, (args.model, *common, "--kv-storage", store, "--disaggregation-mode", "prefill",
-               "--disaggregation-bootstrap-port", str(bootstrap_port)),
-        (args.model, *common, "--kv-storage", store, "--disaggregation-mode", "decode"), (args.model, *common),
-        timeout=900,
-    ) as (p, d, colocated):
+    with pd_deployment(args.model, logs, common, timeout=900) as dep:
         import redis
 
-        keys_before = set(redis.Redis.from_url(store).keys("*"))
+        store = redis.Redis.from_url(dep.store_url)
+        keys_before = set(store.keys("*"))
         fresh = [[rng.randrange(vocab) for _ in range(hi)] for _ in range(4)]
-        hand = asyncio.run(handoffs(p.url, d.url, bootstrap_port, fresh))
-        r = redis.Redis.from_url(store)
-        blobs = [r.strlen(k) for k in set(r.keys("*")) - keys_before if r.type(k) == b"string"]
+        hand = asyncio.run(handoffs(dep.prefill.url, dep.decode.url, dep.bootstrap_port, fresh))
+        blobs = [store.strlen(k) for k in set(store.keys("*")) - keys_before if store.type(k) == b"string"]
         heads, kv_heads = int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads", hf["num_attention_heads"]))
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
         itemsize = 2 if hf.get("torch_dtype") in ("bfloat16", "float16") else 4
         kv_per_token = int(hf["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize
         per_token = sum(blobs) / (len(blobs) * args.block_size) if blobs else float("nan")
-        port = free_port()
-        router = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--pd-disaggregation", "--prefill", p.url, str(bootstrap_port), "--decode", d.url, "--log-level",
-             "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server_env(), cwd=REPO_ROOT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.post(f"{url}/generate", timeout=60, json={
-                            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("the router did not route a request within 120 s")
-                time.sleep(0.5)
-            pd_ttft, pd_tpot = asyncio.run(load(url, prompts, args.max_tokens, args.concurrency))
-            co_ttft, co_tpot = asyncio.run(load(colocated.url, prompts, args.max_tokens, args.concurrency))
-        finally:
-            stop_process(router, 10)
+        pd_ttft, pd_tpot = asyncio.run(load(dep.router, prompts, args.max_tokens, args.concurrency))
+        co_ttft, co_tpot = asyncio.run(load(dep.colocated.url, prompts, args.max_tokens, args.concurrency))
     print("backend store (redis)")
     print(f"handoff   P prefill until published: p50 {statistics.median(h[0] for h in hand) * 1e3:.1f} ms; "
           f"D first token after it: p50 {statistics.median(h[1] for h in hand) * 1e3:.1f} ms "

@@ -14,18 +14,15 @@ from __future__ import annotations
 import base64
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import httpx
 import numpy as np
 import pytest
-from api_server_process import REPO_ROOT, ServerHandle, api_servers, free_port, server_env, stop_process
-from redis_server import redis_server
+from api_server_process import free_port
+from pd_deployment import Deployment, pd_deployment
 
 from fastdeploy_r3.client import decode_routed_experts
 
@@ -39,58 +36,15 @@ PREFIX = [30 + i for i in range(12)]
 PROMPTS = [PREFIX + [60 + i for i in range(k)] for k in (0, 1, 3, 4, 6)]
 
 
-@dataclass
-class Deployment:
-    router: str
-    prefill: ServerHandle
-    decode: ServerHandle
-    colocated: ServerHandle
-    bootstrap_port: int
-    store_url: str  # the redis-server P and D share
-
-
 @pytest.fixture(scope="module")
 def pd(fake_model_dir, tmp_path_factory) -> Iterator[Deployment]:
-    logs = str(tmp_path_factory.mktemp("pd_logs"))
-    model = fake_model_dir("glm4_moe")
     # chunked prefill everywhere (8 tokens a step), and a D with room for 12 blocks: requests in flight
     # together preempt one another there
     common = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "48",
               "--block-size", str(BLOCK), "--max-num-batched-tokens", "8")
-    bootstrap_port = free_port()
-    with redis_server() as url, api_servers(
-        logs,
-        (model, *common, "--kv-storage", url, "--disaggregation-mode", "prefill",
-         "--disaggregation-bootstrap-port", str(bootstrap_port)),
-        (model, *common, "--kv-storage", url, "--disaggregation-mode", "decode", "--num-gpu-blocks-override",
-         str(D_BLOCKS)),
-        (model, *common),
-    ) as (p, d, colocated):
-        port = free_port()
-        log = open(os.path.join(logs, "router.log"), "w")  # noqa: SIM115 - closed below, after the process
-        router = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--pd-disaggregation", "--prefill", p.url, str(bootstrap_port), "--decode", d.url,
-             "--policy", "round_robin", "--log-level", "warn"],
-            stdout=log, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT)
-        url_router = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:  # /health answers before the workers are registered: wait for a routed request
-                assert router.poll() is None, open(log.name).read()[-3000:]
-                try:
-                    r = httpx.post(f"{url_router}/generate", timeout=30, json={
-                        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-                    if r.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, open(log.name).read()[-3000:]
-                time.sleep(0.3)
-            yield Deployment(url_router, p, d, colocated, bootstrap_port, url)
-        finally:
-            stop_process(router, 10)
-            log.close()
+    with pd_deployment(fake_model_dir("glm4_moe"), str(tmp_path_factory.mktemp("pd_logs")), common,
+                       ("--num-gpu-blocks-override", str(D_BLOCKS))) as deployment:
+        yield deployment
 
 
 def _generate(url: str, prompt: list[int], max_new_tokens: int = 6, **extra) -> httpx.Response:
