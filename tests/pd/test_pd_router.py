@@ -149,6 +149,18 @@ def test_completions_through_the_router_equal_colocated(pd: Deployment, stream: 
         assert np.array_equal(decode_routed_experts(routed), decode_routed_experts(ref_routed))
 
 
+def test_chat_through_the_router_equals_colocated(pd: Deployment) -> None:
+    model = httpx.get(f"{pd.colocated.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "name a colour"}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True}
+    out = httpx.post(f"{pd.router}/v1/chat/completions", json=body, timeout=120)
+    ref = httpx.post(f"{pd.colocated.url}/v1/chat/completions", json=body, timeout=120)
+    assert out.status_code == 200, out.text
+    got, want = out.json()["choices"][0], ref.json()["choices"][0]
+    assert got["message"]["content"] == want["message"]["content"]
+    assert np.array_equal(decode_routed_experts(got["routed_experts"]), decode_routed_experts(want["routed_experts"]))
+
+
 def test_the_recorded_router_bodies_run_on_p_and_d_directly(pd: Deployment) -> None:
     """The exact bodies sglang-router sent a recording stub (tests/fixtures/pd/), posted to P and D as
     it posts them (at once): D answers with P's first token continued, the same as colocated."""

@@ -164,6 +164,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # SGLang's, sent by sglang-router with every chat request: reasoning is separated only by a server
+    # started with a reasoning parser (this one has none, so they change nothing, as on such an SGLang
+    # server); continuing the last assistant message is not served, only false passes
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    continue_final_message: Literal[False] = False
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
