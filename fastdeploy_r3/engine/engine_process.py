@@ -30,6 +30,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.messages import (
     AbortRequest,
     AddRequest,
+    AwaitWriteThrough,
     ContinueGeneration,
     ControlReply,
     ControlRequest,
@@ -213,6 +214,9 @@ class _EngineLoop:
                 message = f"cache flushed: {ctl.flush_cache()} cached blocks forgotten"
             elif isinstance(cmd, EngineStateQuery):
                 message = "ok"
+            elif isinstance(cmd, AwaitWriteThrough):
+                self.svc.kv.poll_transfers(block=True)
+                message = "write-through done"
             elif isinstance(cmd, WeightUpdate):
                 version = ctl.update_weights(cmd.source, cmd.weight_version, cmd.abort_all_requests, cmd.force)
                 message = (f"weights updated; weight_version is {version}" if ctl.last_update_reloaded else

@@ -25,11 +25,11 @@ from fastdeploy_r3.sampling_params import SamplingParams
 from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUpdateGroup, UpdateWeights
 
 __all__ = [
-    "AbortRequest", "AddRequest", "ContinueGeneration", "ControlCommand", "ControlReply", "ControlRequest",
-    "EngineCrashed", "EngineInfo", "ErrorKind", "EngineReady", "EngineStartupFailed", "EngineState", "EngineStateQuery",
-    "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch", "PauseGeneration",
-    "ReleaseMemoryOccupation", "RequestRejected", "ResumeMemoryOccupation", "Shutdown", "UpdateWeightVersion",
-    "MemoryReport", "WeightUpdate", "WeightUpdateSession", "WeightsCheck", "WeightsReport",
+    "AbortRequest", "AddRequest", "AwaitWriteThrough", "ContinueGeneration", "ControlCommand", "ControlReply",
+    "ControlRequest", "EngineCrashed", "EngineInfo", "ErrorKind", "EngineReady", "EngineStartupFailed", "EngineState",
+    "EngineStateQuery", "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch",
+    "PauseGeneration", "ReleaseMemoryOccupation", "RequestRejected", "ResumeMemoryOccupation", "Shutdown",
+    "UpdateWeightVersion", "MemoryReport", "WeightUpdate", "WeightUpdateSession", "WeightsCheck", "WeightsReport",
 ]
 
 
@@ -73,6 +73,12 @@ class ContinueGeneration:
 @dataclass
 class FlushCache:
     pass
+
+
+@dataclass
+class AwaitWriteThrough:
+    """Answer once every block write-through submitted so far is stored (or failed): a prefill server
+    hands a request over only when its blocks are in the shared store (entrypoints/pd/roles.py)."""
 
 
 @dataclass
@@ -122,7 +128,7 @@ class WeightUpdateSession:
 
 
 ControlCommand = (
-    PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate
+    PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate | AwaitWriteThrough
     | InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeightVersion | ReleaseMemoryOccupation
     | ResumeMemoryOccupation | WeightsCheck | WeightUpdateSession
 )

@@ -298,11 +298,13 @@ class AsyncEngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        rewrite: Callable[[RequestDelta], RequestDelta] | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Yield the RequestDelta of each step that advanced the request (what is new: assemble
         with outputs.OutputAssembler), ending with the finished one. Raises InvalidRequestError
         (bad input), EngineRequestError or EngineDeadError. Leaving the iteration early aborts the
-        request in the engine."""
+        request in the engine. `rewrite` sees each delta before it is detokenized (a decode server puts
+        the first token a prefill server sampled in front: entrypoints/pd/roles.py)."""
         self._check_alive()
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -319,6 +321,7 @@ class AsyncEngineClient:
                     finished = True  # rejected or dead: nothing to abort
                     raise item
                 finished = item.finished
+                item = item if rewrite is None else rewrite(item)
                 yield item if detok is None else detok.fill(item)
                 if finished:
                     return

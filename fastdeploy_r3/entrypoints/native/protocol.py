@@ -144,6 +144,10 @@ class GenerateRequest(_Strict):
     model: str | None = None
     log_metrics: bool = True  # false: the request is left out of /metrics' request counters
     no_logs: bool = False
+    # prefill/decode disaggregation (sglang-router --pd-disaggregation adds them; entrypoints/pd/)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     # only false (their defaults) is served; true is refused by name (serving_generate.py says why)
     return_hidden_states: bool = False
     return_indexer_topk: bool = False

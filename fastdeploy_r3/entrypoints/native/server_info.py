@@ -79,7 +79,11 @@ def server_args(ctx: ServingContext, address: ServerAddress) -> dict[str, Any]:
         "page_size": cc.block_size, "disable_radix_cache": not cc.enable_prefix_caching,
         "max_running_requests": sc.max_num_seqs, "chunked_prefill_size":
         sc.max_num_batched_tokens if sc.enable_chunked_prefill else -1,
-        "random_seed": mc.seed, "skip_server_warmup": True, "disaggregation_mode": "null", "encoder_only": False,
+        "random_seed": mc.seed, "skip_server_warmup": True, "encoder_only": False,
+        # prefill/decode disaggregation (entrypoints/pd/): the router reads the mode, D the bootstrap port
+        "disaggregation_mode": ctx.pd.mode if ctx.pd is not None else "null",
+        "disaggregation_bootstrap_port": ctx.pd.bootstrap_port if ctx.pd is not None else None,
+        "disaggregation_transfer_backend": "store" if ctx.pd is not None else None,
         "enable_memory_saver": ctx.enable_memory_saver,
         # SGLang returns R3 only from a server started with this flag; here R3 on is enough, and
         # --enable-return-routed-experts makes it the default of every /generate

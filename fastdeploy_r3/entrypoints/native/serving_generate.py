@@ -42,6 +42,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastdeploy_r3.entrypoints.native.protocol import GenerateRequest, parse_sampling_params, sglang_sampling_params
 from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, bad_request, engine_error
 from fastdeploy_r3.entrypoints.payload_json import SplicedJson
+from fastdeploy_r3.entrypoints.pd.handoff import pd_bootstrap
 from fastdeploy_r3.logprobs import MAX_LOGPROBS, TokenLogprob
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.codec import encode_sglang_routed_experts
@@ -271,16 +272,19 @@ class NativeServing(OpenAIServing):
         items, single = await self.items(body)
         started = time.monotonic()
         deadline = self.deadline(None)  # the server's --request-timeout-s
+        boot = pd_bootstrap(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, single)
         if body.stream:
             if not single or items[0].params.n != 1:
                 raise bad_request("stream takes one prompt with n = 1; send a batch without stream", "stream")
             item = items[0]
-            first, gen = await self.start_generation(item.rid, item.prompt_token_ids, item.params, item.text, deadline)
+            first, gen = await self.start_generation(item.rid, item.prompt_token_ids, item.params, item.text, deadline,
+                                                     boot=boot)
             return StreamingResponse(self._stream(body, item, first, gen, started), media_type="text/event-stream")
         starts: list[tuple[RequestDelta, AsyncIterator[RequestDelta]]] = []
         try:
             for it in items:
-                starts.append(await self.start_generation(it.rid, it.prompt_token_ids, it.params, it.text, deadline))
+                starts.append(await self.start_generation(it.rid, it.prompt_token_ids, it.params, it.text, deadline,
+                                                          boot=boot))
         except OpenAIError:
             for _, gen in starts:
                 await gen.aclose()  # aborts the prompts of the batch that did start

@@ -60,6 +60,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     ServingContext,
     engine_unavailable,
 )
+from fastdeploy_r3.entrypoints.pd.roles import PdDecode, PdPrefill, add_pd_args, check_pd_flags, start_pd_role
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.r3.rollout_id import MAX_CHOICES, validate_namespace
 from fastdeploy_r3.r3.stores import RedisRoutingStore, RoutingStore, RoutingStoreError, make_routing_store
@@ -74,10 +75,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key", default=os.environ.get("FDR3_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $FDR3_API_KEY, else no key)",
-    )
+    parser.add_argument("--api-key", default=os.environ.get("FDR3_API_KEY"), help="require 'Authorization: Bearer "
+                        "KEY' on /v1/* and /metrics (default: $FDR3_API_KEY, else no key)")
     parser.add_argument("--metrics-without-api-key", action="store_true",
                         help="serve /metrics without the API key (for a scraper that cannot send one)")
     parser.add_argument("--health-without-api-key", action="store_true",
@@ -112,18 +111,13 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                         help="open client connections past this are closed at once (default: three quarters of the "
                         "fd limit, less 64)")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
-    parser.add_argument(
-        "--r3-namespace", default="fdr3",
-        help="this deployment's part of the R3 p2pstore, [A-Za-z0-9._-]: keys are "
-        "{namespace}/{rollout_id}[/layer_{layer}]",
-    )
+    parser.add_argument("--r3-namespace", default="fdr3", help="this deployment's part of the R3 p2pstore, "
+                        "[A-Za-z0-9._-]: keys are {namespace}/{rollout_id}[/layer_{layer}]")
     parser.add_argument("--engine-start-timeout", type=float, default=900.0)
-    parser.add_argument(
-        "--engine-stall-timeout-s", type=float, default=None,
-        help="an engine silent this long (stopped, stuck) is killed and the server exits "
-             "(default: --worker-step-timeout-s + 30)",
-    )
+    parser.add_argument("--engine-stall-timeout-s", type=float, default=None, help="an engine silent this long "
+                        "(stopped, stuck) is killed and the server exits (default: --worker-step-timeout-s + 30)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_pd_args(parser)
     return parser
 
 
@@ -313,6 +307,7 @@ def check_serving_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.enable_return_routed_experts and not config.routing_replay_config.enable_routing_replay:
         raise ConfigError("--enable-return-routed-experts needs routing replay: add --routing-replay-config "
                           "'{\"enable_routing_replay\": true}'")
+    check_pd_flags(args, config)
 
 
 async def run_server(args: argparse.Namespace) -> None:
@@ -331,6 +326,7 @@ async def run_server(args: argparse.Namespace) -> None:
     # until uvicorn installs its handlers, SIGTERM must unwind through the finally below
     signal.signal(signal.SIGTERM, _raise_system_exit)
     engine: AsyncEngineClient | None = None
+    pd: PdPrefill | PdDecode | None = None
     lost: list[str] = []
     try:
         # the engine starts while transformers loads the tokenizer (seconds: transformers imports torch)
@@ -343,7 +339,8 @@ async def run_server(args: argparse.Namespace) -> None:
             await asyncio.gather(starting, return_exceptions=True)
             raise
         (engine := await starting).tokenizer = tokenizer
-        ctx = ServingContext(engine=engine, served_model_name=served_model_name, store=store,
+        pd = await start_pd_role(args, engine)
+        ctx = ServingContext(pd=pd, engine=engine, served_model_name=served_model_name, store=store,
                              request_timeout_s=args.request_timeout_s,
                              longest_token_chars=longest_token_chars(tokenizer),
                              bounds=RequestBounds(args.max_n, args.max_batch_size),
@@ -372,6 +369,8 @@ async def run_server(args: argparse.Namespace) -> None:
             raise EngineLostError(f"the engine is gone ({lost[0]}); exiting with code 1 so that a supervisor "
                                   "restarts the server")
     finally:
+        if pd is not None:
+            await pd.close()
         if engine is not None:
             await engine.shutdown()
         if store is not None:

@@ -83,6 +83,13 @@ class _SamplingFields(StrictModel):
     # seconds from arrival until the request is aborted (504); None: the server's --request-timeout-s
     timeout: float | None = Field(default=None, gt=0)
     routing_layout: Literal["moe", "all_layers"] | None = None
+    # prefill/decode disaggregation: sglang-router --pd-disaggregation adds these (entrypoints/pd/), and
+    # SGLang's no_stop_trim (= include_stop_str_in_output) and return_hidden_states (only false is served)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    no_stop_trim: bool = False
+    return_hidden_states: Literal[False] = False
 
     def to_sampling_params(
         self, default_max_tokens: int, generation_defaults: dict[str, Any] | None = None
@@ -111,7 +118,7 @@ class _SamplingFields(StrictModel):
             repetition_penalty=self.repetition_penalty,
             logprobs=self._logprobs(),
             prompt_logprobs=self._prompt_logprobs(),
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens,
             return_routed_experts=self.return_routed_experts,
             routed_experts_start=self.routed_experts_start,
@@ -157,6 +164,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # SGLang's, sent by sglang-router with every chat request: reasoning is separated only by a server
+    # started with a reasoning parser (this one has none, so they change nothing, as on such an SGLang
+    # server); continuing the last assistant message is not served, only false passes
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    continue_final_message: Literal[False] = False
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

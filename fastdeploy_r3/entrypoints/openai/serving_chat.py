@@ -26,6 +26,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     stream_events,
 )
 from fastdeploy_r3.entrypoints.payload_json import json_answer
+from fastdeploy_r3.entrypoints.pd.handoff import pd_bootstrap
 from fastdeploy_r3.outputs import RequestDelta, RequestOutput
 
 
@@ -72,9 +73,10 @@ class OpenAIServingChat(OpenAIServing):
         # at least 1, so that a prompt with no room gets the engine's "prompt too long" error
         default_max_tokens = max(1, self.ctx.engine.info.max_model_len - len(prompt_token_ids))
         params = self.sampling_params(request, default_max_tokens)
+        boot = pd_bootstrap(request.bootstrap_host, request.bootstrap_port, request.bootstrap_room)
         release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout,
                                            request.timeout)
-        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release)
+        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release, boot)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
         fmt = LogprobFormatter(self.ctx.engine.tokenizer) if params.logprobs is not None else None

@@ -20,6 +20,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     stream_events,
 )
 from fastdeploy_r3.entrypoints.payload_json import json_answer
+from fastdeploy_r3.entrypoints.pd.handoff import pd_bootstrap
 from fastdeploy_r3.outputs import CompletionOutput, RequestDelta, RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -61,9 +62,10 @@ class OpenAIServingCompletion(OpenAIServing):
         rollout_id = self.check_r3_request(request.return_routed_experts, request.rollout_id, request.user, request_id)
         prompt_token_ids, prompt = await self.prompt_token_ids(request)
         params = self.sampling_params(request, DEFAULT_COMPLETION_MAX_TOKENS)
+        boot = pd_bootstrap(request.bootstrap_host, request.bootstrap_port, request.bootstrap_room)
         release = await self.claim_rollout(request_id, rollout_id, params, request.overwrite_rollout,
                                            request.timeout)
-        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release)
+        first, gen = await self.start_generation(request_id, prompt_token_ids, params, prompt, deadline, release, boot)
         model = self.ctx.served_model_name
         moe_layer_ids = self.response_moe_layer_ids(params)
         fmt = LogprobFormatter(self.ctx.engine.tokenizer) if params.logprobs is not None else None

@@ -50,15 +50,11 @@ from fastdeploy_r3.entrypoints.openai.request_limits import (
 )
 from fastdeploy_r3.entrypoints.openai.rollout_claims import RolloutClaims
 from fastdeploy_r3.entrypoints.payload_json import dumps_choices
+from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap, HandoffError
+from fastdeploy_r3.entrypoints.pd.roles import PdDecode, PdPrefill, run_request
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
-from fastdeploy_r3.r3.delivery import (
-    R3Delivery,
-    R3DeliveryError,
-    R3Result,
-    R3RolloutConflictError,
-    R3StoreFailedError,
-)
+from fastdeploy_r3.r3.delivery import R3Delivery, R3DeliveryError, R3Result, R3RolloutConflictError, R3StoreFailedError
 from fastdeploy_r3.r3.reservation import RolloutConflictError
 from fastdeploy_r3.r3.rollout_id import InvalidRolloutIdError, resolve_rollout_id, validate_rollout_id
 from fastdeploy_r3.r3.stores import RoutingStore, RoutingStoreError
@@ -95,6 +91,7 @@ class ServingContext:
     bounds: RequestBounds = field(default_factory=RequestBounds)
     enable_return_routed_experts: bool = False  # /generate answers carry R3 unless a request says false
     enable_memory_saver: bool = False  # SGLang's flag, as /server_info reports it (release/resume work anyway)
+    pd: PdPrefill | PdDecode | None = None  # --disaggregation-mode prefill / decode (entrypoints/pd/roles.py)
     delivery: R3Delivery = field(init=False)
     prompt_bound: PromptCharBound = field(init=False)
     rollout_claims: RolloutClaims = field(init=False)
@@ -202,12 +199,13 @@ class OpenAIServing:
         prompt: str | None,
         deadline: float,
         release: Callable[[], None] = lambda: None,
+        boot: Bootstrap | None = None,
     ) -> tuple[RequestDelta, AsyncIterator[RequestDelta]]:
         """Submit and wait for the first delta, so that a rejected request still gets its 4xx
         status (a stream cannot change its status once started). The returned generator ends the
-        request at `deadline` (504) and calls `release` (the rollout id's claim) when it closes."""
-        gen = self._bounded(request_id, self.ctx.engine.generate(request_id, prompt_token_ids, params, prompt),
-                            deadline, release)
+        request at `deadline` (504) and calls `release` (the rollout id's claim) when it closes (PD: `boot`)."""
+        gen = self._bounded(request_id, run_request(self.ctx.pd, self.ctx.engine, request_id, prompt_token_ids,
+                                                    params, prompt, boot, deadline), deadline, release)
         try:
             first = await gen.__anext__()
         except InvalidRequestError as e:
@@ -217,6 +215,8 @@ class OpenAIServing:
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         except EngineUnavailableError as e:  # memory released, weights missing: says what to call
             raise engine_unavailable(str(e)) from e
+        except HandoffError as e:  # the prefill server did not hand the request over
+            raise OpenAIError(502, str(e), "bad_gateway_error") from e
         except EngineRequestError as e:
             raise internal_error("the engine could not accept the request", request_id, e) from e
         except EngineDeadError as e:

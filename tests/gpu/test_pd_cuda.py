@@ -1,0 +1,67 @@
+"""Prefill/decode disaggregation on one GPU (docs/pd.md): P, D and a colocated server share the
+device, sglang-router in PD mode in front of P and D, a redis-server as the shared KV store. Greedy
+tokens and R3 through PD equal the colocated server's bit for bit, streamed and not; D loads every full
+prompt block P stored (the lead runs this on an H200; CI skips it, tests/gpu/conftest.py):
+
+    python -m pytest -m gpu tests/gpu/test_pd_cuda.py -v
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+from pd_deployment import Deployment, pd_deployment
+
+pytestmark = pytest.mark.gpu
+
+BLOCK = 16
+NUM_LAYERS, TOP_K = 4, 4  # the fake glm4_moe
+PREFIX = list(range(100, 148))  # three full blocks shared by every prompt
+PROMPTS = [PREFIX + list(range(300 + 10 * i, 300 + 10 * i + k)) for i, k in enumerate((0, 1, 9, 16, 23))]
+
+
+@pytest.fixture(scope="module")
+def pd(fake_model_dir, tmp_path_factory) -> Iterator[Deployment]:
+    common = ("--device", "cuda", "--routing-replay-config", '{"enable_routing_replay": true}',
+              "--enable-return-routed-experts", "--max-model-len", "512", "--block-size", str(BLOCK),
+              "--num-gpu-blocks-override", "256", "--gpu-memory-utilization", "0.25")  # three servers, one GPU
+    with pd_deployment(fake_model_dir("glm4_moe"), str(tmp_path_factory.mktemp("pd_cuda_logs")), common,
+                       timeout=600) as deployment:
+        yield deployment
+
+
+def _generate(url: str, prompt: list[int], stream: bool = False) -> dict:
+    body = {"input_ids": prompt, "stream": stream,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    if not stream:
+        r = httpx.post(f"{url}/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+    last = None
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[len("data: "):])
+    assert last is not None
+    return last
+
+
+def _rows(out: dict, prompt: list[int]) -> np.ndarray:
+    rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+    return rows.reshape(len(prompt) + len(out["output_ids"]) - 1, NUM_LAYERS, TOP_K)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_pd_on_one_gpu_equals_colocated_tokens_and_r3(pd: Deployment, stream: bool) -> None:
+    for prompt in PROMPTS:
+        out, ref = _generate(pd.router, prompt, stream), _generate(pd.colocated.url, prompt, stream)
+        assert out["output_ids"] == ref["output_ids"] and len(out["output_ids"]) == 12
+        assert np.array_equal(_rows(out, prompt), _rows(ref, prompt))
+        if not stream:
+            assert out["meta_info"]["cached_tokens"] == len(prompt) // BLOCK * BLOCK
