@@ -34,13 +34,13 @@ def test_fp8_tiles_dequantised_in_the_kernel_equal_the_kernel_on_dequantised_wei
             return codes, rows
 
         torch.manual_seed(0)
-        for T, E, K, H, I in ((3, 8, 2, 200, 136), (17, 16, 4, 64, 40)):
+        for T, E, K, H, I in ((5, 4, 2, 200, 136),):  # partial scale blocks on both dimensions
             x = torch.randn(T, H)
             w13, w2 = quantize_stack(torch.randn(E, 2 * I, H) * 0.1), quantize_stack(torch.randn(E, H, I) * 0.1)
             ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
             w = torch.rand(T, K)
             plain13, plain2 = dequantize(*w13, torch.float32), dequantize(*w2, torch.float32)
-            for cfg in (TritonMoeConfig(16, 32, 64, 4, 1), TritonMoeConfig(16, 16, 128, 4, 1)):
+            for cfg in (TritonMoeConfig(16, 32, 64, 4, 1),):  # K tiles 0, 64 | 128, 192: scale columns 0, 0 | 1, 1
                 want = triton_experts(x, plain13, plain2, w, ids, cfg)
                 got = triton_experts(x, w13[0], w2[0], w, ids, cfg, w13_scale=w13[1], w2_scale=w2[1])
                 assert torch.equal(got, want), (T, cfg, (got - want).abs().max().item())
