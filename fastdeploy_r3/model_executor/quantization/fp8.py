@@ -19,9 +19,9 @@ stacked tensor's (a tiny model's 48 q rows, then k), at 4 bytes per 128 weights 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.model_executor.batch_invariant import linear
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMethod
 
@@ -90,7 +90,8 @@ class Fp8LinearMethod(LinearMethod):
         layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O], the model dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, dequantize(layer.weight, layer.weight_scale_inv, x.dtype), bias)  # [T, O]
+        w = dequantize(layer.weight, layer.weight_scale_inv, x.dtype)  # [O, I]
+        return linear(x, w, bias, batch_invariant=layer.batch_invariant)  # [T, O]
 
 
 class Fp8MoEMethod(MoEMethod):

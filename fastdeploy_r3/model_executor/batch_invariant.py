@@ -1,0 +1,162 @@
+"""Deterministic (batch-invariant) inference: a token's bits must not depend on which other tokens share
+its step, nor on how its own prompt was chunked or found in the prefix cache.
+
+Where the default kernels break that, and what this mode runs instead:
+
+    op                      default                                      batch-invariant
+    dense GEMMs, router,    one GEMM over all T rows: the BLAS picks     fixed row tiles: every call is
+    lm_head, expert GEMMs   its kernel (and reduction order) by T        [ROW_TILE, I] x [I, O]
+    attention (CPU)         one einsum per request over all its queries  per query, KV in tiles at fixed
+                            and its whole context                        absolute positions, online softmax
+    norms, softmax, top-k,  row-local already (one row's reduction       unchanged
+    sampler, logprobs       never reads another row)
+
+Measured on this CPU (torch 2.13, MKL/oneDNN, 2 threads): float32 F.linear of the same first row gives
+other bits for T = 1, 2 and 16 (a third of the outputs differ for I=64..1024); bf16 (float32 accumulation
+rounded to bf16) hides most of it but not all (one output of 1024 flips from T=33 on). Within one call
+of a fixed shape a row's result does not depend on its position or on the other rows, which is what
+the row tiles rely on; tests/model_executor/test_batch_invariant.py checks both facts.
+
+A token's computation then reads only its own row and the KV of its own earlier positions, in an order
+fixed by its position: chunked prefill, a prefix-cache hit and a recompute give the same bits, so the
+scheduler's chunk boundaries need not be fixed.
+
+make_batch_invariant(model) switches a built model to these paths (the model loader calls it under
+ModelConfig.enable_deterministic_inference). Its cost: padding every GEMM to whole ROW_TILE rows, one
+GEMM launch per tile, and the per-request attention loop (docs/deterministic.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdeploy_r3.model_executor.forward_context import AttentionMetadata
+from fastdeploy_r3.model_executor.layers.attention import Attention, AttentionBackend
+from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache_ref
+
+ROW_TILE = 16  # rows of every batch-invariant GEMM call
+KV_TILE = 16  # KV positions per attention step; tile j always covers positions [16 j, 16 j + 16)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose every row is computed by a GEMM of one fixed shape, [ROW_TILE, I] x [I, O]: the last
+    tile is padded with zero rows, so the kernel (and its reduction order) never depends on how many rows
+    share the call. x [..., I] -> [..., O]."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])  # [T, I]
+    num_rows = rows.shape[0]
+    pad = -num_rows % ROW_TILE
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))  # [T', I], T' a multiple of ROW_TILE
+    tiles = [F.linear(tile, weight, bias) for tile in rows.split(ROW_TILE)]  # each [ROW_TILE, O]
+    out = torch.cat(tiles)[:num_rows] if tiles else rows.new_empty(0, weight.shape[0])  # [T, O]
+    return out.reshape(*lead, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           batch_invariant: bool) -> torch.Tensor:  # fmt: skip
+    """F.linear, or invariant_linear where the layer runs batch-invariant."""
+    return invariant_linear(x, weight, bias) if batch_invariant else F.linear(x, weight, bias)
+
+
+class RowTiledLinear(nn.Linear):
+    """nn.Linear through invariant_linear (the router gate, lm_head). make_batch_invariant turns an
+    nn.Linear into one in place, so its parameters, buffers and names stay what the loader and the weight
+    updates address."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias)
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Q, H, D] are the LAST Q positions of a context k, v [S, KVH, D] -> [Q, H, D] (q's dtype).
+
+    Each query's result depends on its position and the context up to it only: queries go in fixed
+    tiles of ROW_TILE, the context in KV tiles at fixed absolute positions, every product has one shape,
+    and a tile past a query's position is masked whole (it then adds exactly 0 and rescales by exactly 1).
+    Accumulates in float32.
+
+        context  |0 ........ 15|16 ....... 31|32 .. S-1  pad|
+        query at position p reads tiles 0 .. p // KV_TILE, positions > p masked
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    kf = F.pad(k.float().repeat_interleave(group, dim=1), (0, 0, 0, 0, 0, -num_ctx % KV_TILE))  # [S', H, D]
+    vf = F.pad(v.float().repeat_interleave(group, dim=1), (0, 0, 0, 0, 0, -num_ctx % KV_TILE))  # [S', H, D]
+    kf, vf = kf.transpose(0, 1), vf.transpose(0, 1)  # [H, S', D]
+    qf = F.pad(q.float(), (0, 0, 0, 0, 0, -num_q % ROW_TILE)).transpose(0, 1)  # [H, Q', D]
+    out = torch.empty(num_heads, qf.shape[1], head_dim, dtype=torch.float32, device=q.device)  # [H, Q', D]
+    offsets = torch.arange(KV_TILE, device=q.device)  # [KV_TILE]
+    for q0 in range(0, num_q, ROW_TILE):
+        q_tile = qf[:, q0 : q0 + ROW_TILE]  # [H, RT, D]
+        q_pos = num_ctx - num_q + q0 + torch.arange(ROW_TILE, device=q.device)  # [RT]
+        m = torch.full((num_heads, ROW_TILE), float("-inf"), device=q.device)  # [H, RT] running max
+        denom = torch.zeros(num_heads, ROW_TILE, device=q.device)  # [H, RT] running sum of exp
+        acc = torch.zeros(num_heads, ROW_TILE, head_dim, device=q.device)  # [H, RT, D]
+        last = min(num_q, q0 + ROW_TILE) - 1 + num_ctx - num_q  # the tile's last real query position
+        for s0 in range(0, last + 1, KV_TILE):
+            scores = torch.bmm(q_tile, kf[:, s0 : s0 + KV_TILE].transpose(1, 2)) * scale  # [H, RT, KV_TILE]
+            masked = (s0 + offsets)[None, :] > q_pos[:, None]  # [RT, KV_TILE] future (or padded) keys
+            scores = scores.masked_fill(masked[None], float("-inf"))
+            m_new = torch.maximum(m, scores.amax(dim=-1))  # [H, RT]
+            # a padded query row sees position >= 0 only, so m_new is finite from tile 0 on
+            alpha = torch.exp(m - m_new)  # [H, RT]
+            p = torch.exp(scores - m_new[..., None])  # [H, RT, KV_TILE]
+            denom = denom * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.bmm(p, vf[:, s0 : s0 + KV_TILE])  # [H, RT, D]
+            m = m_new
+        out[:, q0 : q0 + ROW_TILE] = acc / denom[..., None]
+    return out[:, :num_q].transpose(0, 1).to(q.dtype)  # [Q, H, D]
+
+
+class BatchInvariantAttentionBackend(AttentionBackend):
+    """The torch paged backend's loop over requests (layers/attention.py) with invariant_attention: a
+    request's output is independent of the batch, of its chunking and of prefix-cache hits."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [NB, BS, KVH, D] each
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        k_cache, v_cache = kv_cache
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        write_kv_cache_ref(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        out = torch.empty_like(q)  # [T, H, D]
+        for b, query_len in enumerate(attn_metadata.query_lens):
+            if query_len == 0:
+                continue
+            start = attn_metadata.query_start_loc[b]
+            seq_len = attn_metadata.seq_lens[b]
+            if seq_len == 0:  # a padded row
+                out[start : start + query_len] = 0
+                continue
+            num_used = -(-seq_len // block_size)
+            block_ids = attn_metadata.block_tables[b, :num_used].to(k_cache.device)  # [nb]
+            k_ctx = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
+            v_ctx = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
+            out[start : start + query_len] = invariant_attention(q[start : start + query_len], k_ctx, v_ctx, scale)
+        return out
+
+
+def make_batch_invariant(model: nn.Module) -> nn.Module:
+    """Switch every GEMM and attention layer of a built model to its batch-invariant path; returns model.
+
+    Layers opt in through a `batch_invariant` attribute (ShardedLinear, StackedExperts, SparseMoeBlock);
+    plain nn.Linear modules (router gate, lm_head) become RowTiledLinear; attention layers get
+    BatchInvariantAttentionBackend."""
+    backend = BatchInvariantAttentionBackend()
+    for module in model.modules():
+        if hasattr(module, "batch_invariant"):
+            module.batch_invariant = True
+        if type(module) is nn.Linear:
+            module.__class__ = RowTiledLinear
+        if isinstance(module, Attention):
+            module.backend = backend
+    return model

@@ -1,0 +1,112 @@
+"""The batch-invariant ops (model_executor/batch_invariant.py): a row's bits never depend on the other rows
+of the call, and a query's attention output never depends on how the queries were chunked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdeploy_r3.model_executor.batch_invariant import (
+    BatchInvariantAttentionBackend,
+    RowTiledLinear,
+    invariant_attention,
+    invariant_linear,
+    make_batch_invariant,
+)
+from fastdeploy_r3.model_executor.layers.attention import Attention, _causal_attention
+from fastdeploy_r3.model_executor.layers.moe import loop_experts
+
+ROW_COUNTS = (1, 2, 7, 16, 17, 33, 64)
+
+
+def _first_row(fn, x: torch.Tensor, w: torch.Tensor) -> dict[int, torch.Tensor]:  # noqa: ANN001
+    return {n: fn(x[:n], w)[0] for n in ROW_COUNTS}
+
+
+def test_float32_linear_is_not_batch_invariant_on_this_cpu() -> None:
+    """The fact the mode exists for: the same first row, multiplied in calls of 1..64 rows, comes back
+    with other bits for some row counts (the BLAS picks its kernel by shape)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 256), torch.randn(512, 256)
+    rows = _first_row(F.linear, x, w)
+    assert any(not torch.equal(rows[1], r) for r in rows.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_gives_a_row_the_same_bits_in_any_call(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x, w, b = torch.randn(64, 1024, dtype=dtype), torch.randn(256, 1024, dtype=dtype), torch.randn(256, dtype=dtype)
+    rows = _first_row(lambda x_, w_: invariant_linear(x_, w_, b), x, w)
+    for n, r in rows.items():
+        assert torch.equal(r, rows[1]), f"row 0 differs in a call of {n} rows"
+    # any row, anywhere in its tile, whatever the others hold
+    shuffled = torch.randperm(64)
+    assert torch.equal(invariant_linear(x[shuffled], w, b), invariant_linear(x, w, b)[shuffled])
+    torch.testing.assert_close(invariant_linear(x, w, b), F.linear(x, w, b))
+    assert invariant_linear(x[:0], w).shape == (0, 256)
+    assert invariant_linear(x[:10].view(2, 5, 1024), w).shape == (2, 5, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_the_same_whole_chunked_or_one_query_at_a_time(dtype: torch.dtype) -> None:
+    """A 37-position sequence (3 KV tiles, the last one partial): prefill at once, in chunks as a chunked
+    prefill or a prefix-cache hit computes it, and one query at a time as decode does."""
+    torch.manual_seed(0)
+    seq, heads, kv_heads, dim = 37, 4, 2, 16
+    q, k, v = torch.randn(seq, heads, dim, dtype=dtype), *torch.randn(2, seq, kv_heads, dim, dtype=dtype)
+    whole = invariant_attention(q, k, v, 0.25)  # [S, H, D]
+    chunks = [invariant_attention(q[a:b], k[:b], v[:b], 0.25) for a, b in ((0, 5), (5, 21), (21, 37))]
+    assert torch.equal(torch.cat(chunks), whole)
+    for p in (0, 15, 16, 36):
+        assert torch.equal(invariant_attention(q[p : p + 1], k[: p + 1], v[: p + 1], 0.25)[0], whole[p])
+    torch.testing.assert_close(whole.float(), _causal_attention(q.float(), k.float(), v.float(), 0.25),
+                               **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loop_experts_rows_do_not_depend_on_the_experts_other_rows(dtype: torch.dtype) -> None:
+    """Token 0 routed to experts 1 and 3, alone and among 40 tokens that also hit them."""
+    torch.manual_seed(0)
+    experts, hidden, inter = 4, 64, 32
+    w13, w2 = torch.randn(experts, 2 * inter, hidden, dtype=dtype), torch.randn(experts, hidden, inter, dtype=dtype)
+    x = torch.randn(41, hidden, dtype=dtype)
+    ids = torch.randint(0, experts, (41, 2))
+    ids[0] = torch.tensor([1, 3])
+    weights = torch.rand(41, 2)
+    alone = loop_experts(x[:1], w13, w2, weights[:1], ids[:1], batch_invariant=True)
+    batch = loop_experts(x, w13, w2, weights, ids, batch_invariant=True)
+    assert torch.equal(batch[0], alone[0])
+    torch.testing.assert_close(batch, loop_experts(x, w13, w2, weights, ids),
+                               **({} if dtype == torch.float32 else {"atol": 1e-1, "rtol": 2e-2}))  # fmt: skip
+
+
+def test_make_batch_invariant_switches_every_gemm_and_attention(fake_model_dir) -> None:  # noqa: ANN001
+    from fastdeploy_r3.config import ModelConfig
+    from fastdeploy_r3.model_executor.layers.linear import ShardedLinear
+    from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExperts
+    from fastdeploy_r3.model_executor.layers.qkv_linear import QKVParallelLinear
+    from fastdeploy_r3.model_executor.model_loader import load_model
+
+    model = load_model(ModelConfig(fake_model_dir("glm4_moe"), enable_deterministic_inference=True),
+                       torch.device("cpu"))  # fmt: skip
+    kinds = (ShardedLinear, QKVParallelLinear, StackedExperts, SparseMoeBlock)
+    layers = [m for m in model.modules() if isinstance(m, kinds)]
+    assert layers and all(m.batch_invariant for m in layers)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, RowTiledLinear)
+    assert all(isinstance(m.backend, BatchInvariantAttentionBackend) for m in model.modules()
+               if isinstance(m, Attention))  # fmt: skip
+    # parameters and buffers are the loaded ones, under their names
+    gate = model.model.layers[1].mlp.gate
+    assert isinstance(gate, RowTiledLinear) and "e_score_correction_bias" in dict(gate.named_buffers())
+    assert make_batch_invariant(model) is model
+
+
+def test_deterministic_kv_never_mixes_with_the_default_kernels_kv(fake_model_dir) -> None:  # noqa: ANN001
+    """The prefix-cache hash chain and the storage tier's namespace are seeded by model_identity."""
+    from fastdeploy_r3.config import ModelConfig
+
+    default = ModelConfig(fake_model_dir("qwen3_moe"))
+    deterministic = ModelConfig(fake_model_dir("qwen3_moe"), enable_deterministic_inference=True)
+    assert deterministic.model_identity == default.model_identity + ":deterministic"
