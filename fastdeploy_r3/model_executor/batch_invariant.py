@@ -34,10 +34,13 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata
 from fastdeploy_r3.model_executor.layers.attention import Attention, AttentionBackend
-from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache_ref
+from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
+from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
 ROW_TILE = 16  # rows of every batch-invariant GEMM call
 KV_TILE = 16  # KV positions per attention step; tile j always covers positions [16 j, 16 j + 16)
+TRITON_KV_TILE = 64  # the same, in the Triton prefill kernel
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,8 +116,14 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 
 class BatchInvariantAttentionBackend(AttentionBackend):
-    """The torch paged backend's loop over requests (layers/attention.py) with invariant_attention: a
-    request's output is independent of the batch, of its chunking and of prefix-cache hits."""
+    """A request's attention output independent of the batch, of its chunking and of prefix-cache hits.
+
+    Where Triton runs (CUDA, or the interpreter): the paged prefill kernel (ops/paged_prefill.py) for every
+    step, decode included, with one tile shape: it already walks the context in tiles at fixed absolute
+    positions and masks past each query, so only its batch-dependent BLOCK_M (and the decode kernel's
+    split count, picked by the batch's longest sequence) had to go. It has no host sync, so decode steps
+    still capture into CUDA graphs. Elsewhere: the torch paged backend's loop over requests
+    (layers/attention.py) with invariant_attention."""
 
     def forward(
         self,
@@ -125,6 +134,8 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         attn_metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
+        if use_triton(q):
+            return self._triton(q, k, v, kv_cache, attn_metadata, scale)
         k_cache, v_cache = kv_cache
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         write_kv_cache_ref(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
@@ -143,6 +154,19 @@ class BatchInvariantAttentionBackend(AttentionBackend):
             v_ctx = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
             out[start : start + query_len] = invariant_attention(q[start : start + query_len], k_ctx, v_ctx, scale)
         return out
+
+    @staticmethod
+    def _triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
+        k_cache, v_cache = kv_cache
+        assert meta.seq_lens_tensor is not None and meta.query_start_loc_tensor is not None  # __post_init__
+        assert meta.max_query_len is not None
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q if q.stride(2) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
+                                       meta.query_start_loc_tensor, scale, out, max_query_len=meta.max_query_len,
+                                       block_m=ROW_TILE, block_n=TRITON_KV_TILE)  # fmt: skip
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:

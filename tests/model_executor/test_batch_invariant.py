@@ -3,9 +3,15 @@ of the call, and a query's attention output never depends on how the queries wer
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from batch_invariance_cases import attention_scenarios
 
 from fastdeploy_r3.model_executor.batch_invariant import (
     BatchInvariantAttentionBackend,
@@ -14,10 +20,11 @@ from fastdeploy_r3.model_executor.batch_invariant import (
     invariant_linear,
     make_batch_invariant,
 )
-from fastdeploy_r3.model_executor.layers.attention import Attention, _causal_attention
+from fastdeploy_r3.model_executor.layers.attention import Attention, TorchPagedAttentionBackend, _causal_attention
 from fastdeploy_r3.model_executor.layers.moe import loop_experts
 
 ROW_COUNTS = (1, 2, 7, 16, 17, 33, 64)
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _first_row(fn, x: torch.Tensor, w: torch.Tensor) -> dict[int, torch.Tensor]:  # noqa: ANN001
@@ -62,6 +69,45 @@ def test_attention_is_the_same_whole_chunked_or_one_query_at_a_time(dtype: torch
         assert torch.equal(invariant_attention(q[p : p + 1], k[: p + 1], v[: p + 1], 0.25)[0], whole[p])
     torch.testing.assert_close(whole.float(), _causal_attention(q.float(), k.float(), v.float(), 0.25),
                                **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_of_a_request_is_the_same_alone_chunked_among_others_and_decoded(dtype: torch.dtype) -> None:
+    """tests/batch_invariance_cases.py's three ways of computing one request, through the engine's paged
+    backend. The default torch backend gives the float32 chunks other bits (its einsums' shapes change)."""
+    got = attention_scenarios(BatchInvariantAttentionBackend(), dtype, "cpu")
+    assert all(torch.equal(out, got["alone"]) for out in got.values())
+    default = attention_scenarios(TorchPagedAttentionBackend(), dtype, "cpu")
+    torch.testing.assert_close(got["alone"], default["alone"],
+                               **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))  # fmt: skip
+    if dtype == torch.float32:
+        assert not torch.equal(default["chunked"], default["alone"])
+
+
+def test_triton_attention_path_is_the_same_alone_chunked_among_others_and_decoded() -> None:
+    """The same scenarios through the Triton prefill kernel with its fixed tiles (what CUDA runs), under the
+    interpreter (bf16; tests/gpu/test_deterministic_gpu.py runs them on the GPU)."""
+    pytest.importorskip("triton")
+    body = f"""
+        import os, sys
+        os.environ["TRITON_INTERPRET"] = "1"
+        sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
+        import torch
+        from fastdeploy_r3.model_executor.ops import triton_setup
+        from batch_invariance_cases import attention_scenarios
+        from fastdeploy_r3.model_executor.batch_invariant import BatchInvariantAttentionBackend
+        from fastdeploy_r3.model_executor.layers.attention import TorchPagedAttentionBackend
+        assert triton_setup.INTERPRET
+        got = attention_scenarios(BatchInvariantAttentionBackend(), torch.bfloat16, "cpu")
+        assert all(torch.equal(out, got["alone"]) for out in got.values())
+        triton_setup.INTERPRET = False  # not a kernel: the torch reference
+        want = attention_scenarios(TorchPagedAttentionBackend(), torch.bfloat16, "cpu")["alone"]
+        assert (want.float() - got["alone"].float()).abs().max().item() < 2e-2
+        print("OK")
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], check=False, capture_output=True,
+                          text=True, timeout=300, cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
