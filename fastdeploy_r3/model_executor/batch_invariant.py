@@ -4,12 +4,18 @@ its step, nor on how its own prompt was chunked or found in the prefix cache.
 Where the default kernels break that, and what this mode runs instead:
 
     op                      default                                      batch-invariant
-    dense GEMMs, router,    one GEMM over all T rows: the BLAS picks     fixed row tiles: every call is
-    lm_head, expert GEMMs   its kernel (and reduction order) by T        [ROW_TILE, I] x [I, O]
-    attention (CPU)         one einsum per request over all its queries  per query, KV in tiles at fixed
-                            and its whole context                        absolute positions, online softmax
+    dense GEMMs, router,    one GEMM over all T rows: the BLAS / cuBLAS  CPU: BLAS calls of one shape,
+    lm_head                 picks its kernel (reduction order) by T      [ROW_TILE, I] x [I, O]; Triton:
+                                                                         ops/invariant_matmul.py
+    expert GEMMs            CPU: one GEMM per expert over its rows;      CPU: the same fixed row tiles;
+                            CUDA: grouped_mm or Triton tiles by T        CUDA: Triton, one tile config
+    attention               CPU: einsums over a request's queries;       CPU: per query, KV tiles at fixed
+                            CUDA: decode split count set by the batch's  absolute positions; CUDA: the
+                            longest sequence, prefill BLOCK_M by its     prefill kernel for every step,
+                            longest chunk                                one tile shape
     norms, softmax, top-k,  row-local already (one row's reduction       unchanged
-    sampler, logprobs       never reads another row)
+    sampler, logprobs       never reads another row; the sampler's
+                            noise is counter-based: worker/sample/draw.py)
 
 Measured on this CPU (torch 2.13, MKL/oneDNN, 2 threads): float32 F.linear of the same first row gives
 other bits for T = 1, 2 and 16 (a third of the outputs differ for I=64..1024); bf16 (float32 accumulation
@@ -34,6 +40,7 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata
 from fastdeploy_r3.model_executor.layers.attention import Attention, AttentionBackend
+from fastdeploy_r3.model_executor.ops.invariant_matmul import invariant_matmul
 from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
@@ -44,9 +51,13 @@ TRITON_KV_TILE = 64  # the same, in the Triton prefill kernel
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose every row is computed by a GEMM of one fixed shape, [ROW_TILE, I] x [I, O]: the last
-    tile is padded with zero rows, so the kernel (and its reduction order) never depends on how many rows
-    share the call. x [..., I] -> [..., O]."""
+    """F.linear whose every row is computed by a GEMM of one fixed shape, x [..., I] -> [..., O].
+
+    Where Triton runs: one launch of ops/invariant_matmul.py (fixed tiles inside the kernel). Elsewhere
+    the BLAS called on [ROW_TILE, I] x [I, O] tiles, the last one padded with zero rows, so the kernel
+    (and its reduction order) never depends on how many rows share the call."""
+    if use_triton(x):
+        return invariant_matmul(x, weight, bias)
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])  # [T, I]
     num_rows = rows.shape[0]

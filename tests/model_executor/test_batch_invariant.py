@@ -84,30 +84,78 @@ def test_paged_attention_of_a_request_is_the_same_alone_chunked_among_others_and
         assert not torch.equal(default["chunked"], default["alone"])
 
 
+def _run_interpreted(body: str) -> None:
+    """body in a fresh process with TRITON_INTERPRET=1 (set before triton builds a kernel)."""
+    pytest.importorskip("triton")
+    prelude = f"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
+import torch
+from fastdeploy_r3.model_executor.ops import triton_setup
+assert triton_setup.INTERPRET  # really the interpreted kernels
+"""
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n"],
+                          check=False, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
 def test_triton_attention_path_is_the_same_alone_chunked_among_others_and_decoded() -> None:
     """The same scenarios through the Triton prefill kernel with its fixed tiles (what CUDA runs), under the
     interpreter (bf16; tests/gpu/test_deterministic_gpu.py runs them on the GPU)."""
-    pytest.importorskip("triton")
-    body = f"""
-        import os, sys
-        os.environ["TRITON_INTERPRET"] = "1"
-        sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
-        import torch
-        from fastdeploy_r3.model_executor.ops import triton_setup
+    _run_interpreted("""
         from batch_invariance_cases import attention_scenarios
         from fastdeploy_r3.model_executor.batch_invariant import BatchInvariantAttentionBackend
         from fastdeploy_r3.model_executor.layers.attention import TorchPagedAttentionBackend
-        assert triton_setup.INTERPRET
         got = attention_scenarios(BatchInvariantAttentionBackend(), torch.bfloat16, "cpu")
         assert all(torch.equal(out, got["alone"]) for out in got.values())
         triton_setup.INTERPRET = False  # not a kernel: the torch reference
         want = attention_scenarios(TorchPagedAttentionBackend(), torch.bfloat16, "cpu")["alone"]
         assert (want.float() - got["alone"].float()).abs().max().item() < 2e-2
-        print("OK")
-    """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], check=False, capture_output=True,
-                          text=True, timeout=300, cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    """)
+
+
+def test_triton_invariant_matmul_gives_a_row_the_same_bits_in_any_call() -> None:
+    """ops/invariant_matmul.py under the interpreter: 70 x 96 @ (80 x 96)^T, partial tiles on every side;
+    the first M rows alone equal the same rows of the whole call; equal to F.linear within rounding;
+    invariant_linear takes it where Triton runs."""
+    _run_interpreted("""
+        import torch.nn.functional as F
+        from fastdeploy_r3.model_executor.batch_invariant import invariant_linear
+        from fastdeploy_r3.model_executor.ops.invariant_matmul import invariant_matmul
+        torch.manual_seed(0)
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+            x, w, b = torch.randn(70, 96).to(dtype), torch.randn(80, 96).to(dtype), torch.randn(80).to(dtype)
+            whole = invariant_matmul(x, w, b)
+            for m in (1, 5, 64, 65):
+                assert torch.equal(invariant_matmul(x[:m], w, b), whole[:m]), (dtype, m)
+            assert torch.equal(invariant_linear(x[5:9], w, b), whole[5:9])
+            assert (whole.float() - F.linear(x.float(), w.float(), b.float())).abs().max().item() < tol * 10
+            assert invariant_matmul(x[:0], w).shape == (0, 80)
+            assert invariant_matmul(x[:6].view(2, 3, 96), w).shape == (2, 3, 80)
+    """)
+
+
+def test_triton_experts_in_batch_invariant_mode_give_a_token_the_same_bits_in_any_batch() -> None:
+    """The fused MoE under the interpreter, one tile config: token 0 (experts 1 and 3) alone, and among 40
+    tokens (the default configs would switch tiles at that many rows per expert)."""
+    _run_interpreted("""
+        from fastdeploy_r3.model_executor.layers.moe import loop_experts
+        from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
+        torch.manual_seed(0)
+        experts, hidden, inter = 4, 64, 32
+        # float32: this kernel's bf16 dot is not upcast under the interpreter (triton_setup.mma says why)
+        w13, w2 = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+        x = torch.randn(41, hidden)
+        ids = torch.randint(0, experts, (41, 2))
+        ids[0] = torch.tensor([1, 3])
+        weights = torch.rand(41, 2)
+        alone = triton_experts(x[:1], w13, w2, weights[:1], ids[:1], batch_invariant=True)
+        batch = triton_experts(x, w13, w2, weights, ids, batch_invariant=True)
+        assert torch.equal(batch[0], alone[0])
+        want = loop_experts(x, w13, w2, weights, ids)
+        assert (batch - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    """)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
