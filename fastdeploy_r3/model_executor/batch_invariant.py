@@ -136,6 +136,9 @@ class BatchInvariantAttentionBackend(AttentionBackend):
     still capture into CUDA graphs. Elsewhere: the torch paged backend's loop over requests
     (layers/attention.py) with invariant_attention."""
 
+    # on CUDA only the Triton path runs, which reads device metadata of fixed capacity (worker/cuda_graph_runner.py)
+    cuda_graph_safe = True
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H, D]

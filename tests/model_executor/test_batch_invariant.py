@@ -195,6 +195,9 @@ def test_make_batch_invariant_switches_every_gemm_and_attention(fake_model_dir) 
     gate = model.model.layers[1].mlp.gate
     assert isinstance(gate, RowTiledLinear) and "e_score_correction_bias" in dict(gate.named_buffers())
     assert make_batch_invariant(model) is model
+    from fastdeploy_r3.worker.cuda_graph_runner import attention_is_graph_safe
+
+    assert attention_is_graph_safe(model)  # on CUDA decode steps still capture into graphs
 
 
 def test_deterministic_kv_never_mixes_with_the_default_kernels_kv(fake_model_dir) -> None:  # noqa: ANN001
