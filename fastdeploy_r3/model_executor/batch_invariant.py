@@ -13,6 +13,8 @@ Where the default kernels break that, and what this mode runs instead:
                             CUDA: decode split count set by the batch's  absolute positions; CUDA: the
                             longest sequence, prefill BLOCK_M by its     prefill kernel for every step,
                             longest chunk                                one tile shape
+    silu, sigmoid router,   CPU: a vectorized loop ends in a scalar      CPU: fixed [EW_TILE, N] tiles
+    rotary cos / sin        tail placed by the tensor's size             (invariant_rows); CUDA: as is
     norms, softmax, top-k,  row-local already (one row's reduction       unchanged
     sampler, logprobs       never reads another row; the sampler's
                             noise is counter-based: worker/sample/draw.py)
@@ -34,6 +36,8 @@ GEMM launch per tile, and the per-request attention loop (docs/deterministic.md)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +52,7 @@ from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 ROW_TILE = 16  # rows of every batch-invariant GEMM call
 KV_TILE = 16  # KV positions per attention step; tile j always covers positions [16 j, 16 j + 16)
 TRITON_KV_TILE = 64  # the same, in the Triton prefill kernel
+EW_TILE = 64  # rows of every batch-invariant elementwise call on the CPU (invariant_rows)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,6 +72,25 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     tiles = [F.linear(tile, weight, bias) for tile in rows.split(ROW_TILE)]  # each [ROW_TILE, O]
     out = torch.cat(tiles)[:num_rows] if tiles else rows.new_empty(0, weight.shape[0])  # [T, O]
     return out.reshape(*lead, weight.shape[0])
+
+
+def invariant_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    """fn, an elementwise op (silu, sigmoid, cos, ...), on x [..., N]; batch_invariant on the CPU: applied to
+    contiguous [EW_TILE, N] tiles, the last one zero-padded.
+
+    A CPU elementwise loop takes its last numel % (2 x vector width) elements through a scalar path whose
+    exp / sin differ from the vector ones in the last bit (sigmoid of a [T, 16] tensor: other bits in row 0
+    for T = 1, 5, 7, ...), and which elements those are depends on the tensor's size. A tile of EW_TILE rows
+    holds a whole number of vector loops (64 N elements), so none are. On CUDA every element runs the same
+    function at any size."""
+    if not batch_invariant or x.is_cuda:
+        return fn(x)
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])  # [T, N]
+    num_rows = rows.shape[0]
+    rows = F.pad(rows, (0, 0, 0, -num_rows % EW_TILE))  # [T', N], a fresh contiguous tensor
+    out = torch.cat([fn(tile) for tile in rows.split(EW_TILE)]) if num_rows else fn(rows)  # [T', N]
+    return out[:num_rows].reshape(*lead, x.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

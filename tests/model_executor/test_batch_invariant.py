@@ -18,6 +18,7 @@ from fastdeploy_r3.model_executor.batch_invariant import (
     RowTiledLinear,
     invariant_attention,
     invariant_linear,
+    invariant_rows,
     make_batch_invariant,
 )
 from fastdeploy_r3.model_executor.layers.attention import Attention, TorchPagedAttentionBackend, _causal_attention
@@ -53,6 +54,21 @@ def test_invariant_linear_gives_a_row_the_same_bits_in_any_call(dtype: torch.dty
     torch.testing.assert_close(invariant_linear(x, w, b), F.linear(x, w, b))
     assert invariant_linear(x[:0], w).shape == (0, 256)
     assert invariant_linear(x[:10].view(2, 5, 1024), w).shape == (2, 5, 256)
+
+
+def test_cpu_sigmoid_is_not_batch_invariant_and_invariant_rows_is() -> None:
+    """A vectorized CPU loop ends in a scalar tail placed by the tensor's size: the sigmoid of a token's row
+    comes back with other bits when that row is the last of an odd-sized call; in fixed row tiles never."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    whole = torch.sigmoid(x)
+    assert any(not torch.equal(torch.sigmoid(x[:n])[n - 1], whole[n - 1]) for n in range(1, 65))
+    tiled = invariant_rows(torch.sigmoid, x, batch_invariant=True)
+    assert all(torch.equal(invariant_rows(torch.sigmoid, x[:n], batch_invariant=True), tiled[:n]) for n in range(1, 65))
+    torch.testing.assert_close(tiled, whole)
+    gate = torch.randn(9, 64)[:, :32]  # a strided view, as chunk() hands loop_experts
+    silu = invariant_rows(F.silu, gate, True)
+    assert all(torch.equal(invariant_rows(F.silu, gate[:n], True), silu[:n]) for n in range(1, 10))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -178,15 +194,17 @@ def test_loop_experts_rows_do_not_depend_on_the_experts_other_rows(dtype: torch.
 def test_make_batch_invariant_switches_every_gemm_and_attention(fake_model_dir) -> None:  # noqa: ANN001
     from fastdeploy_r3.config import ModelConfig
     from fastdeploy_r3.model_executor.layers.linear import ShardedLinear
+    from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
     from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExperts
     from fastdeploy_r3.model_executor.layers.qkv_linear import QKVParallelLinear
     from fastdeploy_r3.model_executor.model_loader import load_model
 
     model = load_model(ModelConfig(fake_model_dir("glm4_moe"), enable_deterministic_inference=True),
                        torch.device("cpu"))  # fmt: skip
-    kinds = (ShardedLinear, QKVParallelLinear, StackedExperts, SparseMoeBlock)
+    kinds = (ShardedLinear, QKVParallelLinear, StackedExperts, SparseMoeBlock, GatedMLP)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
     assert layers and all(m.batch_invariant for m in layers)
+    assert model.model.layers[0].self_attn.rotary.batch_invariant
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert isinstance(model.lm_head, RowTiledLinear)
     assert all(isinstance(m.backend, BatchInvariantAttentionBackend) for m in model.modules()

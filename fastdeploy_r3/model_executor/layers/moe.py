@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.distributed.parallel_state import all_reduce
-from fastdeploy_r3.model_executor.batch_invariant import linear
+from fastdeploy_r3.model_executor.batch_invariant import invariant_rows, linear
 from fastdeploy_r3.model_executor.forward_context import RoutingCaptureSink, get_forward_context
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
@@ -73,6 +73,7 @@ def grouped_sigmoid_topk(
     topk_group: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-4.5 / DeepSeek-V3 routing (noaux_tc).
 
@@ -81,7 +82,7 @@ def grouped_sigmoid_topk(
     biased scores sum highest.
     """
     num_tokens, num_experts = router_logits.shape
-    scores = router_logits.float().sigmoid()  # [T, E]
+    scores = invariant_rows(torch.sigmoid, router_logits.float(), batch_invariant)  # [T, E]
     biased = scores + e_score_correction_bias.float()  # [T, E]
     per_group = biased.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)  # [T, G]
@@ -113,7 +114,7 @@ def loop_experts(
     for e in torch.unique(topk_ids).tolist():
         token_idx, slot = torch.where(topk_ids == e)  # [n], [n]
         gate, up = linear(x[token_idx], w13[e], batch_invariant=batch_invariant).chunk(2, dim=-1)  # [n, I] x2
-        y = linear(F.silu(gate) * up, w2[e], batch_invariant=batch_invariant)  # [n, H]
+        y = linear(invariant_rows(F.silu, gate, batch_invariant) * up, w2[e], batch_invariant=batch_invariant)  # [n, H]
         y = y * topk_weights[token_idx, slot, None].to(y.dtype)  # [n, H]
         out.index_add_(0, token_idx, y)
     return out
@@ -303,6 +304,7 @@ class SparseMoeBlock(nn.Module):
             self.topk_group,
             self.renormalize,
             self.routed_scaling_factor,
+            self.batch_invariant,
         )
 
     def route_fused(self, x: torch.Tensor, sink: RoutingCaptureSink | None, slot_mapping: torch.Tensor | None,
@@ -334,7 +336,8 @@ class SparseMoeBlock(nn.Module):
             probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
             weights = probs.gather(1, topk_ids)  # [T, K]
             return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights
-        scores = linear(x.float(), self.gate.weight.float(), batch_invariant=self.batch_invariant).sigmoid()  # [T, E]
+        logits = linear(x.float(), self.gate.weight.float(), batch_invariant=self.batch_invariant)  # [T, E]
+        scores = invariant_rows(torch.sigmoid, logits, self.batch_invariant)  # [T, E]
         weights = scores.gather(1, topk_ids)  # [T, K]
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
