@@ -21,7 +21,8 @@ def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
     flags = [a.option_strings[0] for a in parser()._actions if a.dest != "help"]
     assert flags == [
         "--model", "--dtype", "--quantization", "--load-format", "--max-model-len", "--seed", "--weight-version",
-        "--enforce-eager", "--block-size", "--num-gpu-blocks-override", "--gpu-memory-utilization",
+        "--enforce-eager", "--enable-deterministic-inference", "--block-size", "--num-gpu-blocks-override",
+        "--gpu-memory-utilization",
         "--kv-cache-space-gib", "--kv-cache-dtype", "--enable-prefix-caching", "--swap-space",
         "--num-cpu-blocks-override", "--kv-storage",
         "--kv-storage-ttl-s", "--kv-storage-capacity-gib", "--storage-timeout-s", "--transfer-timeout-s",

@@ -178,7 +178,7 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
     num_blocks = max(max(batches) * per_req, args.prefill_prompts * (-(-(args.prefill_len + 1) // block_size))) + 1
     bw = copy_bandwidth(args.device)
     bench = StepBench(model_dir, args.device, args.dtype, load_format, max(batches), max_len, num_blocks, block_size,
-                      args.max_num_batched_tokens, args.enforce_eager)  # fmt: skip
+                      args.max_num_batched_tokens, args.enforce_eager, args.enable_deterministic_inference)  # fmt: skip
     vocab = bench.runner.model.vocab_size
     graphs = bench.runner.decode_graphs
     print(f"model loaded in {bench.load_s:.1f} s; decode CUDA graphs: "
@@ -296,6 +296,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=None, help="default 4096 on CUDA, 64 on the CPU")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="the batch-invariant kernels (run once with, once without: the mode's cost)")
     ap.add_argument("--profile-batch", default="16", help="batch sizes to profile, e.g. 1,256 (needs --out)")
     ap.add_argument("--png", default=None)
     ap.add_argument("--out", default=None, help="directory for the profile table and bench.json")

@@ -47,16 +47,18 @@ class StepBench:
         block_size: int = 16,
         max_num_batched_tokens: int = 8192,
         enforce_eager: bool = False,
+        deterministic: bool = False,
     ) -> None:
         """max_len: the longest sequence (prompt + decode steps); num_blocks: KV blocks for the largest batch.
-        Decode steps replay CUDA graphs unless enforce_eager (or the attention backend is not graph-safe)."""
+        Decode steps replay CUDA graphs unless enforce_eager (or the attention backend is not graph-safe).
+        deterministic: the batch-invariant kernels (--enable-deterministic-inference)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.config = EngineConfig.from_kwargs(
             model_dir, device=device, dtype=dtype, load_format=load_format, block_size=block_size,
             max_num_seqs=max_batch, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
             num_gpu_blocks_override=num_blocks, routing_replay_config={"enable_routing_replay": True},
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, enable_deterministic_inference=deterministic,
         )  # fmt: skip
         self.suffix = new_engine_suffix()
         self.runner = ModelRunner(self.config, 0, 1, self.suffix)

@@ -77,6 +77,10 @@ class ModelConfig:
     weight_version: str = flag("0", "version of the weights; part of the prefix-cache and storage-tier keys")
     tokenizer: str | None = field(default=None, metadata={"cli": False})  # the model directory unless set
     enforce_eager: bool = flag(False, "CUDA: no decode graphs (every step eager; worker/cuda_graph_runner.py)")
+    enable_deterministic_inference: bool = flag(
+        False, "batch-invariant kernels (SGLang's flag): a request gets the same tokens, logprobs and R3 rows "
+        "alone, in any batch, chunked or from the prefix cache, at a cost in speed "
+        "(model_executor/batch_invariant.py, docs/deterministic.md)")
     # read from config.json at construction (__post_init__)
     hf_config: dict[str, Any] = derived(default_factory=dict, repr=False)
     architecture: str = derived(default="")
@@ -143,10 +147,13 @@ class ModelConfig:
 
     @property
     def model_identity(self) -> str:
-        """Seeds the prefix-cache hash chain and namespaces the storage tier: fp8 weights compute other KV
-        than the same checkpoint unquantized, so the method is part of it (unquantized: as before)."""
+        """Seeds the prefix-cache hash chain and namespaces the storage tier: fp8 weights (and the
+        deterministic kernels) compute other KV than the same checkpoint unquantized, so the method is part
+        of it (unquantized, default kernels: as before)."""
         method = "" if self.quantization == "none" else f":{self.quantization}"
-        return f"{self.architecture}:{os.path.abspath(self.model)}:{self.dtype}{method}"
+        # the batch-invariant kernels compute other bits than the default ones: their KV must not mix
+        mode = ":deterministic" if self.enable_deterministic_inference else ""
+        return f"{self.architecture}:{os.path.abspath(self.model)}:{self.dtype}{method}{mode}"
 
     @property
     def family(self) -> str:

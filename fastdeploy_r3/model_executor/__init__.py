@@ -5,6 +5,7 @@
     ops/           Triton kernels (paged attention, fused MoE, RMSNorm, rotary, routing capture)
     quantization/  the method a layer's weights go through (unquantized today; FP8 plugs in there)
     model_loader.py, forward_context.py   build + load a model; what one forward pass needs besides inputs
+    batch_invariant.py   deterministic mode: fixed-tile GEMMs and attention, switched on a built model
 
 Right after top-k every MoE layer reports its logical expert ids to the forward context's routing
 capture (R3). It may import config/, distributed/ and r3/errors; never cache_manager/ or engine/.

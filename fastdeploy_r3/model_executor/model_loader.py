@@ -12,6 +12,7 @@ from torch import nn
 from fastdeploy_r3.config import ConfigError, ModelConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
+from fastdeploy_r3.model_executor.batch_invariant import make_batch_invariant
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
@@ -165,6 +166,8 @@ def load_model(
         check_checkpoint_tensors(safetensors_names(files), model_config.quantization)
         model.load_weights(iter_safetensors(files, device, keep=model.holds_checkpoint_weight))
     process_weights_after_loading(model)
+    if model_config.enable_deterministic_inference:
+        make_batch_invariant(model)
     model.eval()
     model.requires_grad_(False)
     return model

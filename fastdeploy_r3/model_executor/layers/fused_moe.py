@@ -68,14 +68,19 @@ def grouped_mm_experts(
     return part.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
 
 
-def choose_backend(backend: str, x: torch.Tensor) -> str:
-    """Resolve "auto": loop on the CPU; on CUDA Triton inside a graph capture or for non-bf16, else grouped_mm."""
+def choose_backend(backend: str, x: torch.Tensor, batch_invariant: bool = False) -> str:
+    """Resolve "auto": loop on the CPU; on CUDA Triton inside a graph capture or for non-bf16, else grouped_mm.
+    batch_invariant: never grouped_mm (its GEMM tiles are picked by shape, model_executor/batch_invariant.py)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend != "auto":
+        if batch_invariant and backend == "grouped_mm":
+            raise ValueError("the grouped_mm MoE backend is not batch-invariant; use 'auto', 'triton' or 'loop'")
         return backend
     if not x.is_cuda:
         return "loop"
+    if batch_invariant:
+        return "triton"
     if x.dtype == torch.bfloat16 and not (_graph_kernels or torch.cuda.is_current_stream_capturing()):
         return "grouped_mm"
     return "triton"

@@ -31,6 +31,7 @@ class ShardedLinear(nn.Module):
 
     shard_dim: int  # of the weight [O, I]: 0 = column-parallel, 1 = row-parallel
     bias_shard_dim: int | None  # None: the bias is replicated
+    batch_invariant = False  # fixed-tile GEMMs (model_executor/batch_invariant.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int,
                  quant_method: LinearMethod | None = None) -> None:  # fmt: skip

@@ -9,10 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.model_executor.batch_invariant import invariant_rows
 from fastdeploy_r3.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
+    batch_invariant = False  # silu in fixed row tiles on the CPU (model_executor/batch_invariant.py)
+
     def __init__(
         self,
         hidden_size: int,
@@ -30,4 +33,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate, up [T, I/N] -> [T, H] (a partial sum when reduce_results=False)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(invariant_rows(F.silu, self.gate_proj(x), self.batch_invariant) * self.up_proj(x))

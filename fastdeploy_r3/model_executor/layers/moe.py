@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.distributed.parallel_state import all_reduce
+from fastdeploy_r3.model_executor.batch_invariant import invariant_rows, linear
 from fastdeploy_r3.model_executor.forward_context import RoutingCaptureSink, get_forward_context
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
-from fastdeploy_r3.model_executor.ops.fused_moe_triton import pick_config, triton_experts
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import BATCH_INVARIANT_CONFIG, pick_config, triton_experts
 from fastdeploy_r3.model_executor.ops.fused_routing import (
     RouterSpec,
     RoutingResult,
@@ -72,6 +73,7 @@ def grouped_sigmoid_topk(
     topk_group: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-4.5 / DeepSeek-V3 routing (noaux_tc).
 
@@ -80,7 +82,7 @@ def grouped_sigmoid_topk(
     biased scores sum highest.
     """
     num_tokens, num_experts = router_logits.shape
-    scores = router_logits.float().sigmoid()  # [T, E]
+    scores = invariant_rows(torch.sigmoid, router_logits.float(), batch_invariant)  # [T, E]
     biased = scores + e_score_correction_bias.float()  # [T, E]
     per_group = biased.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)  # [T, G]
@@ -98,18 +100,21 @@ def grouped_sigmoid_topk(
 
 
 def loop_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The reference: a Python loop over the experts that received tokens (host syncs: CPU path only).
 
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H]. Memory stays
-    O(T * H), unlike gathering [T, K, 2I, H].
+    O(T * H), unlike gathering [T, K, 2I, H]. A token's experts add into it in ascending expert id order
+    whatever the batch; batch_invariant: the GEMMs too are row-invariant (model_executor/batch_invariant.py),
+    so a token's result does not depend on how many others the same expert receives.
     """
     out = torch.zeros_like(x)  # [T, H]
     for e in torch.unique(topk_ids).tolist():
         token_idx, slot = torch.where(topk_ids == e)  # [n], [n]
-        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)  # [n, I], [n, I]
-        y = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        gate, up = linear(x[token_idx], w13[e], batch_invariant=batch_invariant).chunk(2, dim=-1)  # [n, I] x2
+        y = linear(invariant_rows(F.silu, gate, batch_invariant) * up, w2[e], batch_invariant=batch_invariant)  # [n, H]
         y = y * topk_weights[token_idx, slot, None].to(y.dtype)  # [n, H]
         out.index_add_(0, token_idx, y)
     return out
@@ -150,6 +155,9 @@ class StackedExperts(nn.Module):
         # method's format (model_executor/quantization/)
         self.quant_method.create_weights(self, self.placement.num_local_experts, hidden_size, self.intermediate_size)
         self.backend = "auto"
+        # fixed-tile expert GEMMs (model_executor/batch_invariant.py): the loop on the CPU; on CUDA the
+        # Triton kernel with one tile config for every batch size
+        self.batch_invariant = False
 
     def load_expert(self, expert: int, proj: str, full: torch.Tensor, param: str = "weight") -> None:
         """Copy this rank's slice of logical `expert`'s checkpoint tensor into its slot:
@@ -176,8 +184,10 @@ class StackedExperts(nn.Module):
     def triton_block_m(self, x: torch.Tensor, top_k: int) -> int | None:
         """The block of rows the Triton backend will align this batch to (so the routing kernel can align
         for it), or None where another backend will run it."""
-        if not self.placement.is_identity or choose_backend(self.backend, x) != "triton":
+        if not self.placement.is_identity or choose_backend(self.backend, x, self.batch_invariant) != "triton":
             return None
+        if self.batch_invariant:
+            return BATCH_INVARIANT_CONFIG.block_m
         return pick_config(x.shape[0], top_k, self.num_experts).block_m
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -195,12 +205,13 @@ class StackedExperts(nn.Module):
     def run_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, blocks: MoeBlocks | None = None) -> torch.Tensor:  # fmt: skip
         """The experts on plain weights, by the backend fused_moe.py picks for this batch."""
-        backend = choose_backend(self.backend, x)
+        backend = choose_backend(self.backend, x, self.batch_invariant)
         if backend == "triton":
-            return triton_experts(x, w13, w2, topk_weights, topk_ids, blocks=blocks)
+            return triton_experts(x, w13, w2, topk_weights, topk_ids, blocks=blocks,
+                                  batch_invariant=self.batch_invariant)
         if backend == "grouped_mm":
             return grouped_mm_experts(x, w13, w2, topk_weights, topk_ids)
-        return loop_experts(x, w13, w2, topk_weights, topk_ids)
+        return loop_experts(x, w13, w2, topk_weights, topk_ids, self.batch_invariant)
 
 
 def _routing_sink() -> tuple[RoutingCaptureSink | None, torch.Tensor | None]:
@@ -259,6 +270,7 @@ class SparseMoeBlock(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.batch_invariant = False  # the float32 router GEMM in fixed row tiles (model_executor/batch_invariant.py)
         self.use_fused_routing = fused_routing_enabled()  # route_fused() wherever Triton runs
         self.router_spec = (
             RouterSpec(top_k, "softmax", renormalize)
@@ -282,7 +294,8 @@ class SparseMoeBlock(nn.Module):
         if self.router == "softmax":
             router_logits = self.gate(x)  # [T, E]
             return softmax_topk(router_logits, self.top_k, self.renormalize)
-        router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E], float32 like the reference
+        # [T, E], float32 like the reference
+        router_logits = linear(x.float(), self.gate.weight.float(), batch_invariant=self.batch_invariant)
         return grouped_sigmoid_topk(
             router_logits,
             self.top_k,
@@ -291,6 +304,7 @@ class SparseMoeBlock(nn.Module):
             self.topk_group,
             self.renormalize,
             self.routed_scaling_factor,
+            self.batch_invariant,
         )
 
     def route_fused(self, x: torch.Tensor, sink: RoutingCaptureSink | None, slot_mapping: torch.Tensor | None,
@@ -307,7 +321,8 @@ class SparseMoeBlock(nn.Module):
             router_logits = self.gate(x)  # [T, E]
             bias = None
         else:
-            router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E], float32 like route()
+            # [T, E], float32 like route()
+            router_logits = linear(x.float(), self.gate.weight.float(), batch_invariant=self.batch_invariant)
             bias = self.gate.e_score_correction_bias
         routed = fused_routing(router_logits, self.router_spec, bias, buffer, self.moe_index, slot_mapping, block_m)
         if sink is not None and buffer is None:
@@ -321,7 +336,8 @@ class SparseMoeBlock(nn.Module):
             probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
             weights = probs.gather(1, topk_ids)  # [T, K]
             return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
+        logits = linear(x.float(), self.gate.weight.float(), batch_invariant=self.batch_invariant)  # [T, E]
+        scores = invariant_rows(torch.sigmoid, logits, self.batch_invariant)  # [T, E]
         weights = scores.gather(1, topk_ids)  # [T, K]
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -25,6 +25,8 @@ QKV_SHARDS = ("q", "k", "v")
 class QKVParallelLinear(nn.Module):
     """x [T, H] -> [T, (NH + 2 * KVH) / N * D]: this rank's q, k, v heads, in that order."""
 
+    batch_invariant = False  # fixed-tile GEMMs (model_executor/batch_invariant.py)
+
     def __init__(
         self,
         hidden_size: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy_r3.model_executor.batch_invariant import invariant_rows
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_, apply_rotary_ref
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
@@ -28,6 +29,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.base = base
+        self.batch_invariant = False  # cos / sin in fixed row tiles on the CPU (model_executor/batch_invariant.py)
 
     def cos_sin(self, positions: torch.Tensor) -> CosSin:
         """positions [T] -> cos, sin [T, R/2] float32."""
@@ -36,7 +38,8 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=positions.device) / self.rotary_dim
         inv_freq = 1.0 / (self.base**exponent)  # [R/2]
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, R/2]
-        return freqs.cos(), freqs.sin()
+        invariant = self.batch_invariant
+        return invariant_rows(torch.cos, freqs, invariant), invariant_rows(torch.sin, freqs, invariant)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin: CosSin, qk_norm: tuple[RMSNorm, RMSNorm] | None = None

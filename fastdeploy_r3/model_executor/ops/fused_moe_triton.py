@@ -129,6 +129,11 @@ class TritonMoeConfig:
     num_stages: int
 
 
+# deterministic mode: one config for every batch, so a row's reduction order (BLOCK_K steps of one MMA
+# shape) never changes with the number of rows an expert receives (model_executor/batch_invariant.py)
+BATCH_INVARIANT_CONFIG = TritonMoeConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+
+
 def pick_config(num_tokens: int, top_k: int, num_experts: int) -> TritonMoeConfig:
     """Block sizes by rows per expert: decode batches give an expert a handful of rows (BM 16, the
     smallest tl.dot tile; weight streaming dominates), prefill gives it hundreds (BM 64)."""
@@ -150,6 +155,7 @@ def triton_experts(
     blocks: MoeBlocks | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K] -> [T, H] in x.dtype.
 
@@ -158,6 +164,8 @@ def triton_experts(
     w13_scale [E, 2I, ceil(H/128)], w2_scale [E, H, ceil(I/128)] float32: w13 and w2 are float8_e4m3fn
     block-quantized (quantization/fp8.py's served layout) and each tile is dequantised as it is loaded,
     the same arithmetic as dequantize(), so the result equals this kernel on the dequantised weights.
+    batch_invariant: BATCH_INVARIANT_CONFIG whatever the batch, and the K experts summed one by one in
+    slot order (a reduction kernel may split the sum by the output's size).
     """
     require_triton("triton_experts")
     num_tokens, hidden = x.shape
@@ -169,7 +177,7 @@ def triton_experts(
         return torch.zeros_like(x)
     if w13.stride(2) != 1 or w2.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError("triton_experts: x, w13 and w2 must be contiguous in their last dimension")
-    cfg = config or pick_config(num_tokens, top_k, num_experts)
+    cfg = config or (BATCH_INVARIANT_CONFIG if batch_invariant else pick_config(num_tokens, top_k, num_experts))
     fp8 = w13_scale is not None
     if fp8 != (w2_scale is not None) or (fp8 and 128 % cfg.block_k):
         raise ValueError("triton_experts: fp8 weights need both scales and a block_k dividing 128")
@@ -194,4 +202,10 @@ def triton_experts(
         num_rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), part.stride(0), *s2,
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=True, **tiles,
     )
-    return part.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
+    part = part.view(num_tokens, top_k, hidden)  # [T, K, H]
+    if not batch_invariant:
+        return part.sum(dim=1).to(x.dtype)  # [T, H]
+    out = part[:, 0]  # [T, H]
+    for k in range(1, top_k):
+        out = out + part[:, k]
+    return out.to(x.dtype)  # [T, H]

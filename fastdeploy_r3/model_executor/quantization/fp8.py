@@ -19,9 +19,9 @@ stacked tensor's (a tiny model's 48 q rows, then k), at 4 bytes per 128 weights 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.model_executor.batch_invariant import linear
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
@@ -94,7 +94,8 @@ class Fp8LinearMethod(LinearMethod):
         layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O], the model dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, dequantize(layer.weight, layer.weight_scale_inv, x.dtype), bias)  # [T, O]
+        w = dequantize(layer.weight, layer.weight_scale_inv, x.dtype)  # [O, I]
+        return linear(x, w, bias, batch_invariant=layer.batch_invariant)  # [T, O]
 
 
 class Fp8MoEMethod(MoEMethod):
@@ -127,9 +128,10 @@ class Fp8MoEMethod(MoEMethod):
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         blocks: MoeBlocks | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        if choose_backend(layer.backend, x) == "triton":
+        if choose_backend(layer.backend, x, layer.batch_invariant) == "triton":
             return triton_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks=blocks,
-                                  w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv)
+                                  w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
+                                  batch_invariant=layer.batch_invariant)  # fmt: skip
         w13 = dequantize(layer.w13, layer.w13_weight_scale_inv, x.dtype)  # [E, 2I, H]
         w2 = dequantize(layer.w2, layer.w2_weight_scale_inv, x.dtype)  # [E, H, I]
         return layer.run_experts(x, w13, w2, topk_weights, topk_ids, blocks)

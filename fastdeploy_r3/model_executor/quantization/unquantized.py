@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fastdeploy_r3.model_executor.batch_invariant import linear
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMethod
 
@@ -16,7 +16,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)  # [T, O]
+        return linear(x, layer.weight, bias, batch_invariant=layer.batch_invariant)  # [T, O]
 
 
 class UnquantizedMoEMethod(MoEMethod):
