@@ -27,12 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_to_blocks
-from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, require_triton, tl, triton
 
 
 @jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a @ b in float32; IEEE keeps float32 operands at full precision (never TF32)."""
+def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b in float32; IEEE keeps float32 operands at full precision (never TF32). UPCAST (the
+    interpreter, triton_setup.INTERPRET) multiplies 16-bit operands as float32: the interpreter's dot
+    takes bfloat16 tiles as their raw bits (triton_setup.mma says more); the products are exact either way."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -64,6 +68,7 @@ def _expert_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
     FP8_W: tl.constexpr,  # w holds float8_e4m3fn codes: each tile is dequantised as it is loaded
 ):
     pid_m = tl.program_id(0)
@@ -102,10 +107,10 @@ def _expert_gemm_kernel(
             if FP8_W:
                 su = tl.load(s_rows + out_cols * stride_sn + k0 // 128, mask=n_ok, other=0.0)  # [BN] up half
                 wu = (wu.to(tl.float32) * su[None, :]).to(a_ptr.dtype.element_ty)
-            acc = _dot(a, w, acc, IEEE)
-            acc_up = _dot(a, wu, acc_up, IEEE)
+            acc = _dot(a, w, acc, IEEE, UPCAST)
+            acc_up = _dot(a, wu, acc_up, IEEE, UPCAST)
         else:
-            acc = _dot(a, w, acc, IEEE)
+            acc = _dot(a, w, acc, IEEE, UPCAST)
     # round like the reference's linear output, in the activations' dtype (x's for GATED, act's otherwise)
     y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # [BM, BN]
     if GATED:
@@ -184,7 +189,7 @@ def triton_experts(
     if blocks is None or blocks.block_m != cfg.block_m:
         blocks = align_to_blocks(topk_ids, num_experts, cfg.block_m)
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
-                 FP8_W=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 UPCAST=INTERPRET, FP8_W=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1)) if fp8 else (None, 0, 0)
     s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1)) if fp8 else (None, 0, 0)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # [N, I]
