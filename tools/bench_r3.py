@@ -3,7 +3,8 @@ cost of R3, per batch size; and (--mode cost) the older end-to-end R3 on/off thr
 
     python tools/bench_r3.py --preset qwen3-30b-a3b --device cuda [--layers 48] [--batches 1,16,64,256]
         [--prompt-len 1024] [--decode-steps 16] [--prefill-prompts 8 --prefill-len 4096]
-        [--png bench.png] [--profile-batch 16] [--out DIR] [--hf]
+        [--png bench.png] [--profile-batch 16] [--out DIR] [--hf] [--quantization fp8]
+        [--enable-deterministic-inference]
     python tools/bench_r3.py --device cpu            # the fake tiny qwen3_moe: what CI keeps alive
     python tools/bench_r3.py --mode cost [--rounds 3] [--prompts 8] [--prompt-len 64] [--max-tokens 32]
 
@@ -15,7 +16,8 @@ from its R3 rows; other weights; embedding rows; KV) / the copy bandwidth measur
 output tokens/s = B / step, the R3 on/off step ratio, and the host time spent preparing inputs. Prefill
 tokens/s is timed on --prefill-prompts prompts of --prefill-len tokens. --png plots step vs roofline and
 the R3 ratio by batch; --profile-batch writes a torch.profiler table of 3 decode steps; --hf times HF
-transformers' decode step on the same shape afterwards.
+transformers' decode step on the same shape afterwards. --quantization fp8 quantizes the weights at load
+(one byte per expert and linear weight, plus their float32 scale rows): the roofline counts those bytes.
 
 Cost mode (CPU, fake `small` model): one engine with R3 on and one with it off, rounds alternating,
 tokens/s = (prompt + generated tokens) / wall time of generate(); and RoutingCacheManager.gather of R
@@ -178,7 +180,8 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
     num_blocks = max(max(batches) * per_req, args.prefill_prompts * (-(-(args.prefill_len + 1) // block_size))) + 1
     bw = copy_bandwidth(args.device)
     bench = StepBench(model_dir, args.device, args.dtype, load_format, max(batches), max_len, num_blocks, block_size,
-                      args.max_num_batched_tokens, args.enforce_eager, args.enable_deterministic_inference)  # fmt: skip
+                      args.max_num_batched_tokens, args.enforce_eager, args.enable_deterministic_inference,
+                      args.quantization)  # fmt: skip
     vocab = bench.runner.model.vocab_size
     graphs = bench.runner.decode_graphs
     print(f"model loaded in {bench.load_s:.1f} s; decode CUDA graphs: "
@@ -296,6 +299,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=None, help="default 4096 on CUDA, 64 on the CPU")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
+    ap.add_argument("--quantization", choices=("fp8",), default=None,
+                    help="fp8: block-wise fp8 experts and linears, quantized at load; the roofline counts their bytes")
     ap.add_argument("--enable-deterministic-inference", action="store_true",
                     help="the batch-invariant kernels (run once with, once without: the mode's cost)")
     ap.add_argument("--profile-batch", default="16", help="batch sizes to profile, e.g. 1,256 (needs --out)")

@@ -48,10 +48,12 @@ class StepBench:
         max_num_batched_tokens: int = 8192,
         enforce_eager: bool = False,
         deterministic: bool = False,
+        quantization: str | None = None,
     ) -> None:
         """max_len: the longest sequence (prompt + decode steps); num_blocks: KV blocks for the largest batch.
         Decode steps replay CUDA graphs unless enforce_eager (or the attention backend is not graph-safe).
-        deterministic: the batch-invariant kernels (--enable-deterministic-inference)."""
+        deterministic: the batch-invariant kernels (--enable-deterministic-inference); quantization: "fp8"
+        quantizes the (dummy or checkpoint) weights block-wise at load (--quantization fp8)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.config = EngineConfig.from_kwargs(
@@ -59,6 +61,7 @@ class StepBench:
             max_num_seqs=max_batch, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
             num_gpu_blocks_override=num_blocks, routing_replay_config={"enable_routing_replay": True},
             enforce_eager=enforce_eager, enable_deterministic_inference=deterministic,
+            quantization=quantization or "none",
         )  # fmt: skip
         self.suffix = new_engine_suffix()
         self.runner = ModelRunner(self.config, 0, 1, self.suffix)
@@ -184,13 +187,17 @@ class StepBench:
         """Bytes the last decode step (an R3-on one, `batch` tokens) had to read, by kind."""
         model = self.runner.model
         experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
-        expert_params = {id(p) for m in experts for p in (m.w13, m.w2)}
+        # fp8 experts carry float32 scale rows next to w13 / w2: read with the expert they scale
+        names = ("w13", "w2", "w13_weight_scale_inv", "w2_weight_scale_inv")
+        expert_params = {id(getattr(m, n)) for m in experts for n in names if hasattr(m, n)}
+        scales = [getattr(experts[0], n) for n in names[2:] if hasattr(experts[0], n)]
         embed = model.model.embed_tokens.weight
         dense = sum(p.numel() * p.element_size() for p in model.parameters()
                     if id(p) not in expert_params and p is not embed)  # fmt: skip
         if model.tie_word_embeddings:
             dense += embed.numel() * embed.element_size()
-        per_expert = (experts[0].w13[0].numel() + experts[0].w2[0].numel()) * experts[0].w13.element_size()
+        per_expert = (experts[0].w13[0].numel() + experts[0].w2[0].numel()) * experts[0].w13.element_size() \
+            + sum(t[0].numel() * t.element_size() for t in scales)
         touched = self.experts_touched(batch)
         kv = self.runner.kv_cache
         kv_per_token = kv.shape[0] * 2 * kv.shape[-2] * kv.shape[-1] * kv.element_size()
