@@ -188,7 +188,8 @@ def _build(cfg: EngineConfig, res: EngineResources, runner_cls: type | None) -> 
         connectors=connectors,
     )
     scheduler = Scheduler(kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
-                          max_waiting=sc.max_waiting_requests, num_lookahead_tokens=readies[0].num_lookahead_tokens)
+                          max_waiting=sc.max_waiting_requests, num_lookahead_tokens=readies[0].num_lookahead_tokens,
+                          max_model_len=max_model_len)
     routing = None
     if res.routing_host is not None:
         from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager

@@ -66,9 +66,11 @@ class Scheduler:
         enable_chunked_prefill: bool,
         max_waiting: int | None = None,
         num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.kv = kv
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len  # no lookahead slot past it (None: unbounded)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -166,8 +168,14 @@ class Scheduler:
         self.kv.cache_computed_blocks(req)
 
     def _lookahead(self, req: Request, chunk_end: int) -> int:
-        """Slots to reserve past a chunk ending at chunk_end: only a chunk that samples feeds more."""
-        return self.num_lookahead_tokens if chunk_end == req.num_tokens else 0
+        """Slots to reserve past a chunk ending at chunk_end: only a chunk that samples feeds more, and
+        never past max_model_len: a request holds at most max_model_len tokens, and the last one it
+        samples is never fed, so a verify step's drafts end at position max_model_len - 2."""
+        if chunk_end != req.num_tokens:
+            return 0
+        if self.max_model_len is None:
+            return self.num_lookahead_tokens
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - 1 - chunk_end))
 
     def release(self, req: Request, status: RequestStatus) -> None:
         """Leave the queues and give the blocks back. R3 must have been gathered before this."""

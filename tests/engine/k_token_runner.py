@@ -26,12 +26,17 @@ class KTokenRunner(ModelRunner):
             if not out.sampled_token_ids:
                 break
             feed = []
+            limit = self.config.model_config.max_model_len
             for rid, toks in out.sampled_token_ids.items():
                 r = chunks[rid]
                 pos = r.start_pos + len(r.token_ids) + len(toks) - 1  # where the newest token goes
+                if limit is not None and pos >= limit - 1:
+                    continue  # no lookahead slot there (scheduler._lookahead): as a verify step stops
                 # the same block diff as the chunk's (applying it again changes nothing)
                 feed.append(ScheduledRequestData(rid, [toks[-1]], pos, r.block_table, r.block_tags, sample=True,
                                                  blocks_from=r.blocks_from))
+            if not feed:
+                break
             more = super().execute(StepInput(step.step_id, feed))
             for rid, toks in more.sampled_token_ids.items():
                 out.sampled_token_ids[rid] += toks

@@ -191,3 +191,17 @@ def test_a_lookup_answered_before_a_put_landed_still_finds_the_stored_blocks(sto
         assert step(s) == [("b", 1, True)]
         assert b.num_cached_tokens == 8 and kv.counters.storage_load_blocks == 2
     lookup.close()
+
+
+def test_lookahead_slots_stop_at_max_model_len():
+    """3 lookahead slots (k = 3 drafts), blocks of 4, max_model_len 12: a 6-token prompt reserves all 3
+    (9 slots, 3 blocks); a 10-token prompt only 1 (its drafts end at position 10 = max_model_len - 2), so
+    11 slots, 3 blocks, not the 4 that 13 slots would take."""
+    kv = PrefixCacheManager(8, block_size=4, enable_prefix_caching=False, root_hash=root_hash("t", "0"))
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                  num_lookahead_tokens=3, max_model_len=12)  # fmt: skip
+    s.add_request(req("short", list(range(6))))
+    s.add_request(req("long", list(range(10)), max_tokens=2))
+    assert step(s) == [("short", 6, True), ("long", 10, True)]
+    assert len(kv.block_table("short")) == 3 and len(kv.block_table("long")) == 3
+    assert s._lookahead(s.running[1], 11) == 0  # at 11 tokens nothing more is ever fed
