@@ -31,6 +31,7 @@ from fastdeploy_r3.engine.messages import (
     AbortRequest,
     AddRequest,
     AwaitWriteThrough,
+    CheckIntegrity,
     ContinueGeneration,
     ControlReply,
     ControlRequest,
@@ -44,6 +45,7 @@ from fastdeploy_r3.engine.messages import (
     FlushCache,
     HealthQuery,
     HealthReply,
+    IntegrityReport,
     MetricsQuery,
     MetricsReply,
     OutputBatch,
@@ -214,6 +216,8 @@ class _EngineLoop:
                 message = f"cache flushed: {ctl.flush_cache()} cached blocks forgotten"
             elif isinstance(cmd, EngineStateQuery):
                 message = "ok"
+            elif isinstance(cmd, CheckIntegrity):
+                return self.check_integrity(msg.query_id)
             elif isinstance(cmd, AwaitWriteThrough):
                 self.svc.kv.poll_transfers(block=True)
                 message = "write-through done"
@@ -237,6 +241,21 @@ class _EngineLoop:
             ok, invalid, message = False, e.invalid, str(e)
             return ControlReply(msg.query_id, ok, message, self._state(), invalid, e.status)
         return ControlReply(msg.query_id, ok, message, self._state(), invalid)
+
+    def check_integrity(self, query_id: int) -> ControlReply:
+        kv = self.svc.kv
+        if not self.svc.request_ids():
+            kv.poll_transfers(block=True)  # saves in flight pin their blocks until stored: let them land
+        report = IntegrityReport(len(self.svc.request_ids()), kv.gpu.num_blocks - kv.gpu.num_free_blocks,
+                                 kv.gpu.num_blocks)
+        try:
+            kv.check_integrity()
+        except AssertionError as e:
+            return ControlReply(query_id, False, f"KV cache books disagree: {e}", self._state(), report=report)
+        if report.num_requests == 0 and report.num_referenced_blocks:
+            return ControlReply(query_id, False, f"no request in flight but {report.num_referenced_blocks} blocks "
+                                "still referenced: reserved and never freed", self._state(), report=report)
+        return ControlReply(query_id, True, "ok", self._state(), report=report)
 
     def _state(self) -> EngineState:
         return EngineState(self.svc.weight_version, self.svc.control.paused, len(self.svc.request_ids()))
