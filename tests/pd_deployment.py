@@ -1,7 +1,7 @@
 """A prefill/decode deployment as real processes (docs/pd.md): a redis-server as the shared KV store, a
 prefill server, a decode server, a colocated server with the same flags to compare with, and the
 registry's sglang-router in PD mode in front of P and D. Used by tests/pd/, tests/gpu/ and
-tools/bench_pd.py."""
+tools/bench_pd.py. Below it, what the PD fault tests do to a server tree and check afterwards."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import faults
 import httpx
 from api_server_process import REPO_ROOT, ServerHandle, api_servers, free_port, server_env, stop_process
 from redis_server import redis_server
+
+from fastdeploy_r3.cache_manager.shm import remove_stale_segments
+from fastdeploy_r3.lifecycle import remove_stale_ipc_dirs
 
 
 @dataclass
@@ -64,3 +68,58 @@ def pd_deployment(model: str, log_dir: str, common: tuple[str, ...], decode_args
         finally:
             stop_process(router, 10)
             log.close()
+
+
+def check_integrity(server: ServerHandle) -> dict:
+    r = httpx.get(f"{server.url}/check_integrity", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_idle_and_clean(server: ServerHandle) -> None:
+    """The server's KV books agree and, with nothing in flight, no block is reserved."""
+    report = check_integrity(server)
+    assert report["success"] and report["message"] == "ok", report
+    assert (report["num_requests"], report["num_referenced_blocks"]) == (0, 0), report
+    load = httpx.get(f"{server.url}/v1/loads", timeout=30).json()["loads"][0]
+    assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
+
+
+def server_tree(server: ServerHandle) -> tuple[dict[str, int], list[int]]:
+    """(roles, pids) of a server's process tree, found before the fault so that the kill is immediate."""
+    roles = faults.wait_for_roles(server.proc.pid, ("engine", "worker", "ctm"))
+    return roles, [server.proc.pid, *faults.descendants(server.proc.pid)]
+
+
+def kill_tree(server: ServerHandle, pids: list[int]) -> None:
+    """SIGKILL every process of a server tree at once: none gets to clean up after itself."""
+    for pid in pids:
+        faults.kill(pid)
+    server.proc.wait(timeout=30)
+
+
+def assert_swept(roles: dict[str, int], pids: list[int]) -> None:
+    """Nothing of a killed tree is left once the next start's sweep has run."""
+    deadline = time.monotonic() + 30
+    # gone from /proc, not just dead: a zombie not yet reaped by init still counts as a live pid to the
+    # sweep (its segments are kept as an owner's)
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remove_stale_segments()
+    remove_stale_ipc_dirs()
+    left = faults.leftovers(roles, pids)
+    assert left.count == 0, str(left)
+
+
+def most_unread_bytes(port: int) -> int:
+    """The most bytes one client sent to 127.0.0.1:port that its (stopped) server has not read:
+    /proc/net/tcp's rx_queue of the server's side of each connection (a lookup or a ping is far less
+    than a block's blob)."""
+    most = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].split(":")[1], 16)
+            if local_port == port and fields[3] == "01":  # ESTABLISHED
+                most = max(most, int(fields[4].split(":")[1], 16))
+    return most

@@ -267,6 +267,11 @@ class PrefixCacheManager:
                 if pinned is not None:
                     self.gpu.free(pinned)
 
+    def saves_in_flight(self) -> frozenset[tuple[int, int]]:
+        """(connector index, save id) of every background save not done yet; what engine/write_through.py
+        waits out for a prefill server's handoff, a step at a time."""
+        return frozenset(self._pinned)
+
     def close(self) -> None:
         """Close every connector (their threads and store connections); once, at engine shutdown."""
         for connector in self.connectors:

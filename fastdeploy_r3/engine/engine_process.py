@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.engine.kv_integrity import integrity_reply
 from fastdeploy_r3.engine.messages import (
     AbortRequest,
     AddRequest,
     AwaitWriteThrough,
+    CheckIntegrity,
     ContinueGeneration,
     ControlReply,
     ControlRequest,
@@ -58,6 +60,7 @@ from fastdeploy_r3.engine.messages import (
 )
 from fastdeploy_r3.engine.scheduler import QueueFullError
 from fastdeploy_r3.engine.step_counters import Stopwatch
+from fastdeploy_r3.engine.write_through import WriteThroughWaits
 from fastdeploy_r3.lifecycle import (
     EngineDeadError,
     Shutdown,
@@ -76,6 +79,7 @@ if TYPE_CHECKING:
 
 # How often an idle engine wakes to check that its parent is still alive.
 _IDLE_POLL_MS = 500
+_WRITE_THROUGH_POLL_MS = 2  # an idle loop with a write-through wait polls the saves this often
 # How often an engine busy in a control call tells the API server it is alive
 _CONTROL_HEARTBEAT_S = 1.0
 # One attempt to hand a message to the API server; retried while the server lives (it may be slow or
@@ -142,6 +146,7 @@ class _EngineLoop:
         self.running = True
         self._deferred: list[object] = []  # what arrived during a control call, handled after it
         self._last_beat = 0.0
+        self.write_through = WriteThroughWaits()
         svc.control.heartbeat = self._control_heartbeat
 
     def _control_heartbeat(self) -> None:
@@ -191,6 +196,8 @@ class _EngineLoop:
             self.send(MetricsReply(msg.query_id, {k: float(v) for k, v in self.svc.metrics().items()}))
         elif isinstance(msg, HealthQuery):
             self.send(self._health(msg))
+        elif isinstance(msg, ControlRequest) and isinstance(msg.command, AwaitWriteThrough):
+            self.write_through.add(msg.query_id, self.svc.kv)  # answered by run() once its saves are done
         elif isinstance(msg, ControlRequest):
             self.send(self.control(msg))
         elif isinstance(msg, Shutdown):
@@ -214,9 +221,8 @@ class _EngineLoop:
                 message = f"cache flushed: {ctl.flush_cache()} cached blocks forgotten"
             elif isinstance(cmd, EngineStateQuery):
                 message = "ok"
-            elif isinstance(cmd, AwaitWriteThrough):
-                self.svc.kv.poll_transfers(block=True)
-                message = "write-through done"
+            elif isinstance(cmd, CheckIntegrity):
+                return integrity_reply(self.svc.kv, msg.query_id, self._state(), len(self.svc.request_ids()))
             elif isinstance(cmd, WeightUpdate):
                 version = ctl.update_weights(cmd.source, cmd.weight_version, cmd.abort_all_requests, cmd.force)
                 message = (f"weights updated; weight_version is {version}" if ctl.last_update_reloaded else
@@ -286,9 +292,11 @@ class _EngineLoop:
             while self._deferred and self.running:
                 self.handle(self._deferred.pop(0))
             busy = self.svc.has_work()
-            self.drain(0 if busy else _IDLE_POLL_MS)
+            self.drain(0 if busy else _WRITE_THROUGH_POLL_MS if self.write_through.pending() else _IDLE_POLL_MS)
             if not self.running:
                 return
+            for query_id in self.write_through.ready(self.svc.kv):
+                self.send(ControlReply(query_id, True, "write-through done", self._state()))
             if self.svc.has_work():
                 steps_before = self.svc.step_counters.steps
                 try:

@@ -87,6 +87,12 @@ class EngineStateQuery:
 
 
 @dataclass
+class CheckIntegrity:
+    """Check the KV cache manager's books (free list, ref counts, hash map, block owners): GET
+    /check_integrity, which fault tests ask the surviving server after killing its peer."""
+
+
+@dataclass
 class WeightUpdate:
     source: UpdateWeights
     weight_version: str | None
@@ -129,7 +135,7 @@ class WeightUpdateSession:
 
 ControlCommand = (
     PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate | AwaitWriteThrough
-    | InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeightVersion | ReleaseMemoryOccupation
+    | CheckIntegrity | InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeightVersion | ReleaseMemoryOccupation
     | ResumeMemoryOccupation | WeightsCheck | WeightUpdateSession
 )
 
@@ -242,6 +248,16 @@ class MemoryReport:
 
 
 @dataclass
+class IntegrityReport:
+    """What /check_integrity found consistent: with no request in flight, no block may be referenced
+    (a block still referenced then was reserved and never freed)."""
+
+    num_requests: int
+    num_referenced_blocks: int
+    num_blocks: int
+
+
+@dataclass
 class ControlReply:
     query_id: int
     success: bool
@@ -249,7 +265,7 @@ class ControlReply:
     state: EngineState
     invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
     status: int | None = None  # an HTTP status other than 200/400/500 (409: conflicts with the engine's state)
-    report: WeightsReport | MemoryReport | None = None
+    report: WeightsReport | MemoryReport | IntegrityReport | None = None
 
 
 @dataclass

@@ -14,15 +14,25 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 from api_server_process import free_port
-from pd_deployment import Deployment, pd_deployment
+from pd_deployment import (
+    Deployment,
+    assert_idle_and_clean,
+    assert_swept,
+    kill_tree,
+    most_unread_bytes,
+    pd_deployment,
+    server_tree,
+)
+from redis_server import redis_pid
 
 from fastdeploy_r3.client import decode_routed_experts
 
@@ -64,12 +74,22 @@ def test_server_info_advertises_each_role_and_p_bootstrap_port(pd: Deployment) -
     assert [i["disaggregation_bootstrap_port"] for i in infos] == [pd.bootstrap_port, None, None]
 
 
+def _colocated_meanwhile(pd: Deployment, prompts: list[list[int]], max_new_tokens: int) -> Future[list[dict]]:
+    """The colocated server's answers, asked in a thread while the test drives P and D (the servers share
+    two cores, but each waits on the others' turns often enough that this halves the wall time)."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(lambda: [_generate(pd.colocated.url, p, max_new_tokens).json() for p in prompts])
+    pool.shutdown(wait=False)
+    return future
+
+
 def test_generate_through_the_router_equals_colocated_tokens_and_r3_bit_for_bit(pd: Deployment) -> None:
-    for prompt in PROMPTS:
-        r = _generate(pd.router, prompt)
+    refs = _colocated_meanwhile(pd, PROMPTS, 6)
+    # one at a time: each later prompt finds the shared prefix in P's own cache
+    answers = [_generate(pd.router, prompt) for prompt in PROMPTS]
+    for prompt, r, ref in zip(PROMPTS, answers, refs.result(), strict=True):
         assert r.status_code == 200, r.text
         out = r.json()
-        ref = _generate(pd.colocated.url, prompt).json()
         assert out["output_ids"] == ref["output_ids"] and len(out["output_ids"]) == 6
         assert out["text"] == ref["text"], (prompt, out["output_ids"], out["text"], ref["text"])
         # logprobs: the first token's is P's, the rest D's; both computed in other chunk shapes than the
@@ -85,15 +105,16 @@ def test_generate_through_the_router_equals_colocated_tokens_and_r3_bit_for_bit(
 
 
 def test_requests_in_flight_together_preempt_each_other_on_d_and_still_equal_colocated(pd: Deployment) -> None:
-    # no shared prefix: 4 x 8 blocks once decoded (14 + 16 tokens), D holds 12
-    prompts = [[100 + 20 * i + j for j in range(14)] for i in range(4)]
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda p: _generate(pd.router, p, 16), prompts))
-    for prompt, r in zip(prompts, answers, strict=True):
+    # no shared prefix: 3 x 3 blocks at admission (10 tokens + P's), 3 x 6 once decoded (10 + 14), D holds 12
+    prompts = [[100 + 20 * i + j for j in range(10)] for i in range(3)]
+    refs = _colocated_meanwhile(pd, prompts, 14)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: _generate(pd.router, p, 14), prompts))
+    for prompt, r, ref in zip(prompts, answers, refs.result(), strict=True):
         assert r.status_code == 200, r.text
-        out, ref = r.json(), _generate(pd.colocated.url, prompt, 16).json()
+        out = r.json()
         assert out["output_ids"] == ref["output_ids"]
-        num_rows = len(prompt) + 16 - 1
+        num_rows = len(prompt) + 14 - 1
         assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
     metrics = httpx.get(f"{pd.decode.url}/metrics", timeout=30).text
     preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
@@ -142,9 +163,11 @@ def _completion(url: str, model: str, prompt: str, stream: bool) -> tuple[str, s
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_completions_through_the_router_equal_colocated(pd: Deployment, stream: bool) -> None:
     model = httpx.get(f"{pd.colocated.url}/v1/models", timeout=30).json()["data"][0]["id"]
-    for prompt in ("the quick brown fox jumps over", "the quick brown fox sleeps"):
-        text, routed = _completion(pd.router, model, prompt, stream)
-        ref_text, ref_routed = _completion(pd.colocated.url, model, prompt, stream)
+    prompts = ("the quick brown fox jumps over", "the quick brown fox sleeps")
+    with ThreadPoolExecutor(1) as pool:
+        refs = pool.submit(lambda: [_completion(pd.colocated.url, model, p, stream) for p in prompts])
+        answers = [_completion(pd.router, model, p, stream) for p in prompts]
+    for (text, routed), (ref_text, ref_routed) in zip(answers, refs.result(), strict=True):
         assert text == ref_text
         assert np.array_equal(decode_routed_experts(routed), decode_routed_experts(ref_routed))
 
@@ -153,8 +176,10 @@ def test_chat_through_the_router_equals_colocated(pd: Deployment) -> None:
     model = httpx.get(f"{pd.colocated.url}/v1/models", timeout=30).json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "name a colour"}], "max_tokens": 5,
             "temperature": 0, "ignore_eos": True}
-    out = httpx.post(f"{pd.router}/v1/chat/completions", json=body, timeout=120)
-    ref = httpx.post(f"{pd.colocated.url}/v1/chat/completions", json=body, timeout=120)
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(httpx.post, f"{pd.colocated.url}/v1/chat/completions", json=body, timeout=120)
+        out = httpx.post(f"{pd.router}/v1/chat/completions", json=body, timeout=120)
+        ref = asked.result()
     assert out.status_code == 200, out.text
     got, want = out.json()["choices"][0], ref.json()["choices"][0]
     assert got["message"]["content"] == want["message"]["content"]
@@ -243,7 +268,7 @@ def test_a_flipped_byte_in_every_transferred_block_costs_d_a_recompute_never_a_w
 
 
 def test_p_and_d_on_different_weight_versions_fail_the_request_instead_of_mixing(pd: Deployment) -> None:
-    """Last in the file: P keeps the new version name."""
+    """P keeps the new version name (the case after this one kills P)."""
     r = httpx.post(f"{pd.prefill.url}/update_weight_version", json={"new_version": "pd-other"}, timeout=60)
     assert r.status_code == 200, r.text
     body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
@@ -255,3 +280,52 @@ def test_p_and_d_on_different_weight_versions_fail_the_request_instead_of_mixing
     assert p_r.status_code == 200
     assert d_r.status_code == 502
     assert "weight_version 'pd-other', this decode server has '0'" in d_r.json()["error"]["message"]
+
+
+def test_p_killed_while_its_blocks_are_written_fails_d_with_502_and_leaves_d_clean(pd: Deployment) -> None:
+    """Last in the file: P is gone afterwards. P's write-through is held by stopping the store, and P's
+    whole tree is SIGKILLed once the first blob of the prompt (KV and rows, > 1 KiB) sits unread in the
+    store's socket: D, long-polling for the handoff, answers 502 within seconds."""
+    prompt = [230 + i for i in range(13)]  # 3 full blocks no other case stored
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 300}
+    roles, pids = server_tree(pd.prefill)
+    redis = redis_pid(pd.store_url)
+    store_port = int(pd.store_url.rsplit(":", 1)[1].split("/")[0])
+    # P's write-through cannot finish, so P never publishes room 300; P's own lookup of the prompt's
+    # blocks misses its deadline (the default 2 s) first, then P computes them and the CTM writes
+    os.kill(redis, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            d = pool.submit(httpx.post, f"{pd.decode.url}/generate", json=body, timeout=60)
+            pool.submit(_post_quietly, f"{pd.prefill.url}/generate", body)
+            deadline = time.monotonic() + 30
+            while most_unread_bytes(store_port) < 1024:
+                assert time.monotonic() < deadline, "P never started writing its blocks"
+                time.sleep(0.02)
+            kill_tree(pd.prefill, pids)
+            killed = time.monotonic()
+            r = d.result(timeout=30)
+    finally:
+        os.kill(redis, signal.SIGCONT)
+    assert time.monotonic() - killed < 15  # D gives P 2 s to come back, not the request's deadline
+    assert r.status_code == 502, r.text
+    assert "unreachable" in r.json()["error"]["message"]
+
+    assert_idle_and_clean(pd.decode)  # the request never entered D's engine
+    # D serves on, and whatever of the prompt P left in the store is exact: D's answer without P equals
+    # the colocated server's
+    served, ref = _generate(pd.decode.url, prompt, 3), _generate(pd.colocated.url, prompt, 3)
+    assert served.status_code == 200, served.text
+    assert served.json()["output_ids"] == ref.json()["output_ids"]
+    num_rows = len(prompt) + 3 - 1
+    assert np.array_equal(_rows(served.json()["meta_info"], num_rows), _rows(ref.json()["meta_info"], num_rows))
+    assert_swept(roles, pids)
+
+
+def _post_quietly(url: str, body: dict) -> None:
+    """P's side of the request: its server is killed under it, so no answer is expected."""
+    try:
+        httpx.post(url, json=body, timeout=60)
+    except httpx.HTTPError:
+        pass

@@ -6,6 +6,7 @@
     POST /update_weight_version         {"new_version", "abort_all_requests"}
     GET|POST /weights_checker           {"action": "checksum" | "snapshot" | "compare", ...}
     POST /begin_weight_update, /end_weight_update, /post_process_weights
+    GET /check_integrity                the KV cache's books agree, and nothing is reserved while idle
 
 Answers are SGLang's `{"success", "message"}` plus the engine's weight_version and pause state; 200,
 400 (refused, nothing changed), 409 (not now: requests in flight, memory released), 500 (failed),
@@ -23,9 +24,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from fastdeploy_r3.engine.messages import (
+    CheckIntegrity,
     ControlCommand,
     ControlReply,
     EngineStateQuery,
+    IntegrityReport,
     MemoryReport,
     ReleaseMemoryOccupation,
     ResumeMemoryOccupation,
@@ -117,6 +120,14 @@ def add_control_routes(app: FastAPI, ctx: ServingContext) -> None:
         if report is not None:
             extra.update(ranks=[{"rank": r, "checksums": c} for r, c in enumerate(report.checksums)],
                          per_engine_checksum=report.engine_checksum, mismatched=report.mismatched)
+        return control_answer(reply, **extra)
+
+    @app.get("/check_integrity")
+    async def check_integrity() -> JSONResponse:
+        reply = await control(CheckIntegrity())
+        report = reply.report if isinstance(reply.report, IntegrityReport) else None
+        extra = {} if report is None else {"num_requests": report.num_requests, "num_blocks": report.num_blocks,
+                                           "num_referenced_blocks": report.num_referenced_blocks}
         return control_answer(reply, **extra)
 
     @app.post("/begin_weight_update")
