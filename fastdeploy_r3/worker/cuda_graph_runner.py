@@ -180,9 +180,6 @@ class DecodeGraphs:
                 return None
         return q if padded_size(len(requests), self.query_sizes[q]) is not None else None
 
-    def can_run(self, requests: Sequence[ScheduledRequestData], table_width: int) -> bool:
-        return self.query_len_for(requests, table_width) is not None
-
     def replay(self, inp: StepInputs, q: int = 1) -> torch.Tensor:
         """Run the step's B rows through graph (P, q); returns the logits of its sampling rows [S, V]
         (for q = 1, a view of the graph's output: every row samples)."""
