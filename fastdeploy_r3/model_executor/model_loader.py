@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from fastdeploy_r3.config import ConfigError, ModelConfig
+from fastdeploy_r3.config import ConfigError, ModelConfig, ParallelConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
 from fastdeploy_r3.model_executor.batch_invariant import make_batch_invariant
@@ -125,6 +125,16 @@ def iter_safetensors(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if keep is None or keep(name):
                     yield name, f.get_tensor(name)
+
+
+def expert_placement_for(
+    parallel_config: ParallelConfig, model_config: ModelConfig, rank: int
+) -> ExpertPlacement | None:
+    """Rank `rank`'s experts: a contiguous E/N of them under expert parallelism, else None (the identity)."""
+    ep = parallel_config.expert_parallel_size
+    if ep == 1:
+        return None
+    return ExpertPlacement.contiguous(num_routed_experts_from_hf_config(model_config.hf_config), ep, rank)
 
 
 def load_model(

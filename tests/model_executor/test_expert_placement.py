@@ -1,14 +1,13 @@
-"""The expert -> rank map: the identity every model runs today, and a two-rank map under which the
-loader reads only this rank's experts (what expert parallelism will load)."""
+"""The expert -> rank map: the identity, and two-rank maps under which the loader reads only this rank's
+experts and the layer runs only their rows; the expert-parallel flags and their refusals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fastdeploy_r3.config import ModelConfig
+from fastdeploy_r3.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from fastdeploy_r3.model_executor import model_loader
-from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
 from fastdeploy_r3.model_executor.layers.moe import StackedExperts
 
@@ -59,7 +58,34 @@ def test_loader_reads_only_the_experts_the_placement_gives_this_rank(fake_model_
             assert mine.w13.shape[0] == mine.w2.shape[0] == 8
             assert torch.equal(mine.w13, full.w13[1::2]) and torch.equal(mine.w2, full.w2[1::2])
 
-    # no token dispatch yet: the layer refuses rather than read slot e as expert e
-    with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])):
-        with pytest.raises(ExpertPlacementError, match="needs a token dispatch"):
-            half(torch.tensor([5, 6, 7]), torch.arange(3))
+    # the layer runs only the rows of its own experts (layers/expert_dispatch.py): its MoE output plus the even
+    # experts' rank's is the whole layer's (the all-reduce a real group does); the R3 capture is unchanged
+    even = model_loader.load_model(mc, CPU, expert_placement=ExpertPlacement(tuple(e % 2 for e in range(16)), 0))
+    x = torch.randn(7, whole.hidden_size, generator=torch.Generator().manual_seed(0))  # [T, H]
+    moe = [m.model.layers[1].mlp for m in (whole, half, even)]
+    weights, ids = moe[0].route(x)  # [T, K] logical ids
+    chosen = set(ids.flatten().tolist())
+    assert chosen & set(range(0, 16, 2)) and chosen & set(range(1, 16, 2)), "rows must reach both ranks' experts"
+    with torch.no_grad():
+        parts = [m.experts(x, weights, ids) for m in moe[1:]]  # [T, H] each rank's partial sum
+        torch.testing.assert_close(parts[0] + parts[1], moe[0].experts(x, weights, ids), rtol=1e-6, atol=1e-6)
+
+
+def test_contiguous_placement_and_expert_parallel_flags(fake_model_dir) -> None:
+    """contiguous(16, 2, r): rank 0 experts 0..7, rank 1 experts 8..15; the flags ask for EP = TP, refuse
+    any other size, and an expert count the EP size does not divide."""
+    rank1 = ExpertPlacement.contiguous(16, 2, 1)
+    assert rank1.local_experts == tuple(range(8, 16)) and rank1.ep_size == 2
+    with pytest.raises(ExpertPlacementError, match="16 experts do not split evenly over 3"):
+        ExpertPlacement.contiguous(16, 3, 0)
+    model = fake_model_dir("qwen3_moe")
+    assert EngineConfig.from_kwargs(model, tensor_parallel_size=2, enable_expert_parallel=True) \
+        .parallel_config.expert_parallel_size == 2
+    assert EngineConfig.from_kwargs(model, tensor_parallel_size=2, ep_size=2).parallel_config.expert_parallel_size == 2
+    assert EngineConfig.from_kwargs(model, tensor_parallel_size=2).parallel_config.expert_parallel_size == 1
+    with pytest.raises(ConfigError, match=r"ep_size=4 differs from tensor_parallel_size=2; .* use --ep-size 2"):
+        EngineConfig.from_kwargs(model, tensor_parallel_size=2, ep_size=4)
+    hf = {**ModelConfig(model=model).hf_config, "num_experts": 15}
+    with pytest.raises(ConfigError, match=r"size 2 does not divide the 15 routed experts.*: 1, 3, 5, 15$"):
+        ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).validate_for_model(hf)
+    ParallelConfig(tensor_parallel_size=2).validate_for_model(hf)  # TP alone splits no expert count

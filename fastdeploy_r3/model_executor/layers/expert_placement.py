@@ -7,9 +7,11 @@
     identity(4):               expert_rank = (0, 0, 0, 0)    rank 0 holds slots 0..3 = experts 0..3
     two ranks, round robin:    expert_rank = (0, 1, 0, 1)    rank 1 holds slots 0, 1 = experts 1, 3
 
-Every model uses the identity today (tensor parallelism splits every expert on I instead). Expert
-parallelism is a new placement plus a dispatch of tokens to the ranks of their experts; the router,
-the R3 capture and the loader stay as they are. The loader reads only this rank's experts.
+Without expert parallelism every model uses the identity (tensor parallelism splits every expert on I
+instead). Expert parallelism over N ranks uses contiguous(E, N, r): rank r holds experts
+[r*E/N, (r+1)*E/N) whole, and the MoE layer dispatches each token to the ranks of its experts
+(layers/expert_dispatch.py); the router and the R3 capture see only logical ids, and the loader reads
+only this rank's experts.
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ class ExpertPlacement:
     def identity(cls, num_experts: int) -> ExpertPlacement:
         """One rank holds every expert, slot e = expert e."""
         return cls(expert_rank=(0,) * num_experts)
+
+    @classmethod
+    def contiguous(cls, num_experts: int, ep_size: int, ep_rank: int) -> ExpertPlacement:
+        """Rank r holds experts [r*E/N, (r+1)*E/N) in slots 0..E/N-1: the usual expert-parallel default."""
+        if ep_size < 1 or num_experts % ep_size:
+            raise ExpertPlacementError(f"{num_experts} experts do not split evenly over {ep_size} expert-parallel "
+                                       "ranks; use an expert-parallel size that divides the expert count")
+        per_rank = num_experts // ep_size
+        return cls(expert_rank=tuple(e // per_rank for e in range(num_experts)), ep_rank=ep_rank)
 
     @property
     def num_experts(self) -> int:
