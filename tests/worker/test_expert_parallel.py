@@ -93,3 +93,47 @@ def test_each_rank_holds_half_the_expert_bytes(fake_model_dir, family: str) -> N
     assert [m.expert_placement.local_experts for m in ranks] == [tuple(range(8)), tuple(range(8, 16))]
     for full, lo, hi in zip(experts(whole), experts(ranks[0]), experts(ranks[1]), strict=True):
         assert torch.equal(torch.cat([lo.w13, hi.w13]), full.w13) and torch.equal(torch.cat([lo.w2, hi.w2]), full.w2)
+
+
+def test_update_from_disk_reads_only_this_ranks_experts(fake_model_dir, monkeypatch) -> None:
+    """Rank 1 of EP=2 updated from disk reads experts 8..15 only and then holds exactly the experts a fresh
+    rank 1 loads from the new checkpoint (and every other weight of it)."""
+    from fastdeploy_r3.worker import weight_updater
+
+    old, new = fake_model_dir("qwen3_moe", seed=0), fake_model_dir("qwen3_moe", seed=1)
+    config = EngineConfig.from_kwargs(old, tensor_parallel_size=2, enable_expert_parallel=True)
+    cpu, placement = torch.device("cpu"), expert_placement_for(config.parallel_config, config.model_config, 1)
+    model = load_model(config.model_config, cpu, 1, 2, placement)
+    fresh = load_model(EngineConfig.from_kwargs(new, tensor_parallel_size=2, ep_size=2).model_config, cpu, 1, 2,
+                       placement)
+    read: set[str] = set()
+    real = weight_updater.iter_checked_safetensors
+
+    def spy(files, device, keep=None):  # noqa: ANN001, ANN202 (test spy)
+        for name, tensor in real(files, device, keep):
+            read.add(name)
+            yield name, tensor
+
+    monkeypatch.setattr(weight_updater, "iter_checked_safetensors", spy)
+    weight_updater.WeightUpdater(model, cpu, 1).from_disk(new)
+    assert {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n} == set(range(8, 16))
+    mine, want = model.state_dict(), fresh.state_dict()
+    assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k]) for k in mine)
+
+
+def test_ep2_engine_updated_from_disk_equals_a_fresh_ep2_engine(fake_model_dir) -> None:
+    """An EP=2 engine updated to the seed-1 checkpoint samples the tokens and R3 rows of an EP=2 engine started
+    on it (and no longer those of the seed-0 weights)."""
+    old, new = fake_model_dir("qwen3_moe", seed=0), fake_model_dir("qwen3_moe", seed=1)
+    kw = dict(tensor_parallel_size=2, enable_expert_parallel=True, block_size=4, routing_replay_config=R3)
+    prompts = PROMPTS[:2]
+    with LLM(new, **kw) as fresh:
+        want = fresh.generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(old, **kw) as llm:
+        before = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.update_weights(new) == "1"
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in before] != [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.outputs[0].routed_experts, w.outputs[0].routed_experts)
