@@ -33,6 +33,7 @@ from fastdeploy_r3.config.hf_config import (
 )
 from fastdeploy_r3.config.parallel import (
     expert_parallel_size,
+    read_expert_placement_file,
     validate_expert_parallel,
     validate_tensor_parallel,
 )
@@ -264,6 +265,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = flag(False, "each of the tensor-parallel ranks holds whole routed experts (a "
                                                "contiguous 1/N of them) instead of 1/N of every expert")
     ep_size: int = flag(1, "expert-parallel size; 1, or the tensor-parallel size (same as --enable-expert-parallel)")
+    expert_placement_file: str | None = flag(None, "EPLB: JSON {\"physical_to_logical\": [...]}, the logical expert "
+                                                   "of each physical slot (replicas of hot experts), P/N per rank")
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -281,6 +284,8 @@ class ParallelConfig:
         ep = self.expert_parallel_size
         validate_tensor_parallel(hf_config, self.tensor_parallel_size, expert_parallel=ep > 1)
         validate_expert_parallel(hf_config, ep)
+        if self.expert_placement_file is not None:
+            read_expert_placement_file(self.expert_placement_file, num_routed_experts_from_hf_config(hf_config), ep)
 
 
 @dataclass(frozen=True)

@@ -71,3 +71,32 @@ def validate_tensor_parallel(hf: dict[str, Any], tp: int, expert_parallel: bool)
             + f"; the ranks split {', '.join(f'{k}={v}' for k, v in sizes.items())}, "
             f"so use one of: {choices}"
         )
+
+
+def read_expert_placement_file(path: str, num_experts: int, ep: int) -> tuple[int, ...]:
+    """EPLB's static placement: a JSON file {"physical_to_logical": [P ints]}, the logical expert of each
+    physical slot, P/ep consecutive slots per rank, the same for every MoE layer; P >= E, every expert
+    at least once (more than once: replicas of a hot expert)."""
+    import json
+
+    if ep < 2:
+        raise ConfigError(f"expert_placement_file={path!r} needs expert parallelism: add --enable-expert-parallel "
+                          "with a tensor-parallel size of at least 2")
+    try:
+        with open(path) as f:
+            p2l = json.load(f)["physical_to_logical"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"expert_placement_file={path!r} could not be read as JSON with a 'physical_to_logical' "
+                          f"list ({type(e).__name__})") from None
+    if not isinstance(p2l, list) or not p2l or not all(isinstance(e, int) and not isinstance(e, bool) for e in p2l):
+        raise ConfigError(f"expert_placement_file={path!r}: physical_to_logical must be a non-empty list of ints")
+    if len(p2l) % ep:
+        raise ConfigError(f"expert_placement_file={path!r} has {len(p2l)} physical slots, not a multiple of the "
+                          f"expert-parallel size {ep}: every rank holds the same number of slots")
+    bad = [e for e in p2l if not 0 <= e < num_experts]
+    missing = sorted(set(range(num_experts)) - set(p2l))
+    if bad or missing:
+        what = (f"names expert {bad[0]}, outside [0, {num_experts})" if bad
+                else f"holds no replica of expert {missing[0]}")
+        raise ConfigError(f"expert_placement_file={path!r} {what}; list every logical expert at least once")
+    return tuple(p2l)

@@ -89,3 +89,41 @@ def test_contiguous_placement_and_expert_parallel_flags(fake_model_dir) -> None:
     with pytest.raises(ConfigError, match=r"size 2 does not divide the 15 routed experts.*: 1, 3, 5, 15$"):
         ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).validate_for_model(hf)
     ParallelConfig(tensor_parallel_size=2).validate_for_model(hf)  # TP alone splits no expert count
+
+
+# EPLB over 2 ranks, 20 physical slots for 16 experts, no physical slot p holding logical expert p:
+# rank 0 slots 0..9 = experts 5..14; rank 1 slots 0..9 = experts 15, 0, 1, 2, 3, 4, 0, 7, 12, 5
+REDUNDANT = tuple((p + 5) % 16 for p in range(16)) + (0, 7, 12, 5)
+
+
+def test_redundant_placement_spreads_tokens_over_replicas_and_sums_to_the_whole_layer(fake_model_dir) -> None:
+    """Each replica holds its logical expert's weights; token t's row for an expert with n replicas runs on
+    replica t mod n (expert 0: rank 1 slots 1 and 6; expert 5: rank 0 slot 0 and rank 1 slot 9), and the two
+    ranks' outputs add up to the whole layer's."""
+    assert all(e != p for p, e in enumerate(REDUNDANT))
+    ranks = [ExpertPlacement.redundant(REDUNDANT, 16, 2, r) for r in range(2)]
+    assert ranks[1].local_experts == (15, 0, 1, 2, 3, 4, 0, 7, 12, 5) and ranks[1].local_slots(0) == (1, 6)
+    assert ranks[0].replicas(5) == ((0, 0), (1, 9)) and ranks[0].local_slots(0) == () and not ranks[1].is_identity
+    with pytest.raises(ExpertPlacementError, match="holds no replica of expert 4;"):
+        ExpertPlacement.redundant(REDUNDANT[:15] + (0,), 16, 2, 0)
+
+    mc = ModelConfig(model=fake_model_dir("qwen3_moe"), dtype="float32")
+    whole = model_loader.load_model(mc, CPU)
+    halves = [model_loader.load_model(mc, CPU, expert_placement=p) for p in ranks]
+    full, lo, hi = (m.model.layers[0].mlp.experts for m in (whole, *halves))
+    assert torch.equal(hi.w13[1], full.w13[0]) and torch.equal(hi.w13[6], full.w13[0])  # both replicas of 0
+    assert torch.equal(lo.w2[0], full.w2[5]) and torch.equal(hi.w2[9], full.w2[5])
+
+    x = torch.randn(64, whole.hidden_size, generator=torch.Generator().manual_seed(1))  # [T, H]
+    weights, ids = whole.model.layers[0].mlp.route(x)  # [T, K] logical
+    rows = [h.dispatch.dispatch(x, weights, ids) for h in (lo, hi)]
+    tokens_of_0 = torch.where(ids == 0)[0]
+    assert len({int(t) % 2 for t in tokens_of_0}) == 2, "expert 0 must be chosen by even and odd tokens"
+    hi_rows_of_0 = hi.dispatch.dispatch(x, weights, ids)
+    slots_of_0 = {int(s) for s, r in zip(hi_rows_of_0.slots[:, 0], hi_rows_of_0.rows, strict=True)
+                  if int(ids.reshape(-1)[r]) == 0}
+    assert slots_of_0 == {1, 6}
+    assert rows[0].rows.numel() + rows[1].rows.numel() == ids.numel()  # each row runs exactly once
+    with torch.no_grad():
+        torch.testing.assert_close(lo(x, weights, ids) + hi(x, weights, ids), full(x, weights, ids),
+                                   rtol=1e-6, atol=1e-6)

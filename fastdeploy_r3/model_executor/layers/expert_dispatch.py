@@ -54,22 +54,31 @@ class LocalDispatch:
 
     def __init__(self, placement: ExpertPlacement) -> None:
         self.placement = placement
-        # [E] slot of each logical expert on this rank, -1 where another rank holds it
-        self._slot_of = torch.tensor(
-            [-1 if (s := placement.local_slot(e)) is None else s for e in range(placement.num_experts)],
-            dtype=torch.int64, device="cpu",
+        reps = [placement.replicas(e) for e in range(placement.num_experts)]
+        width = max(len(r) for r in reps)
+        # [E] replicas of each logical expert; [E, R] their ranks and slots (padded with the first replica)
+        self._tables = (
+            torch.tensor([len(r) for r in reps], dtype=torch.int64),
+            torch.tensor([[rank for rank, _ in r] + [r[0][0]] * (width - len(r)) for r in reps], dtype=torch.int64),
+            torch.tensor([[slot for _, slot in r] + [r[0][1]] * (width - len(r)) for r in reps], dtype=torch.int64),
         )
-        self._on_device: dict[torch.device, torch.Tensor] = {}
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
-    def _slot_table(self, device: torch.device) -> torch.Tensor:
-        table = self._on_device.get(device)
-        if table is None:
-            table = self._on_device[device] = self._slot_of.to(device)
-        return table
+    def _tables_on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        tables = self._on_device.get(device)
+        if tables is None:
+            tables = self._on_device[device] = tuple(t.to(device) for t in self._tables)
+        return tables
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> DispatchedRows:
+        """Token t's row for expert e runs on replica t mod (e's replica count): a fixed spread over replicas
+        (EPLB) that every rank computes alike; with one replica each, on the expert's rank."""
         num_tokens, top_k = topk_ids.shape
-        slots = self._slot_table(topk_ids.device)[topk_ids].reshape(-1)  # [T * K], -1: another rank's
+        num_replicas, replica_rank, replica_slot = self._tables_on(topk_ids.device)
+        token = torch.arange(num_tokens, device=topk_ids.device).unsqueeze(1)  # [T, 1]
+        replica = token % num_replicas[topk_ids]  # [T, K]
+        mine = replica_rank[topk_ids, replica] == self.placement.ep_rank  # [T, K]
+        slots = torch.where(mine, replica_slot[topk_ids, replica], -1).reshape(-1)  # [T * K], -1: another rank's
         rows = torch.nonzero(slots >= 0).squeeze(1)  # [N] ascending
         return DispatchedRows(
             x=x.index_select(0, rows // top_k),  # [N, H]

@@ -127,7 +127,7 @@ def loop_experts(
 
 class StackedExperts(nn.Module):
     """The SwiGLU experts `placement` gives this rank, stored stacked (the layout the fused kernels read):
-    w13[slot] = [gate; up], w2[slot] = down, slot = placement.local_slot(expert).
+    w13[slot] = [gate; up], w2[slot] = down, for each slot in placement.local_slots(expert).
 
     `backend` ("auto" by default; see fused_moe.BACKENDS) says how forward() computes them.
 
@@ -170,23 +170,24 @@ class StackedExperts(nn.Module):
         """Copy this rank's slice of logical `expert`'s checkpoint tensor into its slot:
         proj "gate"/"up" [I_full, H], "down" [H, I_full]. param "weight_scale_inv": an fp8 layer's scale,
         rows already expanded (quantization/fp8.py), into w13_weight_scale_inv / w2_weight_scale_inv."""
-        slot = self.placement.local_slot(expert)
-        if slot is None:
+        slots = self.placement.local_slots(expert)  # several under EPLB: each replica gets the same weights
+        if not slots:
             raise ExpertPlacementError(f"expert {expert} is held by rank {self.placement.expert_rank[expert]}, "
                                        f"not by rank {self.placement.ep_rank}: skip its weights")
         inter = self.intermediate_size
         start = self.tp_rank * inter
         suffix = "" if param == "weight" else "_" + param
         w13, w2 = getattr(self, "w13" + suffix), getattr(self, "w2" + suffix)
-        if proj == "gate":
-            w13[slot, :inter].copy_(full[start : start + inter])
-        elif proj == "up":
-            w13[slot, inter:].copy_(full[start : start + inter])
-        else:
-            assert proj == "down", proj
-            cols = w2.shape[2]  # I, or a scale's ceil(I/128) (a multiple of 128 per rank under TP)
-            first = self.tp_rank * cols
-            w2[slot].copy_(full[:, first : first + cols])
+        for slot in slots:
+            if proj == "gate":
+                w13[slot, :inter].copy_(full[start : start + inter])
+            elif proj == "up":
+                w13[slot, inter:].copy_(full[start : start + inter])
+            else:
+                assert proj == "down", proj
+                cols = w2.shape[2]  # I, or a scale's ceil(I/128) (a multiple of 128 per rank under TP)
+                first = self.tp_rank * cols
+                w2[slot].copy_(full[:, first : first + cols])
 
     def triton_block_m(self, x: torch.Tensor, top_k: int) -> int | None:
         """The block of rows the Triton backend will align this batch to (so the routing kernel can align
