@@ -2,14 +2,17 @@
 experts NOT split: rank 0 holds experts 0..7 whole, rank 1 experts 8..15 (tiny fakes have 16). Each
 rank runs only the rows routed to its experts and the MoE all-reduce adds the two halves, so EP=2 gives
 the greedy tokens and the R3 rows (logical expert ids) of one rank, through prefix hits, for all three
-families; and each rank holds exactly half the expert bytes.
+families and with redundant experts (EPLB); each rank holds exactly half the expert bytes; an update
+from disk reads only a rank's own experts and equals a fresh engine.
 
 Tiny fake models: 4 heads, 2 kv heads, 16 experts, top-4, block size 4.
 """
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from fastdeploy_r3 import LLM, SamplingParams
-from fastdeploy_r3.config import EngineConfig
+from fastdeploy_r3.config import ConfigError, EngineConfig
 from fastdeploy_r3.model_executor.layers.moe import StackedExperts
 from fastdeploy_r3.model_executor.model_loader import expert_placement_for, load_model
 
@@ -53,13 +56,20 @@ def generate(model: str, tp: int, **kw: object) -> Run:
                metrics["prefix_hit_blocks"])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_ep2_tokens_and_r3_rows_equal_one_rank(fake_model_dir, family: str) -> None:
-    """Same prompts, same cache: EP=2 samples the same tokens and writes the same logical R3 rows, bit for bit,
-    and its later requests hit the cached prefixes of the earlier ones."""
-    model = fake_model_dir(family)
-    one = generate(model, tp=1)
-    ep = generate(model, tp=2, enable_expert_parallel=True)
+@pytest.fixture(scope="module")
+def one_rank(fake_model_dir) -> Callable[[str], Run]:
+    """one_rank(family) -> the TP=1 reference run, computed once per family."""
+    cache: dict[str, Run] = {}
+
+    def get(family: str) -> Run:
+        if family not in cache:
+            cache[family] = generate(fake_model_dir(family), tp=1)
+        return cache[family]
+
+    return get
+
+
+def assert_same_run(ep: Run, one: Run) -> None:
     assert ep.prefix_hit_blocks > 0 and one.prefix_hit_blocks == ep.prefix_hit_blocks
     assert ep.tokens == one.tokens
     for i, (got, want) in enumerate(zip(ep.rows, one.rows, strict=True)):
@@ -71,6 +81,33 @@ def test_ep2_tokens_and_r3_rows_equal_one_rank(fake_model_dir, family: str) -> N
     # logical ids of both ranks' experts, not slots 0..7 of either
     all_ids = np.concatenate([r.reshape(-1) for r in ep.rows])
     assert all_ids.min() >= 0 and all_ids.max() >= 8 and (all_ids < 8).any()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ep2_tokens_and_r3_rows_equal_one_rank(fake_model_dir, one_rank, family: str) -> None:
+    """Same prompts, same cache: EP=2 samples the same tokens and writes the same logical R3 rows, bit for bit,
+    and its later requests hit the cached prefixes of the earlier ones."""
+    assert_same_run(generate(fake_model_dir(family), tp=2, enable_expert_parallel=True), one_rank(family))
+
+
+def test_ep2_with_redundant_experts_keeps_logical_r3_rows(fake_model_dir, one_rank, tmp_path) -> None:
+    """EPLB: 20 physical slots for 16 experts (experts 0, 5, 7, 12 twice), no slot p holding expert p. The R3
+    rows are the router's logical ids, equal to one rank's, and so are the tokens."""
+    p2l = [(p + 5) % 16 for p in range(16)] + [0, 7, 12, 5]
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"physical_to_logical": p2l}))
+    run = generate(fake_model_dir("qwen3_moe"), tp=2, enable_expert_parallel=True, expert_placement_file=str(path))
+    assert_same_run(run, one_rank("qwen3_moe"))
+
+
+def test_a_placement_file_that_misses_an_expert_is_refused(fake_model_dir, tmp_path) -> None:
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"physical_to_logical": list(range(1, 16)) + [1]}))
+    with pytest.raises(ConfigError, match=r"placement.json' holds no replica of expert 0; list every logical"):
+        EngineConfig.from_kwargs(fake_model_dir("qwen3_moe"), tensor_parallel_size=2, enable_expert_parallel=True,
+                                 expert_placement_file=str(path))
+    with pytest.raises(ConfigError, match=r"needs expert parallelism: add --enable-expert-parallel"):
+        EngineConfig.from_kwargs(fake_model_dir("qwen3_moe"), expert_placement_file=str(path))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
