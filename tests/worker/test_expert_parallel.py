@@ -2,8 +2,8 @@
 experts NOT split: rank 0 holds experts 0..7 whole, rank 1 experts 8..15 (tiny fakes have 16). Each
 rank runs only the rows routed to its experts and the MoE all-reduce adds the two halves, so EP=2 gives
 the greedy tokens and the R3 rows (logical expert ids) of one rank, through prefix hits, for all three
-families and with redundant experts (EPLB); each rank holds exactly half the expert bytes; an update
-from disk reads only a rank's own experts and equals a fresh engine.
+families, through the CPU swap tier and with redundant experts (EPLB); each rank holds exactly half the
+expert bytes; an update from disk reads only a rank's own experts and equals a fresh engine.
 
 Tiny fake models: 4 heads, 2 kv heads, 16 experts, top-4, block size 4.
 """
@@ -26,7 +26,6 @@ from fastdeploy_r3.model_executor.model_loader import expert_placement_for, load
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 R3 = {"enable_routing_replay": True}
-FAMILIES = ("qwen3_moe", "glm4_moe", "mixtral")
 
 
 def _prompts() -> list[list[int]]:
@@ -42,18 +41,17 @@ PROMPTS = _prompts()
 class Run(NamedTuple):
     tokens: list[list[int]]
     rows: list[np.ndarray]  # per request [rows, L, K] logical expert ids
-    prefix_hit_blocks: int
+    metrics: dict  # the engine's counters: prefix_hit_blocks, swap_out_blocks, swap_in_blocks...
 
 
 def generate(model: str, tp: int, **kw: object) -> Run:
-    with LLM(model, tensor_parallel_size=tp, block_size=4, max_num_seqs=2, num_gpu_blocks_override=64,
-             routing_replay_config=R3, **kw) as llm:
+    kw.setdefault("num_gpu_blocks_override", 64)
+    with LLM(model, tensor_parallel_size=tp, block_size=4, max_num_seqs=2, routing_replay_config=R3, **kw) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         metrics = llm.engine.metrics()
     for o in outs:
         assert o.outputs[0].error is None, o.outputs[0].error
-    return Run([o.outputs[0].token_ids for o in outs], [o.outputs[0].routed_experts for o in outs],
-               metrics["prefix_hit_blocks"])
+    return Run([o.outputs[0].token_ids for o in outs], [o.outputs[0].routed_experts for o in outs], metrics)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +67,11 @@ def one_rank(fake_model_dir) -> Callable[[str], Run]:
     return get
 
 
-def assert_same_run(ep: Run, one: Run) -> None:
-    assert ep.prefix_hit_blocks > 0 and one.prefix_hit_blocks == ep.prefix_hit_blocks
+def assert_same_run(ep: Run, one: Run, same_cache: bool = True) -> None:
+    """Same tokens and R3 rows; same_cache: both engines also hit the same cached prefix blocks."""
+    if same_cache:
+        assert ep.metrics["prefix_hit_blocks"] > 0
+        assert ep.metrics["prefix_hit_blocks"] == one.metrics["prefix_hit_blocks"]
     assert ep.tokens == one.tokens
     for i, (got, want) in enumerate(zip(ep.rows, one.rows, strict=True)):
         assert got.shape == want.shape == (len(PROMPTS[i]) + GREEDY.max_tokens - 1, *want.shape[1:])
@@ -83,11 +84,19 @@ def assert_same_run(ep: Run, one: Run) -> None:
     assert all_ids.min() >= 0 and all_ids.max() >= 8 and (all_ids < 8).any()
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "mixtral"])
-def test_ep2_tokens_and_r3_rows_equal_one_rank(fake_model_dir, one_rank, family: str) -> None:
+def test_ep2_tokens_and_r3_rows_equal_one_rank_glm4_moe(fake_model_dir, one_rank) -> None:
     """Same prompts, same cache: EP=2 samples the same tokens and writes the same logical R3 rows, bit for bit,
     and its later requests hit the cached prefixes of the earlier ones."""
-    assert_same_run(generate(fake_model_dir(family), tp=2, enable_expert_parallel=True), one_rank(family))
+    assert_same_run(generate(fake_model_dir("glm4_moe"), tp=2, enable_expert_parallel=True), one_rank("glm4_moe"))
+
+
+def test_ep2_through_the_cpu_tier_equals_one_rank_mixtral(fake_model_dir, one_rank) -> None:
+    """7 GPU blocks for two requests: EP=2's cached prefixes (both ranks' KV) leave for the CPU tier and come
+    back, and the tokens and R3 rows are still one rank's (which never swapped)."""
+    run = generate(fake_model_dir("mixtral"), tp=2, enable_expert_parallel=True, num_gpu_blocks_override=7,
+                   num_cpu_blocks_override=32)
+    assert run.metrics["swap_out_blocks"] > 0 and run.metrics["swap_in_blocks"] > 0, run.metrics
+    assert_same_run(run, one_rank("mixtral"), same_cache=False)
 
 
 def test_ep2_equals_one_rank_before_and_after_an_update_from_disk(fake_model_dir, one_rank) -> None:
@@ -103,8 +112,8 @@ def test_ep2_equals_one_rank_before_and_after_an_update_from_disk(fake_model_dir
         assert llm.update_weights(new) == "1"
         after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         hits_after = llm.engine.metrics()["prefix_hit_blocks"] - hits_before
-    runs = [Run([o.outputs[0].token_ids for o in outs], [o.outputs[0].routed_experts for o in outs], hits)
-            for outs, hits in ((before, hits_before), (after, hits_after))]
+    runs = [Run([o.outputs[0].token_ids for o in outs], [o.outputs[0].routed_experts for o in outs],
+                {"prefix_hit_blocks": hits}) for outs, hits in ((before, hits_before), (after, hits_after))]
     assert_same_run(runs[0], one_rank("qwen3_moe"))
     assert_same_run(runs[1], want_new)
     assert runs[1].tokens != runs[0].tokens
