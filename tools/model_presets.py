@@ -32,6 +32,24 @@ _QWEN3_30B_A3B: dict[str, Any] = {
     "sliding_window": None, "torch_dtype": "bfloat16",
 }
 
+# the models expert parallelism is for (docs/expert_parallel.md): 470 GB / 710 GB in bf16
+_QWEN3_235B_A22B: dict[str, Any] = {
+    **_QWEN3_30B_A3B,
+    "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
+}
+
+_GLM_45: dict[str, Any] = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+    "hidden_size": 5120, "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536, "n_routed_experts": 160,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+    "attention_bias": True, "num_nextn_predict_layers": 1, "vocab_size": 151552,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
 _GLM_45_AIR: dict[str, Any] = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
     "hidden_size": 4096, "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
@@ -53,6 +71,8 @@ _MIXTRAL_8X7B: dict[str, Any] = {
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen3-235b-a22b": _QWEN3_235B_A22B,
+    "glm-4.5": _GLM_45,
     "glm-4.5-air": _GLM_45_AIR,
     "mixtral-8x7b": _MIXTRAL_8X7B,
 }

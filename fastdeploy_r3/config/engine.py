@@ -4,7 +4,7 @@ EngineConfig
   ├─ ModelConfig          checkpoint dir, dtype, architecture facts read from config.json
   ├─ CacheConfig          block_size, GPU/CPU/storage tiers
   ├─ SchedulerConfig      token budget, batch size, chunked prefill
-  ├─ ParallelConfig       tensor parallel size
+  ├─ ParallelConfig       tensor / expert parallel sizes (config/parallel.py)
   └─ RoutingReplayConfig  R3 (r3/config.py); its derived shape comes from postprocess(model_config)
 
 Every config is frozen: each is whole when constructed (ModelConfig reads config.json in __post_init__)
@@ -16,7 +16,6 @@ live on EngineService (engine/engine_service.py).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -31,6 +30,12 @@ from fastdeploy_r3.config.hf_config import (
     num_routed_experts_from_hf_config,
     read_hf_config,
     token_ids,
+)
+from fastdeploy_r3.config.parallel import (
+    expert_parallel_size,
+    read_expert_placement_file,
+    validate_expert_parallel,
+    validate_tensor_parallel,
 )
 from fastdeploy_r3.config.quantization import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
 from fastdeploy_r3.config.scheduler_defaults import (
@@ -257,39 +262,30 @@ class ParallelConfig:
     tensor_parallel_size: int = flag(1, "worker processes the model is sharded over (gloo on CPU, NCCL on CUDA)")
     worker_step_timeout_s: float = flag(120.0, "a step the workers have not answered this long (a stuck or stopped "
                                                "worker) fails the engine, which exits so its supervisor restarts it")
+    enable_expert_parallel: bool = flag(False, "each of the tensor-parallel ranks holds whole routed experts (a "
+                                               "contiguous 1/N of them) instead of 1/N of every expert")
+    ep_size: int = flag(1, "expert-parallel size; 1, or the tensor-parallel size (same as --enable-expert-parallel)")
+    expert_placement_file: str | None = flag(None, "EPLB: JSON {\"physical_to_logical\": [...]}, the logical expert "
+                                                   "of each physical slot (replicas of hot experts), P/N per rank")
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}; use at least 1")
         if not self.worker_step_timeout_s > 0:
             raise ConfigError(f"worker_step_timeout_s={self.worker_step_timeout_s}; use a positive number of seconds")
+        assert self.expert_parallel_size >= 1  # refuses an ep_size the TP size does not allow
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """1, or the TP size: each rank then holds whole experts (config/parallel.py)."""
+        return expert_parallel_size(self.tensor_parallel_size, self.enable_expert_parallel, self.ep_size)
 
     def validate_for_model(self, hf_config: dict[str, Any]) -> None:
-        """Every size the ranks split (heads, kv heads, intermediate sizes) must divide evenly."""
-        tp = self.tensor_parallel_size
-        sizes = tensor_parallel_split_sizes(hf_config)
-        bad = {k: v for k, v in sizes.items() if v % tp}
-        if bad:
-            g = math.gcd(*sizes.values())
-            choices = ", ".join(str(n) for n in range(1, g + 1) if g % n == 0)
-            raise ConfigError(
-                f"tensor_parallel_size={tp} does not divide "
-                + ", ".join(f"{k}={v}" for k, v in bad.items())
-                + f"; the ranks split {', '.join(f'{k}={v}' for k, v in sizes.items())}, "
-                f"so use one of: {choices}"
-            )
-
-
-def tensor_parallel_split_sizes(hf: dict[str, Any]) -> dict[str, int]:
-    """The config.json sizes tensor parallelism splits across ranks: attention by heads (GQA groups
-    whole), dense MLPs and experts by intermediate size (GLM's shared experts are a multiple of
-    moe_intermediate_size)."""
-    num_heads = int(hf["num_attention_heads"])
-    sizes = {"num_attention_heads": num_heads, "num_key_value_heads": int(hf.get("num_key_value_heads", num_heads))}
-    for key in ("moe_intermediate_size", "intermediate_size"):
-        if hf.get(key):
-            sizes[key] = int(hf[key])
-    return sizes
+        ep = self.expert_parallel_size
+        validate_tensor_parallel(hf_config, self.tensor_parallel_size, expert_parallel=ep > 1)
+        validate_expert_parallel(hf_config, ep)
+        if self.expert_placement_file is not None:
+            read_expert_placement_file(self.expert_placement_file, num_routed_experts_from_hf_config(hf_config), ep)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -129,16 +129,20 @@ def safetensors_header(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]
     return out
 
 
-def iter_checked_safetensors(files: list[str], device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """One tensor at a time onto `device`; a file that fails to read is a CheckpointError."""
+def iter_checked_safetensors(
+    files: list[str], device: torch.device | str, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor at a time onto `device`; a file that fails to read is a CheckpointError.
+
+    keep(name) False: the tensor is not read at all (another expert-parallel rank's experts)."""
     from safetensors import safe_open
 
     for path in files:
         try:
             with safe_open(path, framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    tensor = f.get_tensor(name)
-                    yield name, tensor
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except CheckpointError:
             raise
         except WeightLoadingError:

@@ -102,12 +102,14 @@ class ModelRunner:
     # -- start-up -----------------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        from fastdeploy_r3.model_executor.model_loader import load_model
+        from fastdeploy_r3.model_executor.model_loader import expert_placement_for, load_model
         from fastdeploy_r3.worker.memory_occupation import MemoryOccupation
         from fastdeploy_r3.worker.weight_updater import WeightUpdater
 
         torch.manual_seed(self.config.model_config.seed)
-        self.model = load_model(self.config.model_config, self.device, self.rank, self.world_size)
+        mc = self.config.model_config
+        placement = expert_placement_for(self.config.parallel_config, mc, self.rank)  # None: no expert parallel
+        self.model = load_model(mc, self.device, self.rank, self.world_size, placement)
         # each blocking step of a weight update ends before the engine's stall watchdog would fire
         self.weight_updater = WeightUpdater(self.model, self.device, self.rank, self.dtype,
                                             deadline_s=self.config.parallel_config.worker_step_timeout_s)
@@ -201,6 +203,10 @@ class ModelRunner:
         """CUDA: record the decode graphs at start-up, after attach_routing (they bake in its capture), and
         the verify graphs of query length k + 1 under speculative decoding (verify_query_len overrides)."""
         if self.device.type != "cuda" or self.config.model_config.enforce_eager or self.model is None:
+            return
+        if self.config.parallel_config.expert_parallel_size > 1:  # the dispatch syncs with the host
+            logger.info("decode runs eagerly: the expert-parallel dispatch (layers/expert_dispatch.py) is not "
+                        "CUDA-graph safe")
             return
         if not attention_is_graph_safe(self.model):
             logger.info("decode runs eagerly: the attention backend is not CUDA-graph safe")

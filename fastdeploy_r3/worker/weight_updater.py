@@ -3,7 +3,9 @@ torch.distributed group, or from tensors handed over in memory (`/update_weights
 offline `LLM.update_weights`).
 
 Every path sends FULL checkpoint tensors under their HF names; each TP rank keeps its own shard
-(`MoeCausalLM.load_weights` slices), so the sender never needs to know the engine's parallelism.
+(`MoeCausalLM.load_weights` slices), so the sender never needs to know the engine's parallelism. Under
+expert parallelism a rank keeps only its own experts: from disk it does not even read the others'; a
+broadcast delivers them to every rank (a collective), and load_weights drops them unread.
 
 Order of one update, per rank:
 
@@ -178,7 +180,9 @@ class WeightUpdater:
             header = safetensors_header(files)
             self._check({name: shape for name, (_, shape) in header.items()}, require_all=True,
                         dtypes={name: HEADER_DTYPES[dtype] for name, (dtype, _) in header.items()})
-            for name, tensor in iter_checked_safetensors(files, self.device):
+            # every name and shape is checked from the headers; the values read are this rank's only (under
+            # expert parallelism another rank's experts are neither read nor checked here: that rank does it)
+            for name, tensor in iter_checked_safetensors(files, self.device, self._holds):
                 check_tensor(name, tensor, self.model_dtype)
         except CheckpointError as e:
             raise WeightUpdateError(f"weight update refused, no weight changed: {e}") from e
@@ -186,8 +190,8 @@ class WeightUpdater:
             raise WeightUpdateError(
                 f"weight update refused, no weight changed: the checkpoint could not be read ({type(e).__name__})"
             ) from e
-        checked = ((name, check_tensor(name, t, self.model_dtype)) for name, t in iter_checked_safetensors(files,
-                                                                                                          self.device))
+        checked = ((name, check_tensor(name, t, self.model_dtype))
+                   for name, t in iter_checked_safetensors(files, self.device, self._holds))
         return self._load(checked, strict=True, source="the checkpoint directory")
 
     def from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -205,6 +209,11 @@ class WeightUpdater:
             self.destroy_group(name)
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _holds(self, ckpt_name: str) -> bool:
+        """False for a routed expert another expert-parallel rank holds (MoeCausalLM.holds_checkpoint_weight)."""
+        holds = getattr(self.model, "holds_checkpoint_weight", None)
+        return True if holds is None else bool(holds(ckpt_name))
 
     def _check(
         self, shapes: dict[str, tuple[int, ...]], require_all: bool, dtypes: dict[str, torch.dtype]

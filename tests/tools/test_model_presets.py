@@ -44,3 +44,23 @@ def test_glm_45_air_builds_with_its_dense_first_layer() -> None:
     experts = model.model.layers[1].mlp.experts
     assert tuple(experts.w13.shape) == (128, 2 * 1408, 4096)
     assert model.model.layers[1].mlp.shared_experts is not None
+
+
+def test_the_expert_parallel_presets_split_their_experts_whole() -> None:
+    """Qwen3-235B-A22B (128 experts, 4 kv heads: TP=EP=4) and GLM-4.5 (160 experts, 8 kv heads: TP=EP=8) pass
+    the expert-parallel checks; each rank of a 2-layer GLM-4.5 on the meta device holds 20 whole experts."""
+    from fastdeploy_r3.config import ParallelConfig
+    from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
+
+    qwen, glm = preset_config("qwen3-235b-a22b"), preset_config("glm-4.5", num_layers=4)
+    assert (qwen["num_hidden_layers"], qwen["hidden_size"], qwen["num_experts"]) == (94, 4096, 128)
+    assert (glm["n_routed_experts"], glm["first_k_dense_replace"], glm["routed_scaling_factor"]) == (160, 3, 2.5)
+    ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).validate_for_model(qwen)
+    ParallelConfig(tensor_parallel_size=8, ep_size=8).validate_for_model(glm)
+    with torch.device("meta"):
+        model = get_model_class(glm["architectures"][0])(glm, torch.bfloat16, 7, 8,
+                                                         ExpertPlacement.contiguous(160, 8, 7))
+    assert model.moe_layer_ids == [3]
+    experts = model.model.layers[3].mlp.experts
+    assert tuple(experts.w13.shape) == (20, 2 * 1536, 5120)
+    assert experts.placement.local_experts == tuple(range(140, 160))

@@ -8,6 +8,10 @@ capture (R3); nothing after that point may change which experts a token uses. Wh
 or the interpreter) route_fused() does routing, the capture write and the experts' alignment in one
 kernel (ops/fused_routing.py); route() and the capture call are the CPU path and the reference.
 
+Expert parallel over the same N ranks (--enable-expert-parallel): each rank holds E/N whole experts
+(expert_placement.py) and runs only the (token, k) rows routed to them (expert_dispatch.py); the same
+all-reduce sums the ranks' contributions.
+
 Tensor parallel over N ranks: the router is replicated (every rank picks the same experts from the
 same input, so any rank's R3 rows are every rank's); each expert is split on I, w13 by rows and w2 by
 columns, so rank r computes a partial sum over its I/N and the block does one all-reduce of the
@@ -23,6 +27,7 @@ from torch import nn
 from fastdeploy_r3.distributed.parallel_state import all_reduce
 from fastdeploy_r3.model_executor.batch_invariant import invariant_rows, linear
 from fastdeploy_r3.model_executor.forward_context import RoutingCaptureSink, get_forward_context
+from fastdeploy_r3.model_executor.layers.expert_dispatch import ExpertDispatch, LocalDispatch
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
@@ -122,7 +127,7 @@ def loop_experts(
 
 class StackedExperts(nn.Module):
     """The SwiGLU experts `placement` gives this rank, stored stacked (the layout the fused kernels read):
-    w13[slot] = [gate; up], w2[slot] = down, slot = placement.local_slot(expert).
+    w13[slot] = [gate; up], w2[slot] = down, for each slot in placement.local_slots(expert).
 
     `backend` ("auto" by default; see fused_moe.BACKENDS) says how forward() computes them.
 
@@ -147,6 +152,8 @@ class StackedExperts(nn.Module):
                 f"the placement maps {self.placement.num_experts} experts, the layer has {num_experts}"
             )
         self.num_experts = num_experts  # logical E, what the router picks from
+        # None: slot e is expert e, topk_ids index the weights directly; else the expert-parallel dispatch
+        self.dispatch: ExpertDispatch | None = None if self.placement.is_identity else LocalDispatch(self.placement)
         self.tp_rank = tp_rank
         self.full_intermediate_size = intermediate_size
         self.intermediate_size = divide(intermediate_size, tp_size, "expert intermediate size")
@@ -163,23 +170,24 @@ class StackedExperts(nn.Module):
         """Copy this rank's slice of logical `expert`'s checkpoint tensor into its slot:
         proj "gate"/"up" [I_full, H], "down" [H, I_full]. param "weight_scale_inv": an fp8 layer's scale,
         rows already expanded (quantization/fp8.py), into w13_weight_scale_inv / w2_weight_scale_inv."""
-        slot = self.placement.local_slot(expert)
-        if slot is None:
+        slots = self.placement.local_slots(expert)  # several under EPLB: each replica gets the same weights
+        if not slots:
             raise ExpertPlacementError(f"expert {expert} is held by rank {self.placement.expert_rank[expert]}, "
                                        f"not by rank {self.placement.ep_rank}: skip its weights")
         inter = self.intermediate_size
         start = self.tp_rank * inter
         suffix = "" if param == "weight" else "_" + param
         w13, w2 = getattr(self, "w13" + suffix), getattr(self, "w2" + suffix)
-        if proj == "gate":
-            w13[slot, :inter].copy_(full[start : start + inter])
-        elif proj == "up":
-            w13[slot, inter:].copy_(full[start : start + inter])
-        else:
-            assert proj == "down", proj
-            cols = w2.shape[2]  # I, or a scale's ceil(I/128) (a multiple of 128 per rank under TP)
-            first = self.tp_rank * cols
-            w2[slot].copy_(full[:, first : first + cols])
+        for slot in slots:
+            if proj == "gate":
+                w13[slot, :inter].copy_(full[start : start + inter])
+            elif proj == "up":
+                w13[slot, inter:].copy_(full[start : start + inter])
+            else:
+                assert proj == "down", proj
+                cols = w2.shape[2]  # I, or a scale's ceil(I/128) (a multiple of 128 per rank under TP)
+                first = self.tp_rank * cols
+                w2[slot].copy_(full[:, first : first + cols])
 
     def triton_block_m(self, x: torch.Tensor, top_k: int) -> int | None:
         """The block of rows the Triton backend will align this batch to (so the routing kernel can align
@@ -195,11 +203,13 @@ class StackedExperts(nn.Module):
         """x [T, H], topk_weights [T, K], topk_ids [T, K] logical ids -> [T, H], through the quantization method.
 
         blocks: topk_ids already aligned (by the fused routing kernel) for the Triton backend, if it runs."""
-        if not self.placement.is_identity:
-            # the backends index w13 / w2 by logical id; another placement needs the EP token dispatch
-            raise ExpertPlacementError(f"rank {self.placement.ep_rank} holds {self.placement.num_local_experts} of "
-                                       f"{self.num_experts} experts: expert parallelism needs a token dispatch, which "
-                                       "is not built; run with the identity placement")
+        if self.dispatch is not None:
+            # expert parallel: the backends index w13 / w2 by slot, so only this rank's rows, as slots, reach them
+            rows = self.dispatch.dispatch(x, topk_weights, topk_ids)
+            if rows.rows.numel() == 0:  # no token chose one of this rank's experts
+                return torch.zeros_like(x)  # [T, H]
+            y = self.quant_method.apply(self, rows.x, rows.topk_weights, rows.slots, None)  # [N, H]
+            return self.dispatch.combine(y, rows)  # [T, H], this rank's partial sum
         return self.quant_method.apply(self, x, topk_weights, topk_ids, blocks)
 
     def run_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -281,7 +291,13 @@ class SparseMoeBlock(nn.Module):
         if router == "sigmoid_grouped":
             # selection-only bias (the model keeps this router float32, see MoeCausalLM._build)
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size, placement)
+        # expert parallel (over the TP ranks): each rank holds whole experts, so they are not split on I
+        ep_size = 1 if placement is None else placement.ep_size
+        if ep_size > 1 and tp_size > 1 and ep_size != tp_size:
+            raise ExpertPlacementError(f"the placement spreads experts over {ep_size} ranks, tensor parallelism over "
+                                       f"{tp_size}: expert parallelism runs over the tensor-parallel ranks")
+        expert_tp = (0, 1) if ep_size > 1 else (tp_rank, tp_size)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, *expert_tp, placement)
         self.shared_experts = (
             # partial sums: forward() reduces routed + shared in one all-reduce
             GatedMLP(hidden_size, shared_intermediate_size, tp_rank, tp_size, reduce_results=False)
@@ -348,8 +364,9 @@ class SparseMoeBlock(nn.Module):
         forced = _replayed_ids(self.moe_index, x.shape[0])  # [T, K] or None
         sink, slot_mapping = _routing_sink()
         blocks = None
-        # R3 records the router's LOGICAL ids, right after the top-k, before the experts map them to ranks
-        # and slots (expert_placement.py): a rank or slot number must never reach a routing row
+        # R3 INVARIANT: the router runs on every rank over LOGICAL expert ids, and the capture below records
+        # them right after the top-k, before the experts map them to ranks and slots (expert_placement.py,
+        # expert_dispatch.py): a rank, slot or replica number never reaches a routing row
         if forced is None and self.use_fused_routing and use_triton(x):
             routed = self.route_fused(x, sink, slot_mapping, self.experts.triton_block_m(x, self.top_k))
             topk_weights, topk_ids, blocks = routed.topk_weights, routed.topk_ids, routed.blocks  # [T, K], [T, K]

@@ -1,0 +1,96 @@
+"""Token dispatch and combine for expert parallelism: which of a step's (token, k) rows run on this rank.
+
+Shape legend: T = tokens, H = hidden, K = experts per token, E = logical experts, N = this rank's rows.
+
+    topk_ids [T, K] logical ──dispatch──► x [N, H], weights [N, 1], slots [N, 1] local   (this rank's experts)
+                                              │ the experts (any backend, top-k 1 over N rows)
+    [T, H] this rank's partial ◄──combine──── y [N, H]
+                                              │ SparseMoeBlock's all-reduce (with the shared experts)
+    [T, H] every expert of every token
+
+LocalDispatch is the dispatch of expert parallelism over the tensor-parallel ranks: attention is TP, so
+every rank already holds every token's hidden state and sends nothing; it keeps the rows whose expert
+it holds, and the combine is the all-reduce the MoE block does anyway. A dispatch where ranks hold
+different tokens (data-parallel attention) replaces it behind the same two calls: dispatch() then
+sends each row to its expert's rank by an all-to-all (a DeepEP-style kernel on NCCL, gloo's
+all_to_all on the CPU) and combine() sends the results back and adds them per token.
+
+The rows are cut by a nonzero(): a host sync, so expert-parallel steps run eagerly (no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class DispatchedRows:
+    """The (token, k) rows one rank computes, and where their results go back."""
+
+    x: torch.Tensor  # [N, H] hidden state of each row's token
+    topk_weights: torch.Tensor  # [N, 1] the router's weight of the row's expert
+    slots: torch.Tensor  # [N, 1] int64 the row's expert as this rank's slot (never a logical id)
+    rows: torch.Tensor  # [N] int64 flat position token * K + k of each row, ascending
+    num_tokens: int
+    top_k: int
+
+
+class ExpertDispatch(Protocol):
+    """dispatch() gives this rank its rows of a step; combine() turns their results into this rank's
+    [T, H] contribution, which the MoE block sums over ranks."""
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> DispatchedRows: ...
+
+    def combine(self, y: torch.Tensor, rows: DispatchedRows) -> torch.Tensor: ...
+
+
+class LocalDispatch:
+    """Expert parallelism over TP ranks: every rank has every token; it runs the rows of its own experts."""
+
+    def __init__(self, placement: ExpertPlacement) -> None:
+        self.placement = placement
+        reps = [placement.replicas(e) for e in range(placement.num_experts)]
+        width = max(len(r) for r in reps)
+        # [E] replicas of each logical expert; [E, R] their ranks and slots (padded with the first replica)
+        self._tables = (
+            torch.tensor([len(r) for r in reps], dtype=torch.int64),
+            torch.tensor([[rank for rank, _ in r] + [r[0][0]] * (width - len(r)) for r in reps], dtype=torch.int64),
+            torch.tensor([[slot for _, slot in r] + [r[0][1]] * (width - len(r)) for r in reps], dtype=torch.int64),
+        )
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def _tables_on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        tables = self._on_device.get(device)
+        if tables is None:
+            tables = self._on_device[device] = tuple(t.to(device) for t in self._tables)
+        return tables
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> DispatchedRows:
+        """Token t's row for expert e runs on replica t mod (e's replica count): a fixed spread over replicas
+        (EPLB) that every rank computes alike; with one replica each, on the expert's rank."""
+        num_tokens, top_k = topk_ids.shape
+        num_replicas, replica_rank, replica_slot = self._tables_on(topk_ids.device)
+        token = torch.arange(num_tokens, device=topk_ids.device).unsqueeze(1)  # [T, 1]
+        replica = token % num_replicas[topk_ids]  # [T, K]
+        mine = replica_rank[topk_ids, replica] == self.placement.ep_rank  # [T, K]
+        slots = torch.where(mine, replica_slot[topk_ids, replica], -1).reshape(-1)  # [T * K], -1: another rank's
+        rows = torch.nonzero(slots >= 0).squeeze(1)  # [N] ascending
+        return DispatchedRows(
+            x=x.index_select(0, rows // top_k),  # [N, H]
+            topk_weights=topk_weights.reshape(-1).index_select(0, rows).unsqueeze(1),  # [N, 1]
+            slots=slots.index_select(0, rows).unsqueeze(1),  # [N, 1]
+            rows=rows, num_tokens=num_tokens, top_k=top_k,
+        )
+
+    def combine(self, y: torch.Tensor, rows: DispatchedRows) -> torch.Tensor:
+        """y [N, H] (weighted) -> [T, H]: each token's rows summed over k in a fixed order (no atomics, so
+        the same bits on every run), in float32 as the fused backends accumulate."""
+        hidden = y.shape[1]
+        part = torch.zeros(rows.num_tokens * rows.top_k, hidden, dtype=torch.float32, device=y.device)
+        part.index_copy_(0, rows.rows, y.float())  # [T * K, H], zero for other ranks' rows
+        return part.view(rows.num_tokens, rows.top_k, hidden).sum(dim=1).to(y.dtype)  # [T, H]
