@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata
-from fastdeploy_r3.model_executor.layers.attention import Attention, AttentionBackend
+from fastdeploy_r3.model_executor.layers.attention import Attention, AttentionBackend, paged_attention_loop
 from fastdeploy_r3.model_executor.ops.invariant_matmul import invariant_matmul
-from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
 from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
@@ -174,24 +174,7 @@ class BatchInvariantAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [T, H, D]
         if use_triton(q):
             return self._triton(q, k, v, kv_cache, attn_metadata, scale)
-        k_cache, v_cache = kv_cache
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        write_kv_cache_ref(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-        out = torch.empty_like(q)  # [T, H, D]
-        for b, query_len in enumerate(attn_metadata.query_lens):
-            if query_len == 0:
-                continue
-            start = attn_metadata.query_start_loc[b]
-            seq_len = attn_metadata.seq_lens[b]
-            if seq_len == 0:  # a padded row
-                out[start : start + query_len] = 0
-                continue
-            num_used = -(-seq_len // block_size)
-            block_ids = attn_metadata.block_tables[b, :num_used].to(k_cache.device)  # [nb]
-            k_ctx = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
-            v_ctx = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
-            out[start : start + query_len] = invariant_attention(q[start : start + query_len], k_ctx, v_ctx, scale)
-        return out
+        return paged_attention_loop(q, k, v, kv_cache, attn_metadata, scale, invariant_attention)
 
     @staticmethod
     def _triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -21,6 +21,7 @@ An Attention module without an explicit backend picks Triton for CUDA tensors, t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -77,26 +78,42 @@ class TorchPagedAttentionBackend(AttentionBackend):
         attn_metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        write_kv_cache_ref(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        return paged_attention_loop(q, k, v, kv_cache, attn_metadata, scale,
+                                    lambda q_b, k_ctx, v_ctx, sc: _causal_attention(q_b, k_ctx.to(q.dtype),
+                                                                                    v_ctx.to(q.dtype), sc))
 
-        out = torch.empty_like(q)  # [T, H, D]
-        for b, query_len in enumerate(attn_metadata.query_lens):
-            if query_len == 0:
-                continue
-            start = attn_metadata.query_start_loc[b]
-            seq_len = attn_metadata.seq_lens[b]
-            if seq_len == 0:  # a padded row, as the Triton backend treats it
-                out[start : start + query_len] = 0
-                continue
-            num_used = -(-seq_len // block_size)
-            block_ids = attn_metadata.block_tables[b, :num_used].to(k_cache.device)  # [nb]
-            k_ctx = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
-            v_ctx = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
-            q_b = q[start : start + query_len]  # [Q, H, D]
-            out[start : start + query_len] = _causal_attention(q_b, k_ctx.to(q.dtype), v_ctx.to(q.dtype), scale)
-        return out
+
+def paged_attention_loop(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # [NB, BS, KVH, D] each
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+) -> torch.Tensor:  # [T, H, D]
+    """Write the step's k/v into the paged cache, then per request gather its context through its block
+    table and attend(q [Q, H, D], k [S, KVH, D], v [S, KVH, D], scale) -> [Q, H, D]: the torch backends'
+    shared loop (this reference and model_executor/batch_invariant.py's)."""
+    k_cache, v_cache = kv_cache
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    write_kv_cache_ref(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+
+    out = torch.empty_like(q)  # [T, H, D]
+    for b, query_len in enumerate(attn_metadata.query_lens):
+        if query_len == 0:
+            continue
+        start = attn_metadata.query_start_loc[b]
+        seq_len = attn_metadata.seq_lens[b]
+        if seq_len == 0:  # a padded row, as the Triton backend treats it
+            out[start : start + query_len] = 0
+            continue
+        num_used = -(-seq_len // block_size)
+        block_ids = attn_metadata.block_tables[b, :num_used].to(k_cache.device)  # [nb]
+        k_ctx = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
+        v_ctx = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, KVH, D]
+        out[start : start + query_len] = attend(q[start : start + query_len], k_ctx, v_ctx, scale)
+    return out
 
 
 class TritonPagedAttentionBackend(AttentionBackend):
