@@ -10,38 +10,23 @@ EP steps run eagerly (the dispatch syncs with the host; docs/expert_parallel.md)
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
 import torch
+import two_gpu_runs
 from fake_model import make_fake_model
-
-from fastdeploy_r3 import LLM, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (nvidia-h200-x2)"),
 ]
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-R3 = {"enable_routing_replay": True}
-
-
-def _prompts() -> list[list[int]]:
-    """Three 24-token prefixes, each reused by several requests with different tails."""
-    rng = random.Random(13)
-    bases = [[rng.randrange(3, 500) for _ in range(24)] for _ in range(3)]
-    return [bases[i % 3] + [rng.randrange(3, 500) for _ in range(1 + i % 5)] for i in range(12)]
+SEED = 13  # the prompts' (two_gpu_runs.prompts)
 
 
 def run(model_dir: str, tp: int, **kw: object) -> tuple[list[list[int]], list[np.ndarray]]:
-    with LLM(model_dir, device="cuda", dtype="float32", tensor_parallel_size=tp, block_size=4, max_num_seqs=4,
-             num_gpu_blocks_override=256, routing_replay_config=R3, **kw) as llm:  # fmt: skip
-        outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].error is None, o.outputs[0].error
-    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].routed_experts for o in outs]
+    return two_gpu_runs.run(model_dir, tp, SEED, **kw)
 
 
 def assert_same(got: tuple[list[list[int]], list[np.ndarray]], want: tuple[list[list[int]], list[np.ndarray]]) -> None:
