@@ -70,18 +70,26 @@ def bounded_h11(header_timeout_s: float, max_connections: int) -> type[asyncio.P
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._opened_at = time.monotonic()
-            if len(self.connections) > max_connections:
-                # the oldest connection still waiting for its headers makes room (a slow or half-open
-                # client), so a flood of them cannot lock a real client out; with none, this one goes
-                waiting = [c for c in self.connections if c is not self and isinstance(c, BoundedH11Protocol)
-                           and c.waiting_for_headers()]
-                victim = min(waiting, key=lambda c: c._opened_at) if waiting else self
-                self._warn(f"{len(self.connections) - 1} connections are open, the most --max-connections allows; "
-                           "closing " + ("the oldest one still waiting for its headers" if waiting else "a new one"))
-                victim.transport.abort()
-                if victim is self:
-                    return
+            if len(self.connections) > max_connections and self._make_room() is self:
+                return
             self._arm_header_timer()
+
+        def _make_room(self) -> BoundedH11Protocol | None:
+            """Past the cap: abort the oldest connection still waiting for its headers (a slow or
+            half-open client), so that a flood of them cannot lock a real client out; with none, this
+            one. An aborted connection stays in `connections` until its connection_lost a loop
+            iteration later, and one accept batch makes many connections at once: the aborted ones
+            are neither counted nor chosen again (else each new one aborted the same victim and the
+            fds piled up to EMFILE)."""
+            live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
+            if len(live) <= max_connections:
+                return None
+            waiting = [c for c in live if c is not self and isinstance(c, BoundedH11Protocol) and c.waiting_for_headers()]
+            victim = min(waiting, key=lambda c: c._opened_at) if waiting else self
+            self._warn(f"{len(live) - 1} connections are open, the most --max-connections allows; "
+                       "closing " + ("the oldest one still waiting for its headers" if waiting else "a new one"))
+            victim.transport.abort()
+            return victim
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:
