@@ -84,7 +84,8 @@ def bounded_h11(header_timeout_s: float, max_connections: int) -> type[asyncio.P
             live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
             if len(live) <= max_connections:
                 return None
-            waiting = [c for c in live if c is not self and isinstance(c, BoundedH11Protocol) and c.waiting_for_headers()]
+            waiting = [c for c in live
+                       if c is not self and isinstance(c, BoundedH11Protocol) and c.waiting_for_headers()]
             victim = min(waiting, key=lambda c: c._opened_at) if waiting else self
             self._warn(f"{len(live) - 1} connections are open, the most --max-connections allows; "
                        "closing " + ("the oldest one still waiting for its headers" if waiting else "a new one"))
