@@ -12,9 +12,14 @@ degraded too, for /health, but costs nothing to try, so every call still tries i
 success heals it. Thread-safe: the engine loop, lookup threads and the API
 server's delivery threads share one instance per store.
 
-`call_with_deadline` runs one blocking store call on the store's own thread and stops waiting at
-the deadline (the call itself cannot be interrupted; the next calls queue behind it and are skipped
-while the store is degraded, so stuck calls do not pile up).
+DeadlineCaller runs each blocking store call on the store's own thread and stops waiting at the
+deadline (the call itself cannot be interrupted). The deadline is the store's time: it starts when the
+call starts on that thread, not when it was queued, so a burst of requests queued behind each other
+on a busy machine does not read as a slow store. A queued call gives up when the call ahead of it is
+past its own deadline (the store is stuck: waiting longer helps nobody), and calls made while the
+store is degraded are skipped, so stuck calls do not pile up. An answer already in hand when a
+deadline fires (the process was stopped or starved while the store answered) is taken: the caller
+looks once more after a short grace before it blames the store.
 """
 
 from __future__ import annotations
@@ -96,12 +101,16 @@ class StoreHealth:
 
 
 class DeadlineCaller:
-    """One thread per store that runs its blocking calls; callers wait at most a deadline."""
+    """One thread per store that runs its blocking calls; callers wait at most a deadline of the store's time."""
+
+    grace_s = 0.1  # after a deadline: time for an answer already in hand to be taken (see the module doc)
+    poll_s = 0.05  # how often a queued caller looks whether the call ahead of it is stuck
 
     def __init__(self, health: StoreHealth, timeout_s: float) -> None:
         self.health = health
         self.timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fdr3-{health.name}")
+        self._running_since: float | None = None  # when the store thread's current call started
 
     def call(
         self,
@@ -118,9 +127,10 @@ class DeadlineCaller:
         that was reported as failed must not stay stored)."""
         if not self.health.should_try():
             raise self.health.unavailable()
-        fut = self._pool.submit(fn, *args)
+        started: list[float] = []
+        fut = self._pool.submit(self._run, started, fn, *args)
         try:
-            result = fut.result(timeout=self.timeout_s)
+            result = self._result(fut, started)
         except concurrent.futures.TimeoutError:
             self.health.failed(f"no answer within {self.timeout_s:g} s")
             if undo is not None:
@@ -134,6 +144,31 @@ class DeadlineCaller:
             raise
         self.health.ok()
         return result
+
+    def _run(self, started: list[float], fn: Callable[..., T], *args: object) -> T:
+        self._running_since = now = time.monotonic()
+        started.append(now)
+        try:
+            return fn(*args)
+        finally:
+            self._running_since = None
+
+    def _result(self, fut: concurrent.futures.Future, started: list[float]) -> T:
+        """fut's result within timeout_s of its start; TimeoutError when it misses that, or when it is still
+        queued behind a call that missed its own."""
+        while not started and not fut.done():
+            ahead = self._running_since
+            if ahead is not None and time.monotonic() - ahead > self.timeout_s + self.grace_s and fut.cancel():
+                raise concurrent.futures.TimeoutError
+            try:
+                return fut.result(timeout=self.poll_s)
+            except concurrent.futures.TimeoutError:
+                continue
+        remaining = started[0] + self.timeout_s - time.monotonic() if started else 0.0
+        try:
+            return fut.result(timeout=max(remaining, 0.0))
+        except concurrent.futures.TimeoutError:
+            return fut.result(timeout=self.grace_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

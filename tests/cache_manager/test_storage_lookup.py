@@ -80,6 +80,57 @@ def test_a_call_past_its_deadline_raises_and_later_calls_are_skipped_without_wai
     caller.close()
 
 
+def test_a_burst_queued_behind_each_other_is_not_a_slow_store():
+    """Six requests at once, each store call 0.15 s against a 0.2 s deadline: the sixth waits 0.75 s in
+    the queue, but the store answered each within its deadline, so all are served and it stays healthy.
+    (Before, the queue counted against the deadline: the second call on failed, and the store was
+    skipped for everyone until a probe.)"""
+
+    def slow_exists(keys: list[str]) -> list[bool]:
+        time.sleep(0.15)
+        return [True for _ in keys]
+
+    caller = DeadlineCaller(StoreHealth("r3 store", retry_after_s=60.0), timeout_s=0.2)
+    answers: list[object] = []
+    threads = [threading.Thread(target=lambda: answers.append(caller.call(slow_exists, ["a"]))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [[True]] * 6
+    assert caller.health.degraded is None and caller.health.counters.failures == 0
+    caller.close()
+
+
+def test_a_call_queued_behind_a_stuck_one_gives_up_at_the_stuck_calls_deadline():
+    store = HangingStore({"a"})
+    store.released.clear()
+    caller = DeadlineCaller(StoreHealth("r3 store", retry_after_s=60.0), timeout_s=0.3)
+    outcomes: list[str] = []
+
+    def call() -> None:
+        try:
+            caller.call(store.exists, ["a"])
+            outcomes.append("answered")
+        except StoreUnavailableError:
+            outcomes.append("unavailable")
+
+    t0 = time.monotonic()
+    first = threading.Thread(target=call)
+    first.start()
+    while store.calls == 0:  # the first call holds the store's thread
+        time.sleep(0.01)
+    queued = threading.Thread(target=call)
+    queued.start()
+    first.join()
+    queued.join()
+    assert outcomes == ["unavailable", "unavailable"]
+    assert time.monotonic() - t0 < 1.5  # neither waited for the stuck call to end
+    assert store.calls == 1  # the queued call never reached the store
+    store.released.set()
+    caller.close()
+
+
 def test_a_call_that_fails_fast_degrades_the_store_but_the_next_call_still_tries_it():
     """A refusal costs nothing to retry: /health says degraded, and the first success heals it."""
     outcomes = [ConnectionError("redis at redis://127.0.0.1:1/0 refused"), [True]]

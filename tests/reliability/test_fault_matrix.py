@@ -75,9 +75,10 @@ def drive(target: Target, n: int, fault: Callable[[], object] | None = None, aft
     return asyncio.run(run())
 
 
-def assert_all_served(outcomes: list[Outcome]) -> None:
+def assert_all_served(outcomes: list[Outcome], srv: ServerHandle | None = None) -> None:
     bad = [o for o in outcomes if o.outcome != OK]
-    assert not bad, f"{len(bad)} of {len(outcomes)} not served: {bad[:3]}"
+    log = f"\nthe server log ends:\n{srv.log_tail(60)}" if bad and srv is not None else ""
+    assert not bad, f"{len(bad)} of {len(outcomes)} not served: {bad[:3]}{log}"
 
 
 def server_tree(srv: ServerHandle) -> tuple[dict[str, int], list[int]]:
@@ -198,8 +199,8 @@ def test_a_survivable_fault_costs_no_request_and_r3_stays_exact(
         fault = store.corrupt
     try:
         outcomes = drive(target, 8, fault, seed=1)
-        assert_all_served(outcomes)
-        assert_all_served(drive(target, 2, seed=2))  # and it keeps serving
+        assert_all_served(outcomes, srv)
+        assert_all_served(drive(target, 2, seed=2), srv)  # and it keeps serving
     finally:
         undo()
     if case.startswith("ctm"):
