@@ -2,10 +2,10 @@
 answers 200 and its R3 is what the store holds; the other answers 409 before generating. Before, both
 answered 200 and the store held the other request's R3 (same shape, so a trainer could not notice).
 
-The same two-server race runs on each store two servers can share: a local directory and a real
-`redis-server` (the p2pstore; the session's, tests/conftest.py). Two tiny servers at a time, started
-together once per store. Mooncake's reservation is raced store object against store object in
-tests/r3/test_conditional_writes.py (the server path is the one raced here)."""
+The two servers share a real `redis-server` (the p2pstore; the session's, tests/conftest.py), the
+store RL deployments put between machines; they are started together. The server path is the same
+for every store, so the local directory's and Mooncake's reservations are raced store object against
+store object in tests/r3/test_conditional_writes.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from api_server_process import ServerHandle, api_servers
 
-from fastdeploy_r3.client import read_local_rollout, read_redis_rollout
+from fastdeploy_r3.client import read_redis_rollout
 
 MOE_LAYER_IDS = [1, 2, 3]  # the fake glm4_moe: layer 0 dense
 # different prompt lengths: the stored row count says which server's request wrote the rollout
@@ -33,21 +33,12 @@ class SharedStore:
     read: Callable[..., np.ndarray]  # read(rollout_id, choice=None) -> [T-1, L, K]; KeyError when absent
 
 
-def _store_config(kind: str, request: pytest.FixtureRequest, tmp_path_factory) -> tuple[dict, Callable]:
-    if kind == "local":
-        where = str(tmp_path_factory.mktemp("shared-r3"))
-        return ({"routing_store_type": "local", "local_store_dir": where},
-                lambda rid, choice=None: read_local_rollout(where, rid, choice=choice))
-    url = request.getfixturevalue("redis_url")
-    return ({"routing_store_type": "p2pstore", "p2pstore_url": url, "ttl_s": 600},
-            lambda rid, choice=None: read_redis_rollout(url, NAMESPACE, rid, choice=choice))
-
-
-@pytest.fixture(scope="module", params=["local", "redis"])
-def shared(request: pytest.FixtureRequest, fake_model_dir, tmp_path_factory) -> Iterator[SharedStore]:
-    store, read = _store_config(request.param, request, tmp_path_factory)
+@pytest.fixture(scope="module")
+def shared(redis_url: str, fake_model_dir, tmp_path_factory) -> Iterator[SharedStore]:
+    store = {"routing_store_type": "p2pstore", "p2pstore_url": redis_url, "ttl_s": 600}
+    read = lambda rid, choice=None: read_redis_rollout(redis_url, NAMESPACE, rid, choice=choice)  # noqa: E731
     cfg = json.dumps({"enable_routing_replay": True, "debug_mode": True, **store})
-    logs = str(tmp_path_factory.mktemp(f"logs-{request.param}"))
+    logs = str(tmp_path_factory.mktemp("logs"))
     model = fake_model_dir("glm4_moe")
     args = ("--routing-replay-config", cfg, "--r3-namespace", NAMESPACE, "--max-model-len", "64",
             "--num-gpu-blocks-override", "32")
