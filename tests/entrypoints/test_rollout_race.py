@@ -52,12 +52,10 @@ def _complete(server: ServerHandle, prompt: str, rollout_id: str, **extra: objec
     return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
 
 
-def test_same_rollout_id_on_two_servers_at_once_has_one_winner_and_its_r3_is_stored(
-        shared: SharedStore, request: pytest.FixtureRequest) -> None:
-    kind = request.node.callspec.params["shared"]
+def test_same_rollout_id_on_two_servers_at_once_has_one_winner_and_its_r3_is_stored(shared: SharedStore) -> None:
     with ThreadPoolExecutor(2) as pool:
         for round_ in range(5):
-            rid = f"race-{kind}-{round_}"
+            rid = f"race-{round_}"
             futures = [pool.submit(_complete, s, p, rid) for s, p in zip(shared.servers, PROMPTS, strict=True)]
             answers = [f.result() for f in futures]
             assert sorted(r.status_code for r in answers) == [200, 409], [r.text for r in answers]
@@ -70,9 +68,8 @@ def test_same_rollout_id_on_two_servers_at_once_has_one_winner_and_its_r3_is_sto
             assert (stored == stored[:, :1, :1]).all() and stored[:, 0, 0].tolist() == list(range(rows))  # debug ids
 
 
-def test_overwrite_on_the_other_server_replaces_the_whole_rollout_choice_count_included(
-        shared: SharedStore, request: pytest.FixtureRequest) -> None:
-    (a, b), rid = shared.servers, f"ow-{request.node.callspec.params['shared']}"
+def test_overwrite_on_the_other_server_replaces_the_whole_rollout_choice_count_included(shared: SharedStore) -> None:
+    (a, b), rid = shared.servers, "ow"
     assert _complete(a, PROMPTS[0], rid, n=2, seed=1).status_code == 200
     again = _complete(b, PROMPTS[1], rid)
     assert again.status_code == 409 and "overwrite_rollout" in again.json()["error"]["message"]
