@@ -12,7 +12,7 @@ server's file descriptors (then /health and /generate would time out for everyon
                            timer alone is cancelled by the first byte of a dribbled header)
     idle between requests  uvicorn's timeout_keep_alive
 
-The default cap leaves a quarter of the fd limit (and 64 more) to the sockets accepted in one batch
+The default cap leaves a quarter of the fd limit (and 64 more) to the sockets accepted in a few batches
 (accept_backlog), the engine's sockets, the stores and the log files.
 
 On SIGTERM (AnsweringServer): no new connections; requests in flight get `grace_s` to finish; those
@@ -51,9 +51,11 @@ def default_max_connections() -> int:
 
 def accept_backlog() -> int:
     """uvicorn's `backlog`: asyncio accepts up to this many sockets in one go, before any of them
-    reaches connection_made (where the cap acts), so it must fit in what the cap leaves: an eighth of
-    the fd limit (uvicorn's 2048 would let a flood take every fd at once)."""
-    return max(16, min(2048, _fd_limit() // 8))
+    reaches connection_made (where the cap acts), and a busy loop can accept two or three batches
+    before the first one's connections are made and the cap closes its excess, so they must fit in
+    what the cap leaves: a sixteenth of the fd limit (uvicorn's 2048 would let a flood take every fd
+    at once)."""
+    return max(16, min(2048, _fd_limit() // 16))
 
 
 def bounded_h11(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
