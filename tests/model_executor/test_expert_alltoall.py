@@ -24,7 +24,6 @@ from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.moe import StackedExperts
 
 CPU = torch.device("cpu")
-NUM_TOKENS = 11  # not a multiple of 2 or 4: the last rank owns fewer tokens, the all-gather pads
 
 
 class ThreadHub:
@@ -85,25 +84,33 @@ def experts_of(model: torch.nn.Module) -> StackedExperts:
     return experts
 
 
-@pytest.mark.parametrize("placements", [
-    pytest.param([ExpertPlacement.contiguous(16, 4, r) for r in range(4)], id="ep4-contiguous"),
-    pytest.param([ExpertPlacement.redundant(tuple((p + 5) % 16 for p in range(16)) + (0, 7, 12, 5), 16, 2, r)
-                  for r in range(2)], id="ep2-redundant"),
+EP4 = [ExpertPlacement.contiguous(16, 4, r) for r in range(4)]
+EP2_REDUNDANT = [ExpertPlacement.redundant(tuple((p + 5) % 16 for p in range(16)) + (0, 7, 12, 5), 16, 2, r)
+                 for r in range(2)]
+
+
+# 11 tokens: not a multiple of 2 or 4, the last rank owns fewer and the all-gather pads; 3 tokens on 4 ranks:
+# the last rank owns none and still takes part in every collective
+@pytest.mark.parametrize(("placements", "num_tokens"), [
+    pytest.param(EP4, 11, id="ep4-contiguous"),
+    pytest.param(EP4, 3, id="ep4-fewer-tokens-than-ranks"),
+    pytest.param(EP2_REDUNDANT, 11, id="ep2-redundant"),
 ])
-def test_rows_go_to_their_experts_rank_and_come_back_summed_in_k_order(fake_model_dir, placements) -> None:
+def test_rows_go_to_their_experts_rank_and_come_back_summed_in_k_order(fake_model_dir, placements,
+                                                                       num_tokens: int) -> None:
     mc = ModelConfig(model=fake_model_dir("qwen3_moe"), dtype="float32")
     whole = model_loader.load_model(mc, CPU)
     full = experts_of(whole)
     size = len(placements)
     ranks = [experts_of(model_loader.load_model(mc, CPU, expert_placement=p)) for p in placements]
-    x = torch.randn(NUM_TOKENS, whole.hidden_size, generator=torch.Generator().manual_seed(2))  # [T, H]
+    x = torch.randn(num_tokens, whole.hidden_size, generator=torch.Generator().manual_seed(2))  # [T, H]
     weights, ids = whole.model.layers[0].mlp.route(x)  # [T, K] logical
     top_k, hidden = ids.shape[1], x.shape[1]
     # each (token, k) row alone through the whole layer, then summed over k in k order
     with torch.no_grad():
         one = torch.stack([full(x[t : t + 1], weights[t : t + 1, k : k + 1], ids[t : t + 1, k : k + 1])[0]
-                           for t in range(NUM_TOKENS) for k in range(top_k)])  # [T * K, H]
-    want = one.view(NUM_TOKENS, top_k, hidden).sum(dim=1)  # [T, H]
+                           for t in range(num_tokens) for k in range(top_k)])  # [T * K, H]
+    want = one.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
 
     def rank_main(rank: int, group: ThreadGroup) -> tuple[ExchangedRows, torch.Tensor, AllToAllDispatch]:
         layer = ranks[rank]
@@ -115,7 +122,7 @@ def test_rows_go_to_their_experts_rank_and_come_back_summed_in_k_order(fake_mode
     results = run_ranks(size, rank_main)
     flat_ids = ids.reshape(-1)
     ran = torch.cat([rows.rows for rows, _, _ in results])
-    assert sorted(ran.tolist()) == list(range(NUM_TOKENS * top_k))  # every row exactly once
+    assert sorted(ran.tolist()) == list(range(num_tokens * top_k))  # every row exactly once
     for rank, (rows, out, dispatch) in enumerate(results):
         for row, slot in zip(rows.rows.tolist(), rows.slots[:, 0].tolist(), strict=True):
             token, expert = row // top_k, int(flat_ids[row])
@@ -126,8 +133,8 @@ def test_rows_go_to_their_experts_rank_and_come_back_summed_in_k_order(fake_mode
         assert torch.equal(out, want), f"rank {rank}: {(out - want).abs().max()}"
         # what left this rank: its owned rows for other ranks (hidden + 3 float64 meta), the counts, their
         # results back, its padded gather chunk to the others; twice (the test's dispatch and the layer's)
-        chunk = -(-NUM_TOKENS // size)
-        owned = range(rank * chunk, min((rank + 1) * chunk, NUM_TOKENS))
+        chunk = -(-num_tokens // size)
+        owned = range(rank * chunk, min((rank + 1) * chunk, num_tokens))
         away = sum(1 for t in owned for k in range(top_k)
                    if placements[0].replicas(int(ids[t, k]))[t % len(placements[0].replicas(int(ids[t, k])))][0]
                    != rank)
