@@ -46,24 +46,27 @@ _COMMON = {
 _ROUTER_STD = {"qwen3_moe": 0.5, "mixtral": 0.5, "glm4_moe": 0.15}  # sigmoid routers saturate: tamer
 
 
-def hf_config(family: str):  # -> transformers.PretrainedConfig
+def hf_config(family: str, **overrides: object):  # -> transformers.PretrainedConfig
+    """overrides replace _COMMON's shapes (e.g. num_key_value_heads=4, so that 4 tensor-parallel ranks
+    split the kv heads)."""
     import transformers
 
+    common = {**_COMMON, **overrides}
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            **_COMMON, num_hidden_layers=6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+            **common, num_hidden_layers=6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
             intermediate_size=48, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True,
             architectures=["Qwen3MoeForCausalLM"],
         )
     if family == "mixtral":
         return transformers.MixtralConfig(
-            **{**_COMMON, "bos_token_id": BOS_ID}, num_hidden_layers=3, num_local_experts=8,
+            **{**common, "bos_token_id": BOS_ID}, num_hidden_layers=3, num_local_experts=8,
             num_experts_per_tok=2, intermediate_size=16, tie_word_embeddings=True,
             architectures=["MixtralForCausalLM"],
         )
     if family == "glm4_moe":
         return transformers.Glm4MoeConfig(
-            **_COMMON, num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=16,
+            **common, num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=16,
             intermediate_size=48, first_k_dense_replace=2, n_group=4, topk_group=2, n_shared_experts=1,
             routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=1,
             architectures=["Glm4MoeForCausalLM"],
@@ -142,11 +145,12 @@ def _append_mtp_layer(out: str, config) -> None:  # noqa: ANN001 - transformers.
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
-def write_hf_checkpoint(family: str, out: str, seed: int = 0) -> str:
-    """Write `family`'s tiny checkpoint to `out` with transformers' own save_pretrained; return `out`."""
+def write_hf_checkpoint(family: str, out: str, seed: int = 0, **overrides: object) -> str:
+    """Write `family`'s tiny checkpoint to `out` with transformers' own save_pretrained; return `out`.
+    overrides: config shapes other than _COMMON's (hf_config)."""
     import transformers
 
-    config = hf_config(family)
+    config = hf_config(family, **overrides)
     model = _model_class(family)(config).float().eval()
     _draw_weights(model, family, seed)
     model.save_pretrained(out)

@@ -29,7 +29,7 @@ def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
         "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--disable-overlap-schedule",
         "--max-waiting-requests",
         "--tensor-parallel-size", "--worker-step-timeout-s", "--enable-expert-parallel", "--ep-size",
-        "--expert-placement-file",
+        "--expert-placement-file", "--moe-a2a-backend",
         "--routing-replay-config", "--device",
         "--speculative-config",
         # SGLang's spellings of --speculative-config (config/cli.py adds them by hand)
@@ -48,6 +48,10 @@ def test_defaults_types_and_choices_follow_the_fields() -> None:
     ep = parser().parse_args(["--model", "m", "--tensor-parallel-size", "2", "--enable-expert-parallel",
                               "--ep-size", "2"])
     assert (ep.tensor_parallel_size, ep.enable_expert_parallel, ep.ep_size) == (2, True, 2)
+    assert (ep.moe_a2a_backend, parser().parse_args(["--model", "m", "--moe-a2a-backend", "alltoall"]).moe_a2a_backend
+            ) == ("local", "alltoall")
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        parser().parse_args(["--model", "m", "--moe-a2a-backend", "deepep"])
     assert parser().parse_args(["--model", "m", "--quantization", "fp8"]).quantization == "fp8"
     assert (args.max_model_len, args.dtype, args.max_num_seqs) == (None, "float32", None)  # None: the device decides
     assert args.routing_replay_config is None

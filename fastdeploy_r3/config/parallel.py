@@ -29,6 +29,15 @@ def expert_parallel_size(tensor_parallel_size: int, enable_expert_parallel: bool
     return tensor_parallel_size if enable_expert_parallel or ep_size > 1 else 1
 
 
+def validate_moe_a2a_backend(backend: str, ep: int) -> None:
+    """--moe-a2a-backend: local (LocalDispatch) or alltoall (AllToAllDispatch, between expert-parallel ranks)."""
+    if backend not in ("local", "alltoall"):
+        raise ConfigError(f"moe_a2a_backend={backend!r}; use local or alltoall")
+    if backend == "alltoall" and ep == 1:
+        raise ConfigError("moe_a2a_backend='alltoall' dispatches tokens between expert-parallel ranks: add "
+                          "--enable-expert-parallel with a tensor-parallel size of at least 2")
+
+
 def validate_expert_parallel(hf: dict[str, Any], ep: int) -> None:
     """Every rank holds the same number of whole experts: ep must divide the routed expert count."""
     num_experts = num_routed_experts_from_hf_config(hf)

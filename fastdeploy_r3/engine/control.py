@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import root_hash
@@ -45,6 +46,7 @@ from fastdeploy_r3.engine.control_error import EngineControlError
 from fastdeploy_r3.engine.memory_control import MemoryControl
 from fastdeploy_r3.engine.messages import WeightsReport
 from fastdeploy_r3.engine.request import Request, WeightVersionEvent
+from fastdeploy_r3.engine.worker_group import PerRank
 from fastdeploy_r3.worker.messages import (
     ChecksumWeights,
     DestroyWeightUpdateGroup,
@@ -99,13 +101,18 @@ class EngineControl:
         model_identity: str,
         weight_version: str,
         has_kv_tiers: bool = False,
+        rank_holds: list[Callable[[str], bool]] | None = None,
     ) -> None:
+        """rank_holds[r](name): False for a checkpoint tensor rank r does not hold (another expert-parallel
+        rank's routed expert); None: every rank holds every tensor (or a shard of it)."""
         self.requests = requests
         self.cache = cache
         self.workers = workers
         self.model_identity = model_identity
         self.weight_version = weight_version  # roots the prefix cache; changed by weight updates only
         self.has_kv_tiers = has_kv_tiers  # a CPU or storage tier maps the KV cache: it cannot be released
+        self.rank_holds = rank_holds
+        self.last_update_tensors: list[int] = []  # tensors each rank loaded in the last weight update
         self.paused: str | None = None  # the pause mode while /pause_generation holds the engine
         self.weights_broken: str | None = None
         self.num_weight_updates = 0
@@ -177,7 +184,8 @@ class EngineControl:
         if "weights" in self.memory.released:
             raise EngineControlError("the weights are released; call /resume_memory_occupation with the 'weights' "
                                      "tag first", status=409)
-        results = self.call_workers(source)
+        results = self.call_workers(self._per_rank(source))
+        self.last_update_tensors = [r.num_tensors for r in results]
         changed = any(r.weights_changed or (r.error is None and r.num_tensors) for r in results)
         errors = [r.error for r in results if r.error]
         if errors:
@@ -273,6 +281,16 @@ class EngineControl:
         self.weights_broken = message
         logger.error(message)
         self.abort_all(message)
+
+    def _per_rank(self, source: UpdateWeights) -> UpdateWeights | PerRank:
+        """Tensors in the message go to each rank without the experts it does not hold (expert parallelism):
+        nothing is pickled through a pipe to be dropped. A directory is read by each rank for its own
+        tensors (worker/weight_updater.py); a broadcast and a serialized payload per rank are the trainer's
+        to shape (docs/expert_parallel.md says why they are not split here)."""
+        if source.tensors is None or self.rank_holds is None:
+            return source
+        return PerRank([replace(source, tensors=[(n, t) for n, t in source.tensors if holds(n)])
+                        for holds in self.rank_holds])
 
     def call_workers(self, msg: object) -> list:
         """Every rank's answer to a control message; the engine heartbeats while they work."""

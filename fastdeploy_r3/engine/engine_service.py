@@ -59,7 +59,11 @@ class EngineService:
         self.groups = RequestGroups(p.token_processor, moe_layer_ids)
         self.steps = StepBuilder(p.kv.blocks_since, p.token_processor.eos_token_ids)
         mc, has_tiers = config.model_config, config.cache_config.uses_transfer_manager
-        self.control = EngineControl(self, p.kv, _DrainFirst(self), mc.model_identity, mc.weight_version, has_tiers)
+        from fastdeploy_r3.model_executor.model_loader import expert_placements_of_ranks
+
+        placements = expert_placements_of_ranks(config.parallel_config, mc)  # None: no expert parallelism
+        self.control = EngineControl(self, p.kv, _DrainFirst(self), mc.model_identity, mc.weight_version, has_tiers,
+                                     None if placements is None else [q.holds_checkpoint_tensor for q in placements])
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
         self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule,
                                        config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -17,6 +18,14 @@ from typing import Any
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import EngineDeadError, Shutdown
 from fastdeploy_r3.worker.messages import WorkerFailed
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """One message per rank, in rank order, where the ranks need different ones (each rank's experts of a
+    weight update under expert parallelism, engine/control.py): broadcast() sends rank r messages[r]."""
+
+    messages: list[Any]
 
 
 class WorkerGroup:
@@ -48,9 +57,11 @@ class WorkerGroup:
         return [p.pid for p in self._procs]  # type: ignore[misc]
 
     def broadcast(self, msg: object) -> None:
+        if isinstance(msg, PerRank) and len(msg.messages) != len(self._conns):
+            raise ValueError(f"{len(msg.messages)} messages for {len(self._conns)} ranks")
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(msg)
+                conn.send(msg.messages[rank] if isinstance(msg, PerRank) else msg)
             except OSError as e:
                 raise self._gone(rank) from e
 

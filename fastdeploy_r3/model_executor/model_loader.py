@@ -143,6 +143,16 @@ def expert_placement_for(
     return ExpertPlacement.contiguous(num_experts, ep, rank)
 
 
+def expert_placements_of_ranks(
+    parallel_config: ParallelConfig, model_config: ModelConfig
+) -> list[ExpertPlacement] | None:
+    """Every rank's placement (expert_placement_for), for a sender that delivers each rank only its experts;
+    None without expert parallelism."""
+    if parallel_config.expert_parallel_size == 1:
+        return None
+    return [expert_placement_for(parallel_config, model_config, r) for r in range(parallel_config.tensor_parallel_size)]
+
+
 def load_model(
     model_config: ModelConfig,
     device: torch.device,

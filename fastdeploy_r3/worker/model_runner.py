@@ -110,6 +110,10 @@ class ModelRunner:
         mc = self.config.model_config
         placement = expert_placement_for(self.config.parallel_config, mc, self.rank)  # None: no expert parallel
         self.model = load_model(mc, self.device, self.rank, self.world_size, placement)
+        if self.config.parallel_config.moe_a2a_backend != "local":
+            from fastdeploy_r3.model_executor.layers.expert_alltoall import use_moe_a2a_backend
+
+            use_moe_a2a_backend(self.model, self.config.parallel_config.moe_a2a_backend)
         # each blocking step of a weight update ends before the engine's stall watchdog would fire
         self.weight_updater = WeightUpdater(self.model, self.device, self.rank, self.dtype,
                                             deadline_s=self.config.parallel_config.worker_step_timeout_s)

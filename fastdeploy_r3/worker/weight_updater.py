@@ -4,8 +4,10 @@ offline `LLM.update_weights`).
 
 Every path sends FULL checkpoint tensors under their HF names; each TP rank keeps its own shard
 (`MoeCausalLM.load_weights` slices), so the sender never needs to know the engine's parallelism. Under
-expert parallelism a rank keeps only its own experts: from disk it does not even read the others'; a
-broadcast delivers them to every rank (a collective), and load_weights drops them unread.
+expert parallelism a rank keeps only its own experts: from disk it does not even read the others';
+tensors in the message come without them (the engine splits the message per rank, engine/control.py);
+a broadcast delivers them to every rank (every member of a collective receives it), and load_weights
+drops them unread.
 
 Order of one update, per rank:
 

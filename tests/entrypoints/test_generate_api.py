@@ -145,6 +145,7 @@ def test_info_endpoints(server: ServerHandle) -> None:
             "host": "127.0.0.1", "port": port, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0,
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "enable_memory_saver": False,
             "enable_return_routed_experts": True, "page_size": 16, "context_length": 256}
+        assert srv["moe_a2a_backend"] == "none"  # SGLang's name for no all-to-all dispatch
     assert httpx.get(f"{server.url}/get_weight_version").json() == {"weight_version": "0"}
 
 

@@ -11,9 +11,10 @@ Shape legend: T = tokens, H = hidden, K = experts per token, E = logical experts
 LocalDispatch is the dispatch of expert parallelism over the tensor-parallel ranks: attention is TP, so
 every rank already holds every token's hidden state and sends nothing; it keeps the rows whose expert
 it holds, and the combine is the all-reduce the MoE block does anyway. A dispatch where ranks hold
-different tokens (data-parallel attention) replaces it behind the same two calls: dispatch() then
-sends each row to its expert's rank by an all-to-all (a DeepEP-style kernel on NCCL, gloo's
-all_to_all on the CPU) and combine() sends the results back and adds them per token.
+different tokens (data-parallel attention) replaces it behind the same two calls: AllToAllDispatch
+(layers/expert_alltoall.py, `--moe-a2a-backend alltoall`) sends each row to its expert's rank by an
+all-to-all and combine() sends the results back, adds them per token and gathers every token's output;
+a DeepEP-style kernel would be another.
 
 The rows are cut by a nonzero(): a host sync, so expert-parallel steps run eagerly (no CUDA graphs).
 """
@@ -42,7 +43,10 @@ class DispatchedRows:
 
 class ExpertDispatch(Protocol):
     """dispatch() gives this rank its rows of a step; combine() turns their results into this rank's
-    [T, H] contribution, which the MoE block sums over ranks."""
+    [T, H] contribution, which the MoE block sums over ranks, or (complete) into every token's whole
+    routed output, which it does not."""
+
+    complete: bool
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> DispatchedRows: ...
 
@@ -51,6 +55,8 @@ class ExpertDispatch(Protocol):
 
 class LocalDispatch:
     """Expert parallelism over TP ranks: every rank has every token; it runs the rows of its own experts."""
+
+    complete = False  # combine() gives this rank's partial sum: the MoE block all-reduces it
 
     def __init__(self, placement: ExpertPlacement) -> None:
         self.placement = placement

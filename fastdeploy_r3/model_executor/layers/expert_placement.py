@@ -21,7 +21,20 @@ tokens over them. expert_rank[e] is then the rank of e's first replica.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+# a routed expert's checkpoint tensor: `<layer>.mlp.experts.<e>.<proj>.weight` (Qwen3-MoE, GLM-4.5) or
+# `<layer>.block_sparse_moe.experts.<e>.<proj>.weight` (Mixtral), and an fp8 expert's weight_scale_inv; the
+# names MoeCausalLM.holds_checkpoint_weight (models/base.py) skips for another rank's experts
+_ROUTED_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.\w+\.(?:weight|weight_scale_inv)$")
+
+
+def routed_expert_of(ckpt_name: str) -> int | None:
+    """The logical expert a checkpoint tensor belongs to, None for every other tensor (GLM's shared experts
+    included: `shared_experts.` is not `.experts.`)."""
+    m = _ROUTED_EXPERT_TENSOR.search(ckpt_name)
+    return None if m is None else int(m.group(1))
 
 
 class ExpertPlacementError(ValueError):
@@ -132,6 +145,12 @@ class ExpertPlacement:
         if not 0 <= expert < self.num_experts:
             raise ExpertPlacementError(f"expert {expert} is outside [0, {self.num_experts})")
         return self._slots.get(expert, ())
+
+    def holds_checkpoint_tensor(self, ckpt_name: str) -> bool:
+        """False only for a routed expert's tensor that no slot of this rank holds: what a weight update need
+        not deliver to this rank (engine/control.py)."""
+        expert = routed_expert_of(ckpt_name)
+        return expert is None or not 0 <= expert < self.num_experts or bool(self._slots.get(expert))
 
     def local_slot(self, expert: int) -> int | None:
         """First slot of logical `expert` on this rank, None where another rank holds it."""

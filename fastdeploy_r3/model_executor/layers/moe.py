@@ -206,10 +206,11 @@ class StackedExperts(nn.Module):
         if self.dispatch is not None:
             # expert parallel: the backends index w13 / w2 by slot, so only this rank's rows, as slots, reach them
             rows = self.dispatch.dispatch(x, topk_weights, topk_ids)
-            if rows.rows.numel() == 0:  # no token chose one of this rank's experts
-                return torch.zeros_like(x)  # [T, H]
-            y = self.quant_method.apply(self, rows.x, rows.topk_weights, rows.slots, None)  # [N, H]
-            return self.dispatch.combine(y, rows)  # [T, H], this rank's partial sum
+            if rows.x.shape[0] == 0:  # no token chose one of this rank's experts; combine() still runs (an
+                y = x.new_zeros(0, x.shape[1])  # all-to-all's peers wait in it)
+            else:
+                y = self.quant_method.apply(self, rows.x, rows.topk_weights, rows.slots, None)  # [N, H]
+            return self.dispatch.combine(y, rows)  # [T, H], this rank's partial sum, or the whole (complete)
         return self.quant_method.apply(self, x, topk_weights, topk_ids, blocks)
 
     def run_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -379,6 +380,9 @@ class SparseMoeBlock(nn.Module):
             if sink is not None:
                 sink.capture(self.moe_index, topk_ids)
         out = self.experts(x, topk_weights, topk_ids, blocks)  # [T, H], this rank's partial sum
+        if self.experts.dispatch is not None and self.experts.dispatch.complete:
+            # an all-to-all dispatch gave every token's whole routed output: only the shared experts' sum is left
+            return out if self.shared_experts is None else out + all_reduce(self.shared_experts(x))  # [T, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)  # [T, H]
         return all_reduce(out)  # [T, H]
