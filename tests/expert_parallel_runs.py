@@ -1,6 +1,6 @@
-"""Shared by the expert-parallel engine tests (tests/worker/test_expert_parallel_ep4.py,
-tests/worker/test_expert_parallel_alltoall.py): five prompts that hit cached prefixes, preempt and swap on
-an 8-block cache, one engine run of them, and the comparison of an expert-parallel run with EP=1's.
+"""For the expert-parallel engine tests (tests/worker/test_expert_parallel_ep4.py): five prompts that hit
+cached prefixes, preempt and swap on an 8-block cache, one engine run of them, and the comparison of an
+expert-parallel run with EP=1's.
 
 The checkpoints are transformers-written (tests/hf_checkpoints.py) with 4 kv heads (not _COMMON's 2) so
 that four ranks split them: 4 heads, 4 kv heads, head_dim 8, hidden 32; qwen3_moe and mixtral 8 experts

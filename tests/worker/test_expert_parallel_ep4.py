@@ -5,17 +5,22 @@ greedy tokens and the R3 rows (logical expert ids) of EP=1 bit for bit, through 
 tier and preemption (both engines run the same schedule on the same 8-block cache); each rank holds
 exactly a quarter of the expert bytes.
 
+qwen3_moe and mixtral run the local dispatch; glm4_moe (shared experts) runs the all-to-all one
+(--moe-a2a-backend alltoall, layers/expert_alltoall.py: each rank sends its slice of the step's (token, k)
+rows to their experts' ranks, sums its tokens over k and all-gathers; the shared experts are all-reduced on
+their own), at EP=4 and EP=2. The local dispatch with glm4_moe's shared experts runs at EP=2 in
+test_expert_parallel.py. Each family's EP=1 run is computed once.
+
 The prompts, the checkpoints (4 kv heads, so that four ranks split them) and the comparison:
 tests/expert_parallel_runs.py.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
 import torch
-from expert_parallel_runs import NUM_EXPERTS, assert_same_run, checkpoints, generate
+from expert_parallel_runs import NUM_EXPERTS, Run, assert_same_run, checkpoints, generate
 from hf_checkpoints import FAMILIES
 
 from fastdeploy_r3.config import EngineConfig
@@ -28,12 +33,25 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
     return checkpoints(tmp_path_factory)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_ep4_tokens_and_r3_rows_equal_ep1(checkpoint, family: str) -> None:
-    """Four ranks, each with a quarter of the experts, through prefix hits, swaps and preemptions: EP=1's tokens
-    and R3 rows, bit for bit."""
-    model = checkpoint(family)
-    assert_same_run(generate(model, ep=4), generate(model, ep=1), family, ep_size=4)
+@pytest.fixture(scope="module")
+def ep1_run(checkpoint: Callable[[str], str]) -> Callable[[str], Run]:
+    """ep1_run(family) -> EP=1's run on the family's checkpoint, computed once."""
+    cache: dict[str, Run] = {}
+
+    def get(family: str) -> Run:
+        if family not in cache:
+            cache[family] = generate(checkpoint(family), ep=1)
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize(("family", "ep", "a2a"), [("qwen3_moe", 4, "local"), ("mixtral", 4, "local"),
+                                                   ("glm4_moe", 4, "alltoall"), ("glm4_moe", 2, "alltoall")])
+def test_expert_parallel_tokens_and_r3_rows_equal_ep1(checkpoint, ep1_run, family: str, ep: int, a2a: str) -> None:
+    """EP ranks, each with 1/EP of the experts, through prefix hits, swaps and preemptions: EP=1's tokens and
+    R3 rows, bit for bit."""
+    assert_same_run(generate(checkpoint(family), ep=ep, moe_a2a_backend=a2a), ep1_run(family), family, ep_size=ep)
 
 
 def _expert_bytes(model: torch.nn.Module) -> int:
