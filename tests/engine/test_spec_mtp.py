@@ -121,6 +121,15 @@ def test_greedy_mtp_gives_the_plain_engine_s_tokens_and_rows(
     assert got2.outputs[0].spec.accepted_tokens > 0
 
 
+def test_a_seeded_sampled_request_reproduces_itself(mtp: EngineService) -> None:
+    """Sampled rows verify the draft layer's greedy drafts by rejection sampling, keyed by (seed, position)."""
+    params = SamplingParams(temperature=0.8, seed=42, max_tokens=12, ignore_eos=True)
+    a = run_requests(mtp, {"s1": (WORKLOAD["r1"], params)})["s1"].outputs[0]
+    b = run_requests(mtp, {"s2": (WORKLOAD["r1"], params)})["s2"].outputs[0]
+    assert a.error is None and a.token_ids == b.token_ids and len(a.token_ids) == 12
+    assert a.spec.draft_tokens > 0
+
+
 def test_mtp_is_refused_for_a_model_without_a_draft_layer(
     fake_model_dir: Callable[..., str], hf_checkpoint_dir: Callable[[str], str], tmp_path: str,
 ) -> None:
