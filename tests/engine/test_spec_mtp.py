@@ -96,6 +96,18 @@ def test_the_draft_layer_loads_under_glm_names_and_leaves_the_policy_alone(
     assert "model.layers.4.enorm.weight" in with_draft.checkpoint_weight_shapes()
 
 
+def test_dummy_weights_draw_the_same_policy_with_or_without_the_draft_layer(tmp_path: str) -> None:
+    """load_format dummy draws the policy's tensors first: a draft layer adds draws after them."""
+    from fake_model import make_fake_model
+
+    d = make_fake_model("glm4_moe", str(tmp_path / "glm"), draft_layer=True)  # the draft layer's tensors saved too
+    mc = ModelConfig(model=d, load_format="dummy")
+    with_draft, plain = load_model(mc, CPU, with_draft_layers=True), load_model(mc, CPU)
+    assert with_draft.draft_layer is not None
+    want = plain.state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in with_draft.state_dict().items() if not n.startswith("mtp."))
+
+
 def test_greedy_mtp_gives_the_plain_engine_s_tokens_and_rows(
     plain: EngineService, mtp: EngineService
 ) -> None:
