@@ -19,8 +19,8 @@ independently, a verify step appends E(a, k) = (1 - a^(k+1)) / (1 - a) tokens pe
 R3 capture stays on throughout (the engine's configuration for RL rollouts).
 
 --method mtp (a GLM preset, or the fake tiny glm4_moe with a draft layer on the CPU): the plain rows are a
-plain engine's decode steps (CUDA graphs); the verify rows are an MTP engine's, each also running the draft
-layer's catch-up and its k drafts (worker/mtp_drafter.py; eager: the draft layer reads the hidden states).
+plain engine's decode steps; the verify rows are an MTP engine's, each also running the draft layer's
+catch-up and its k drafts after the draw (worker/mtp_drafter.py, eager).
 """
 
 from __future__ import annotations
@@ -86,12 +86,11 @@ def _extra(args: argparse.Namespace) -> int:
     return (args.steps + 1) * (len(ks) + 1) + max(ks) + 1
 
 
-def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> tuple[dict[int, float], bool]:
-    """--method mtp: a plain engine's median decode step per batch, in its own runner; and whether it
-    replayed CUDA graphs."""
+def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> dict[int, float]:
+    """--method mtp: a plain engine's median decode step per batch, in its own runner (an MTP runner's
+    decode steps draft too)."""
     sb = _step_bench(args, model_dir, load_format, None)
     rng, vocab, out = np.random.default_rng(0), sb.runner.model.vocab_size, {}
-    graphs = sb.runner.decode_graphs is not None
     try:
         for b in (int(b) for b in args.batches.split(",")):
             sb.prefill([rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)], reserve=_extra(args))
@@ -99,7 +98,7 @@ def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> 
             out[b] = statistics.median(sb.decode([True] * args.steps))
     finally:
         sb.close()
-    return out, graphs
+    return out
 
 
 BLOCK_SIZE = 16
@@ -110,11 +109,11 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
     ks = [int(k) for k in args.ks.split(",")]
     extra = _extra(args)
     mtp = getattr(args, "method", "ngram") == "mtp"
-    plain_steps, plain_graphs = _plain_steps(args, model_dir, load_format) if mtp else ({}, False)
+    plain_steps = _plain_steps(args, model_dir, load_format) if mtp else {}
     spec = {"method": "mtp", "num_speculative_tokens": max(ks)} if mtp else None
     sb = _step_bench(args, model_dir, load_format, spec)
     vocab = sb.runner.model.vocab_size
-    cuda_graphs = plain_graphs if mtp else sb.runner.decode_graphs is not None  # close() below drops them
+    cuda_graphs = sb.runner.decode_graphs is not None  # close() below drops them
     rng = np.random.default_rng(0)
     rows, verify_graph_steps = [], 0
     try:
@@ -130,7 +129,7 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
             for k in ks:
                 if sb.runner.drafter is not None:  # k drafts per step (its cache holds max(ks))
                     sb.runner.drafter.num_drafts = k
-                elif not args.enforce_eager:  # the verify graphs of this k (query length k + 1)
+                if not args.enforce_eager:  # the verify graphs of this k (query length k + 1)
                     sb.runner.capture_decode_graphs(verify_query_len=k + 1)
                 _verify_steps(sb, k, 1, rng, vocab)  # warm-up at this shape
                 t = statistics.median(_verify_steps(sb, k, args.steps, rng, vocab))
@@ -150,10 +149,9 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
 
 def print_table(res: dict, title: str) -> None:
     where = "in CUDA graphs" if res["cuda_graphs"] else "eager"
-    if res.get("method") == "mtp":
-        print(f"\n{title}; plain decode {where}, MTP verify steps and their drafts eager")
-    else:
-        print(f"\n{title}; plain decode and verify {where} ({res['verify_graph_steps']} verify steps replayed a graph)")
+    drafts = ", the draft layer eager" if res.get("method") == "mtp" else ""
+    print(f"\n{title}; plain decode and verify {where}{drafts} ({res['verify_graph_steps']} verify steps replayed a "
+          "graph)")
     head = " | ".join(f"tok/s a={a} (x)" for a in RATES)
     print(f"| batch | k | step ms | cost x plain | {head} |")
     print("|---|---|---|---|" + "---|" * len(RATES))

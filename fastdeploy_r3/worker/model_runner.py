@@ -215,9 +215,6 @@ class ModelRunner:
             logger.info("decode runs eagerly: the expert-parallel dispatch (layers/expert_dispatch.py) is not "
                         "CUDA-graph safe")
             return
-        if self.drafter is not None:  # the draft layer reads every position's hidden state, which graphs do not keep
-            logger.info("decode runs eagerly: MTP drafts read the target's hidden states")
-            return
         if not attention_is_graph_safe(self.model):
             logger.info("decode runs eagerly: the attention backend is not CUDA-graph safe")
             return
@@ -304,6 +301,8 @@ class ModelRunner:
             if capture is not None:
                 capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
             logits = graphs.replay(inp, q)  # [S, V]: a decode or verify step, every token samples
+            if self.drafter is not None:  # MTP drafts read every token's hidden state
+                launched.draft_inputs = DraftInputs(graphs.hidden_of(), step.requests, inp.query_start_loc)
         else:
             with set_forward_context(ForwardContext(meta, kv_caches, capture)):
                 hidden = model(inp.input_ids, pos_t)  # [T, H]
@@ -327,7 +326,7 @@ class ModelRunner:
                 assert self.sampler.last_ids is not None
                 self._prev_ids = self.sampler.last_ids
                 self.input_batcher.state.record_samples(step.step_id, inp.state_rows[inp.sample_requests])
-            if self.drafter is not None and hidden is not None:
+            if self.drafter is not None and hidden is not None:  # eager (a replayed graph set them above)
                 launched.draft_inputs = DraftInputs(hidden, step.requests, inp.query_start_loc)
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
