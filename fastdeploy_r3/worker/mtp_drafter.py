@@ -116,7 +116,8 @@ class MtpDrafter:
         rid, s, q0 = r.request_id, r.start_pos, batch.query_start_loc[b]
         num_real = len(r.token_ids) - (r.num_sample_rows - 1 if r.sample else 0)  # the chunk without its drafts
         state = self._states.get(rid)
-        if state is None or not (state.next_pos == s or (state.next_pos == s - 1 and state.pending is not None)):
+        # the chunk continues the state when it starts at next_pos, or right after the pending position
+        if state is None or state.next_pos + (state.pending is not None) != s:
             self.forget(rid)  # a new draft state at this chunk (see the module docstring)
             state = self._states[rid] = _DraftState(base=s, next_pos=s)
         seg = _Segment(rid, state, [], [], [], drafts=r.sample and rid in sampled)
