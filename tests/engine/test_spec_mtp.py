@@ -33,7 +33,7 @@ from fastdeploy_r3.sampling_params import SamplingParams
 
 BS, K = 4, 3
 MTP = {"method": "mtp", "num_speculative_tokens": K}
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 _rng = np.random.default_rng(3)
 WORKLOAD = {f"r{i}": _rng.integers(0, 256, 9 + i).tolist() for i in range(4)}
 WORKLOAD["long"] = _rng.integers(0, 256, 45).tolist()  # prefilled in two chunks of the 32-token budget
