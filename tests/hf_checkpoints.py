@@ -7,7 +7,10 @@ sampling defaults. Nothing here is written by this project's own checkpoint writ
     qwen3_moe   6       [1, 5]      decoder_sparse_step=2 and mlp_only_layers=[3]
     mixtral     3       [0, 1, 2]   tied embeddings (no lm_head.weight saved), a BOS-adding tokenizer
     glm4_moe    4       [2, 3]      first_k_dense_replace=2, grouped sigmoid router with correction bias,
-                                    one draft (MTP) layer whose weights are appended as real GLM-4.5 does
+                                    one random draft (MTP) layer whose weights are appended as GLM-4.5 does
+
+write_glm_checkpoint_drafting_like_its_policy: a one-layer glm4_moe whose draft layer copies the policy, so
+MTP speculative decoding accepts drafts.
 """
 
 from __future__ import annotations
@@ -124,40 +127,104 @@ def save_tokenizer(family: str, out: str) -> None:
     assert len(tokenizer) == VOCAB_SIZE
 
 
-def _append_mtp_layer(out: str, config) -> None:  # noqa: ANN001 - transformers.Glm4MoeConfig
-    """Add a draft layer at index num_hidden_layers in a second shard, with an index, as GLM-4.5 ships it."""
+def _mtp_layer_random(out: str, config, seed: int) -> dict[str, torch.Tensor]:  # noqa: ANN001 - Glm4MoeConfig
+    """A random draft (MTP) layer at index num_hidden_layers, as GLM-4.5 ships it (transformers' Glm4Moe has
+    no such module and drops these weights): a decoder layer with the MoE block under the names
+    transformers saved its last layer with, and the draft layer's own enorm, hnorm, eh_proj [H, 2H],
+    embed_tokens [V, H], shared_head.norm, shared_head.head [V, H]."""
+    n, hidden, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    generator = torch.Generator().manual_seed(seed + 1)
+    last = f"model.layers.{n - 1}."  # a MoE layer: first_k_dense_replace < num_hidden_layers
+    saved = _saved_tensors(out)
+    mtp: dict[str, torch.Tensor] = {}
+    for name in sorted(k for k in saved if k.startswith(last)):
+        draw = torch.randn(saved[name].shape, generator=generator)
+        if name.endswith("norm.weight"):
+            draw = 1.0 + draw * 0.1
+        else:
+            draw = draw * (_ROUTER_STD["glm4_moe"] if ".gate." in name else 0.15)
+        mtp[f"model.layers.{n}." + name.removeprefix(last)] = draw
+    for part, shape in [("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+                        ("shared_head.norm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)),
+                        ("embed_tokens.weight", (vocab, hidden)), ("shared_head.head.weight", (vocab, hidden))]:
+        draw = torch.randn(shape, generator=generator)
+        mtp[f"model.layers.{n}.{part}"] = 1.0 + draw * 0.1 if part.endswith("norm.weight") else draw * 0.5
+    return mtp
+
+
+def _mtp_layer_like_the_policy(out: str, config) -> dict[str, torch.Tensor]:  # noqa: ANN001 - Glm4MoeConfig
+    """A draft layer that is the one-layer policy run one position ahead: its decoder layer, embedding, final
+    norm and head are the policy's, eh_proj = [I | 0] passes the token's embedding and drops the hidden
+    state, enorm = 1 (the embeddings have unit RMS, so enorm(e) = e up to eps). At position i it then
+    computes the policy's layer over tokens 1..i+1 at shifted positions (RoPE sees the same relative
+    positions), missing only token 0: its drafts are mostly the policy's own greedy tokens."""
+    assert config.num_hidden_layers == 1
+    hidden = config.hidden_size
+    saved = _saved_tensors(out)
+    mtp = {"model.layers.1." + k.removeprefix("model.layers.0."): v for k, v in saved.items()
+           if k.startswith("model.layers.0.")}
+    mtp["model.layers.1.embed_tokens.weight"] = saved["model.embed_tokens.weight"]
+    mtp["model.layers.1.shared_head.norm.weight"] = saved["model.norm.weight"]
+    mtp["model.layers.1.shared_head.head.weight"] = saved["lm_head.weight"]
+    mtp["model.layers.1.enorm.weight"] = torch.ones(hidden)
+    mtp["model.layers.1.hnorm.weight"] = torch.ones(hidden)
+    mtp["model.layers.1.eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    return mtp
+
+
+def _saved_tensors(out: str) -> dict[str, torch.Tensor]:
+    """What save_pretrained wrote (one tensor per expert, as published checkpoints have them)."""
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+def _append_mtp_layer(out: str, mtp: dict[str, torch.Tensor]) -> None:
+    """Add the draft layer's tensors in a second shard, with an index, as GLM-4.5 ships them."""
     from safetensors.torch import save_file
 
-    n, hidden, experts = config.num_hidden_layers, config.hidden_size, config.n_routed_experts
-    mtp = {
-        f"model.layers.{n}.eh_proj.weight": torch.ones(hidden, 2 * hidden),
-        f"model.layers.{n}.enorm.weight": torch.ones(hidden),
-        f"model.layers.{n}.mlp.gate.weight": torch.ones(experts, hidden),
-        f"model.layers.{n}.mlp.experts.0.gate_proj.weight": torch.ones(config.moe_intermediate_size, hidden),
-    }
-    save_file(mtp, os.path.join(out, "model-mtp.safetensors"), metadata={"format": "pt"})
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
-        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    save_file({k: v.contiguous() for k, v in mtp.items()}, os.path.join(out, "model-mtp.safetensors"),
+              metadata={"format": "pt"})
+    weight_map = dict.fromkeys(_saved_tensors(out), "model.safetensors")
     weight_map.update(dict.fromkeys(mtp, "model-mtp.safetensors"))
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
-def write_hf_checkpoint(family: str, out: str, seed: int = 0, **overrides: object) -> str:
-    """Write `family`'s tiny checkpoint to `out` with transformers' own save_pretrained; return `out`.
-    overrides: config shapes other than _COMMON's (hf_config)."""
+def write_glm_checkpoint_drafting_like_its_policy(out: str, seed: int = 0) -> str:
+    """A one-layer GLM (its layer MoE) written by transformers, whose draft layer copies the policy
+    (_mtp_layer_like_the_policy), so MTP drafts get accepted; return `out`."""
     import transformers
 
-    config = hf_config(family, **overrides)
-    model = _model_class(family)(config).float().eval()
-    _draw_weights(model, family, seed)
+    config = hf_config("glm4_moe")
+    config.num_hidden_layers, config.first_k_dense_replace = 1, 0
+    model = transformers.Glm4MoeForCausalLM(config).float().eval()
+    _draw_weights(model, "glm4_moe", seed)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())  # unit RMS rows
+    _save(model, "glm4_moe", out)
+    _append_mtp_layer(out, _mtp_layer_like_the_policy(out, config))
+    return out
+
+
+def _save(model: torch.nn.Module, family: str, out: str) -> None:
+    import transformers
+
     model.save_pretrained(out)
     save_tokenizer(family, out)
     transformers.GenerationConfig(
         eos_token_id=[EOS_ID, ENDOFTEXT_ID], pad_token_id=ENDOFTEXT_ID, do_sample=True, **GENERATION_DEFAULTS
     ).save_pretrained(out)
+
+
+def write_hf_checkpoint(family: str, out: str, seed: int = 0, **overrides: object) -> str:
+    """Write `family`'s tiny checkpoint to `out` with transformers' own save_pretrained; return `out`.
+    overrides: config shapes other than _COMMON's (hf_config)."""
+    config = hf_config(family, **overrides)
+    model = _model_class(family)(config).float().eval()
+    _draw_weights(model, family, seed)
+    _save(model, family, out)
     if family == "glm4_moe":
-        _append_mtp_layer(out, config)
+        _append_mtp_layer(out, _mtp_layer_random(out, config, seed))
     return out

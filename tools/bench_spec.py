@@ -3,6 +3,7 @@ step, per batch size, and the tokens/s it would give at a per-draft acceptance r
 
     python tools/bench_spec.py --preset qwen3-30b-a3b --device cuda [--layers 48] [--batches 1,8,32] [--ks 1,2,3,4,5]
     python tools/bench_spec.py --preset glm-4.5-air --device cuda
+    python tools/bench_spec.py --preset glm-4.5-air --device cuda --method mtp [--layers 8]
     python tools/bench_spec.py --device cpu        # the fake tiny qwen3_moe (tests/tools/test_bench_spec.py)
 
 One ModelRunner in-process (tools/step_bench.py), dummy weights of the preset (or the fake checkpoint).
@@ -16,6 +17,10 @@ independently, a verify step appends E(a, k) = (1 - a^(k+1)) / (1 - a) tokens pe
     tokens/s = B * E(a, k) / verify step        speedup = that / (B / plain step)
 
 R3 capture stays on throughout (the engine's configuration for RL rollouts).
+
+--method mtp (a GLM preset, or the fake tiny glm4_moe with a draft layer on the CPU): the plain rows are a
+plain engine's decode steps; the verify rows are an MTP engine's, each also running the draft layer's
+catch-up and its k drafts after the draw (worker/mtp_drafter.py, eager).
 """
 
 from __future__ import annotations
@@ -65,16 +70,48 @@ def _verify_steps(bench: StepBench, k: int, steps: int, rng: np.random.Generator
     return times
 
 
+def _step_bench(args: argparse.Namespace, model_dir: str, load_format: str, spec: dict | None) -> StepBench:
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    per_req = -(-(args.prompt_len + _extra(args)) // BLOCK_SIZE)
+    return StepBench(model_dir, args.device, args.dtype, load_format, max(batches), args.prompt_len + _extra(args),
+                     max(batches) * per_req + 1, BLOCK_SIZE, max(8192, max(batches) * (max(ks) + 1)),
+                     args.enforce_eager, speculative_config=spec)  # fmt: skip
+
+
+def _extra(args: argparse.Namespace) -> int:
+    """Positions per request past its prompt: warm-ups and timed plain steps, then per k its warm-up and
+    timed steps, plus k lookahead."""
+    ks = [int(k) for k in args.ks.split(",")]
+    return (args.steps + 1) * (len(ks) + 1) + max(ks) + 1
+
+
+def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> dict[int, float]:
+    """--method mtp: a plain engine's median decode step per batch, in its own runner (an MTP runner's
+    decode steps draft too)."""
+    sb = _step_bench(args, model_dir, load_format, None)
+    rng, vocab, out = np.random.default_rng(0), sb.runner.model.vocab_size, {}
+    try:
+        for b in (int(b) for b in args.batches.split(",")):
+            sb.prefill([rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)], reserve=_extra(args))
+            sb.decode([True])  # warm-up
+            out[b] = statistics.median(sb.decode([True] * args.steps))
+    finally:
+        sb.close()
+    return out
+
+
+BLOCK_SIZE = 16
+
+
 def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    block_size = 16
-    # per request: warm-ups and timed plain steps, then per k its warm-up and timed steps, plus k lookahead
-    extra = (args.steps + 1) * (len(ks) + 1) + max(ks) + 1
-    per_req = -(-(args.prompt_len + extra) // block_size)
-    sb = StepBench(model_dir, args.device, args.dtype, load_format, max(batches), args.prompt_len + extra,
-                   max(batches) * per_req + 1, block_size, max(8192, max(batches) * (max(ks) + 1)),
-                   args.enforce_eager)  # fmt: skip
+    extra = _extra(args)
+    mtp = getattr(args, "method", "ngram") == "mtp"
+    plain_steps = _plain_steps(args, model_dir, load_format) if mtp else {}
+    spec = {"method": "mtp", "num_speculative_tokens": max(ks)} if mtp else None
+    sb = _step_bench(args, model_dir, load_format, spec)
     vocab = sb.runner.model.vocab_size
     cuda_graphs = sb.runner.decode_graphs is not None  # close() below drops them
     rng = np.random.default_rng(0)
@@ -84,10 +121,14 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
             prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
             sb.prefill(prompts, reserve=extra)
             sb.decode([True])  # warm-up
-            plain = statistics.median(sb.decode([True] * args.steps))
+            plain = plain_steps[b] if mtp else statistics.median(sb.decode([True] * args.steps))
+            if mtp:
+                sb.decode([True] * args.steps)  # the positions the plain steps would have used
             rows.append({"batch": b, "k": 0, "step_ms": plain * 1e3, "cost": 1.0,
                          "tok_s": {str(a): b / plain for a in RATES}, "speedup": {str(a): 1.0 for a in RATES}})
             for k in ks:
+                if sb.runner.drafter is not None:  # k drafts per step (its cache holds max(ks))
+                    sb.runner.drafter.num_drafts = k
                 if not args.enforce_eager:  # the verify graphs of this k (query length k + 1)
                     sb.runner.capture_decode_graphs(verify_query_len=k + 1)
                 _verify_steps(sb, k, 1, rng, vocab)  # warm-up at this shape
@@ -102,12 +143,15 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
                   flush=True)
     finally:
         sb.close()
-    return {"rows": rows, "cuda_graphs": cuda_graphs, "verify_graph_steps": verify_graph_steps}
+    return {"rows": rows, "cuda_graphs": cuda_graphs, "verify_graph_steps": verify_graph_steps,
+            "method": "mtp" if mtp else "ngram"}
 
 
 def print_table(res: dict, title: str) -> None:
     where = "in CUDA graphs" if res["cuda_graphs"] else "eager"
-    print(f"\n{title}; plain decode and verify {where} ({res['verify_graph_steps']} verify steps replayed a graph)")
+    drafts = ", the draft layer eager" if res.get("method") == "mtp" else ""
+    print(f"\n{title}; plain decode and verify {where}{drafts} ({res['verify_graph_steps']} verify steps replayed a "
+          "graph)")
     head = " | ".join(f"tok/s a={a} (x)" for a in RATES)
     print(f"| batch | k | step ms | cost x plain | {head} |")
     print("|---|---|---|---|" + "---|" * len(RATES))
@@ -124,10 +168,21 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None, help="default 1024 on CUDA, 16 on the CPU")
     ap.add_argument("--steps", type=int, default=16, help="timed steps per (batch, k)")
     ap.add_argument("--enforce-eager", action="store_true", help="plain decode without CUDA graphs too")
+    ap.add_argument("--method", choices=("ngram", "mtp"), default="ngram",
+                    help="mtp: verify steps also run GLM's draft layer (a GLM preset, or the fake GLM on the CPU)")
     ap.add_argument("--out", default=None, help="write bench_spec.json here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, load_format, title = bench_model(args, tmp)
+        if args.method == "mtp" and not args.preset:  # the fake GLM with a draft layer
+            from fake_model import make_fake_model
+
+            args.device = "cpu" if args.device == "auto" else args.device
+            args.dtype = args.dtype or "float32"
+            model_dir = make_fake_model("glm4_moe", tmp, draft_layer=True)
+            load_format, title = "auto", "fake tiny glm4_moe"
+        else:
+            model_dir, load_format, title = bench_model(args, tmp)
+        title += ", MTP drafts" if args.method == "mtp" else ""
         cuda = args.device == "cuda"
         args.batches = args.batches or ("1,8,32" if cuda else "1,2")
         args.prompt_len = args.prompt_len or (1024 if cuda else 16)

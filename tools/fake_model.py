@@ -161,7 +161,8 @@ FP8_QUANTIZATION_CONFIG = {
 
 
 def make_fake_model(
-    arch: str, out: str, preset: str = "tiny", seed: int = 0, dtype: str = "float32", fp8: bool = False
+    arch: str, out: str, preset: str = "tiny", seed: int = 0, dtype: str = "float32", fp8: bool = False,
+    draft_layer: bool = False,
 ) -> str:
     """Write a random `arch` checkpoint to directory `out` (created if needed); return `out`.
 
@@ -169,7 +170,10 @@ def make_fake_model(
     fp8: save them as a block-wise fp8 checkpoint instead, in the published layout: every dense linear and
     expert projection `X.weight` float8_e4m3fn with `X.weight_scale_inv` float32 [ceil(O/128), ceil(I/128)],
     quantized from the `dtype` weights (model_executor/quantization/fp8.py); router gates, norms, embeddings
-    and lm_head stay in `dtype`; config.json gets FP8_QUANTIZATION_CONFIG."""
+    and lm_head stay in `dtype`; config.json gets FP8_QUANTIZATION_CONFIG.
+    draft_layer (glm4_moe only): also a draft (MTP) layer, as GLM-4.5 ships one (num_nextn_predict_layers 1,
+    model.layers.{L}.* after the L decoder layers), for {"method": "mtp"} speculative decoding; the policy's
+    weights are the same draws as without it."""
     from safetensors.torch import save_file
 
     from fastdeploy_r3.model_executor.model_loader import random_weights
@@ -179,7 +183,12 @@ def make_fake_model(
 
     hf = fake_hf_config(arch, preset)
     os.makedirs(out, exist_ok=True)
-    model = get_model_class(hf["architectures"][0])(hf, torch.float32)
+    if draft_layer:
+        if arch != "glm4_moe":
+            raise ValueError(f"only glm4_moe checkpoints carry a draft (MTP) layer, not {arch}")
+        hf["num_nextn_predict_layers"] = 1
+    draft = {"with_draft_layers": True} if draft_layer else {}
+    model = get_model_class(hf["architectures"][0])(hf, torch.float32, **draft)
     weights = random_weights(model, seed, router_std=_ROUTER_STD[arch])
     weights = {name: w.to(getattr(torch, dtype)) for name, w in weights.items()}
     hf["torch_dtype"] = dtype

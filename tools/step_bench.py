@@ -49,11 +49,13 @@ class StepBench:
         enforce_eager: bool = False,
         deterministic: bool = False,
         quantization: str | None = None,
+        speculative_config: dict | None = None,
     ) -> None:
         """max_len: the longest sequence (prompt + decode steps); num_blocks: KV blocks for the largest batch.
         Decode steps replay CUDA graphs unless enforce_eager (or the attention backend is not graph-safe).
         deterministic: the batch-invariant kernels (--enable-deterministic-inference); quantization: "fp8"
-        quantizes the (dummy or checkpoint) weights block-wise at load (--quantization fp8)."""
+        quantizes the (dummy or checkpoint) weights block-wise at load (--quantization fp8). speculative_config:
+        the engine's (--speculative-config): under {"method": "mtp"} every step also runs the draft layer."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.config = EngineConfig.from_kwargs(
@@ -61,7 +63,7 @@ class StepBench:
             max_num_seqs=max_batch, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
             num_gpu_blocks_override=num_blocks, routing_replay_config={"enable_routing_replay": True},
             enforce_eager=enforce_eager, enable_deterministic_inference=deterministic,
-            quantization=quantization or "none",
+            quantization=quantization or "none", speculative_config=speculative_config,
         )  # fmt: skip
         self.suffix = new_engine_suffix()
         self.runner = ModelRunner(self.config, 0, 1, self.suffix)

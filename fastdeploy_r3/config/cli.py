@@ -61,24 +61,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kw["help"] += " (default: %(default)s)"
         parser.add_argument(name, **kw)
     sg = parser.add_argument_group("SGLang's speculative flags (the same as --speculative-config)")
-    sg.add_argument("--speculative-algorithm", default=None, help="NGRAM: n-gram prompt-lookup drafts")
+    sg.add_argument("--speculative-algorithm", default=None,
+                    help="NGRAM: n-gram prompt-lookup drafts; EAGLE or NEXTN: GLM-4.5's draft (MTP) layer")
     sg.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                     help="tokens per verify, the verified one the drafts follow included (drafts = this - 1)")
     sg.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None,
                     help="shortest n-gram looked up (prompt_lookup_min)")
     sg.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None,
                     help="longest n-gram looked up (prompt_lookup_max)")
+    sg.add_argument("--speculative-num-steps", type=int, default=None,
+                    help="EAGLE / NEXTN: draft steps (= drafts per verify: chains of one token per step)")
+    sg.add_argument("--speculative-eagle-topk", type=int, default=None,
+                    help="EAGLE / NEXTN: branches per draft step; only 1 (a chain) is served")
     return parser
 
 
 def _sglang_speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
     algorithm = getattr(args, "speculative_algorithm", None)
     rest = [getattr(args, n, None) for n in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-                                             "speculative_ngram_max_match_window_size")]
+                                             "speculative_ngram_max_match_window_size", "speculative_num_steps",
+                                             "speculative_eagle_topk")]
     if algorithm is None:
         if any(v is not None for v in rest):
-            raise ConfigError("the --speculative-num-draft-tokens / --speculative-ngram-* flags need "
-                              "--speculative-algorithm NGRAM")
+            raise ConfigError("the --speculative-num-draft-tokens / --speculative-ngram-* / --speculative-num-steps "
+                              "flags need --speculative-algorithm (NGRAM, EAGLE or NEXTN)")
         return None
     if getattr(args, "speculative_config", None):
         raise ConfigError("give either --speculative-config or --speculative-algorithm, not both")

@@ -323,6 +323,9 @@ class EngineConfig:
         self.scheduler_config.validate(self.max_model_len)
         self.parallel_config.validate()
         self.parallel_config.validate_for_model(mc.hf_config)
+        if self.speculative_config is not None:
+            tp = self.parallel_config.tensor_parallel_size
+            self.speculative_config.validate_for_model(mc.model, mc.hf_config, tp)
         kv_dtype = mc.dtype if self.cache_config.kv_cache_dtype == "auto" else self.cache_config.kv_cache_dtype
         if kv_dtype != mc.dtype:
             raise ConfigError(f"kv_cache_dtype={kv_dtype!r} differs from the model dtype {mc.dtype!r}; a KV cache "
@@ -392,3 +395,4 @@ class EngineConfig:
         fewer tokens: EngineService.max_model_len is the limit in force."""
         assert self.model_config.max_model_len is not None
         return self.model_config.max_model_len
+

@@ -1,16 +1,21 @@
 """Speculative decoding settings: vLLM's `--speculative-config` JSON, and SGLang's flags mapped onto it.
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+    {"method": "mtp", "num_speculative_tokens": k}     GLM-4.5's own draft (MTP) layer
 
     SGLang                                             here
     --speculative-algorithm NGRAM                      method "ngram"
+    --speculative-algorithm EAGLE | NEXTN              method "mtp" (SGLang serves GLM-4.5's draft layer so)
+    --speculative-num-steps N                          num_speculative_tokens N (EAGLE / NEXTN)
+    --speculative-eagle-topk 1                         (a chain; tree drafts are not served)
     --speculative-num-draft-tokens D                   num_speculative_tokens D - 1 (SGLang counts the
                                                        verified token its drafts follow among the D)
     --speculative-ngram-min-match-window-size a        prompt_lookup_min a
     --speculative-ngram-max-match-window-size b        prompt_lookup_max b
 
-Only the n-gram drafter exists (engine/speculative.py); a method that needs a draft model ("mtp",
-"eagle3") is refused with what to use instead.
+Drafters: n-gram prompt lookup (engine/speculative.py) and GLM-4.5's MTP layer (worker/mtp_drafter.py;
+EngineConfig refuses it for a model without one); a method that needs a separate draft model ("eagle3")
+is refused with what to use instead.
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ from typing import Any
 from fastdeploy_r3.errors import ConfigError
 from fastdeploy_r3.json_args import json_object_arg
 
-METHODS = ("ngram",)
-# methods other engines know that need a draft model: refused by name rather than as unknown
-_NOT_BUILT = ("mtp", "eagle", "eagle3", "draft_model", "medusa")
+METHODS = ("ngram", "mtp")
+# methods other engines know that need a separate draft model: refused by name rather than as unknown
+_NOT_BUILT = ("eagle", "eagle3", "draft_model", "medusa")
 # SGLang's --speculative-algorithm values and the method each is here
-SGLANG_ALGORITHMS = {"NGRAM": "ngram"}
+SGLANG_ALGORITHMS = {"NGRAM": "ngram", "EAGLE": "mtp", "NEXTN": "mtp"}
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,8 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method in _NOT_BUILT:
-            raise ConfigError(f"speculative method {self.method!r} needs a draft model, which this engine does not "
-                              "load yet; use {\"method\": \"ngram\"}")
+            raise ConfigError(f"speculative method {self.method!r} needs a separate draft model, which this engine "
+                              "does not load; use {\"method\": \"ngram\"}, or \"mtp\" for GLM-4.5's own draft layer")
         if self.method not in METHODS:
             raise ConfigError(f"speculative method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
@@ -48,6 +53,20 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
                               f"{self.prompt_lookup_max}; the shortest n-gram cannot be longer than the longest")
+
+    def validate_for_model(self, model: str, hf_config: dict[str, Any], tensor_parallel_size: int) -> None:
+        """MTP drafts need the checkpoint's own draft layer (GLM-4.5's num_nextn_predict_layers) and, today,
+        one rank: the draft layer runs on rank 0 after the draw (worker/mtp_drafter.py)."""
+        if self.method != "mtp":
+            return
+        arch = (hf_config.get("architectures") or ["?"])[0]
+        if arch != "Glm4MoeForCausalLM" or int(hf_config.get("num_nextn_predict_layers") or 0) < 1:
+            raise ConfigError(f'speculative method "mtp" needs a checkpoint with a draft (MTP) layer, and {model!r} '
+                              f"({arch}) has none (GLM-4.5 checkpoints say num_nextn_predict_layers >= 1 in "
+                              'config.json); use {"method": "ngram"}')
+        if tensor_parallel_size != 1:
+            raise ConfigError(f'speculative method "mtp" runs its draft layer on one rank; tensor_parallel_size='
+                              f'{tensor_parallel_size} is not served with it yet: use 1, or {{"method": "ngram"}}')
 
     @classmethod
     def from_json(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -71,11 +90,25 @@ class SpeculativeConfig:
 
     @classmethod
     def from_sglang(cls, algorithm: str, num_draft_tokens: int | None, min_window: int | None,
-                    max_window: int | None) -> SpeculativeConfig:
+                    max_window: int | None, num_steps: int | None = None,
+                    eagle_topk: int | None = None) -> SpeculativeConfig:
         """SGLang's flags (the table above)."""
         method = SGLANG_ALGORITHMS.get(algorithm.upper())
         if method is None:
-            raise ConfigError(f"--speculative-algorithm {algorithm!r} is not served here; use NGRAM")
+            raise ConfigError(f"--speculative-algorithm {algorithm!r} is not served here; use NGRAM, or EAGLE / "
+                              "NEXTN for GLM-4.5's draft (MTP) layer")
+        if method == "mtp" and (min_window is not None or max_window is not None):
+            raise ConfigError("--speculative-ngram-* flags are for --speculative-algorithm NGRAM, not "
+                              f"{algorithm.upper()}")
+        if method == "ngram" and (num_steps is not None or eagle_topk is not None):
+            raise ConfigError("--speculative-num-steps / --speculative-eagle-topk are for EAGLE / NEXTN, not NGRAM")
+        if eagle_topk not in (None, 1):
+            raise ConfigError(f"--speculative-eagle-topk {eagle_topk}: only chains of drafts (1) are served here")
+        if num_steps is not None and num_draft_tokens is not None and num_draft_tokens != num_steps + 1:
+            raise ConfigError(f"--speculative-num-draft-tokens {num_draft_tokens} with --speculative-num-steps "
+                              f"{num_steps}: a chain verifies num-steps + 1 tokens, so give {num_steps + 1}")
+        if num_steps is not None:
+            num_draft_tokens = num_steps + 1
         kw: dict[str, Any] = {"method": method}
         if num_draft_tokens is not None:
             if num_draft_tokens < 2:

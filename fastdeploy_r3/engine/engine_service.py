@@ -240,6 +240,8 @@ class EngineService:
                 if self.speculation is not None:
                     self.speculation.record(chunk, len(step.sampled[rid]))
                 self.token_processor.append_tokens(req, step.sampled[rid], step.logprobs.get(rid))
+                if self.speculation is not None and rid in step.draft_token_ids:
+                    self.speculation.worker_drafts(req, step.draft_token_ids[rid])
 
     def _run_batch(self, chunks: list[ScheduledChunk], retry: bool) -> StepAttempt:
         """One worker step over `chunks` (step_isolation.py calls it again on parts of a failed step)."""
@@ -261,7 +263,8 @@ class EngineService:
         if errors:
             return StepAttempt(error=errors[0])
         o = outs[0]  # rank 0 samples
-        return StepAttempt(sampled=o.sampled_token_ids, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs)
+        return StepAttempt(sampled=o.sampled_token_ids, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
+                           draft_token_ids=o.draft_token_ids)
 
     # -- supervision --------------------------------------------------------------------------------
 

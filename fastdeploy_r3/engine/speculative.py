@@ -4,10 +4,12 @@ verifies, the token processor appends what was accepted.
 Drafts are made HERE, in the engine, not in the worker: the engine holds every request's whole token
 history (prompt + output) and its limits (max_tokens, max_model_len, the step's token budget), so a
 draft never asks for a slot the scheduler did not reserve, and the worker stays stateless about
-histories. A draft model (EAGLE-3, MTP) needs the target's hidden states, so it drafts in the worker:
-nothing downstream depends on where drafts come from (the worker verifies whatever tokens follow a
-sampling chunk, the token processor appends what comes back, the lookahead slots are reserved either
-way), so it is one more Drafter whose propose runs in the worker before the step's inputs are built.
+histories. A draft model (GLM's MTP layer; EAGLE-3 would be the same) needs the target's hidden
+states, so it drafts in the worker, right after the step it follows (worker/mtp_drafter.py), and the
+drafts come back with that step's tokens; WorkerDrafts holds them until the request's next step and
+hands them to assign_drafts like any drafter's, cut by the same limits. Nothing downstream depends on
+where drafts come from (the worker verifies whatever tokens follow a sampling chunk, the token
+processor appends what comes back, the lookahead slots are reserved either way).
 
 Exactness: a verify forward computes a draft position in matmuls over more rows than a decode step's,
 so its float32 logits and router scores may differ from the plain engine's in the last bits (1e-6 on
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -71,9 +73,41 @@ class NgramDrafter:
         return []
 
 
-def make_drafter(config: SpeculativeConfig) -> Drafter:
+@runtime_checkable
+class RequestDrafter(Protocol):
+    def propose_for(self, req: Request, token_ids: np.ndarray, max_drafts: int) -> list[int]:
+        """Up to max_drafts drafts made elsewhere for this request to follow token_ids, maybe none."""
+        ...
+
+
+class WorkerDrafts:
+    """MTP: the drafts the worker's draft layer made after a request's latest step (worker/mtp_drafter.py),
+    held until its next step. They follow the tokens the request had once that step's were appended, so
+    they are fed only if the request still has exactly those (a request cut at a stop, preempted or
+    re-run gets none)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[Request, int, list[int]]] = {}  # id -> (request, num_tokens, drafts)
+
+    def hold(self, req: Request, drafts: list[int]) -> None:
+        self._held[req.request_id] = (req, req.num_tokens, drafts)
+
+    def propose_for(self, req: Request, token_ids: np.ndarray, max_drafts: int) -> list[int]:
+        held = self._held.pop(req.request_id, None)
+        if held is None or held[0] is not req or held[1] != len(token_ids):
+            return []
+        return held[2][:max_drafts]
+
+    def drop_finished(self) -> None:
+        for rid in [rid for rid, (req, _, _) in self._held.items() if req.is_finished]:
+            del self._held[rid]
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter | RequestDrafter:
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "mtp":
+        return WorkerDrafts()
     raise ValueError(f"no drafter for speculative method {config.method!r}")  # SpeculativeConfig refuses it first
 
 
@@ -102,9 +136,16 @@ class Speculation:
     def assign(self, chunks: list[ScheduledChunk], max_model_len: int) -> None:
         """Drafts for the chunks of a step about to be sent (kept on the chunks: a re-run sends the same)."""
         self.histories.keep_only({c.request.request_id for c in chunks})
+        if isinstance(self.drafter, WorkerDrafts):
+            self.drafter.drop_finished()
         if assign_drafts(chunks, self.drafter, self.num_drafts, self.max_step_tokens, max_model_len,
                          self.histories.of):
             self.counters.verify_steps += 1
+
+    def worker_drafts(self, req: Request, drafts: list[int]) -> None:
+        """The worker drafted these after the request's step (MTP), its tokens appended already."""
+        if isinstance(self.drafter, WorkerDrafts) and not req.is_finished:
+            self.drafter.hold(req, drafts)
 
     def record(self, chunk: ScheduledChunk, num_sampled: int) -> None:
         """The worker returned num_sampled tokens for a sampling chunk: its accepted drafts and one more."""
@@ -148,7 +189,7 @@ class TokenHistories:
             del self._arrays[rid]
 
 
-def assign_drafts(chunks: list[ScheduledChunk], drafter: Drafter, k: int, max_step_tokens: int,
+def assign_drafts(chunks: list[ScheduledChunk], drafter: Drafter | RequestDrafter, k: int, max_step_tokens: int,
                   max_model_len: int, history: Callable[[Request], np.ndarray] | None = None) -> int:
     """Give each chunk that samples up to k drafts; returns how many in all. A draft never goes past
     the request's max_tokens (the bonus token comes after the drafts), max_model_len, or the step's
@@ -166,7 +207,10 @@ def assign_drafts(chunks: list[ScheduledChunk], drafter: Drafter, k: int, max_st
         if n <= 0:
             continue
         tokens = history(req) if history is not None else np.asarray(req.all_token_ids, dtype=np.int64)
-        chunk.drafts = drafter.propose(tokens, n)
+        if isinstance(drafter, RequestDrafter):
+            chunk.drafts = drafter.propose_for(req, tokens, n)
+        else:
+            chunk.drafts = drafter.propose(tokens, n)
         room -= len(chunk.drafts)
         total += len(chunk.drafts)
     return total

@@ -36,6 +36,7 @@ class StepAttempt:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     error: WorkerError | None = None
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # MTP drafts for the next step
 
 
 @dataclass
@@ -47,6 +48,7 @@ class IsolatedStep(Generic[C]):
     num_attempts: int
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +73,7 @@ def run_isolating_failures(chunks: list[C], run: Callable[[list[C], bool], StepA
             done.sampled.update(result.sampled)
             done.logprobs.update(result.logprobs)
             done.prompt_logprobs.update(result.prompt_logprobs)
+            done.draft_token_ids.update(result.draft_token_ids)
             return
         if len(batch) == 1:
             failed.append((batch[0], result.error))
@@ -81,4 +84,4 @@ def run_isolating_failures(chunks: list[C], run: Callable[[list[C], bool], StepA
 
     if chunks:
         attempt(list(chunks), False)
-    return IsolatedStep(done.sampled, failed, attempts, done.logprobs, done.prompt_logprobs)
+    return IsolatedStep(done.sampled, failed, attempts, done.logprobs, done.prompt_logprobs, done.draft_token_ids)

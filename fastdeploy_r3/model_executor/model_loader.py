@@ -65,7 +65,9 @@ def iter_random_weights(
     """
     generator = torch.Generator(device).manual_seed(seed)
     shapes = model.checkpoint_weight_shapes()
-    for name in sorted(shapes):
+    # the policy's names first, then any draft (MTP) layer's: a model built with its draft layer draws the
+    # same policy weights as one built without
+    for name in sorted(shapes, key=lambda n: (model.is_draft_weight(n), n)):
         if not name.endswith("_scale_inv"):  # an fp8 model quantizes the drawn weights (the same draws)
             yield name, random_weight(name, shapes[name], generator, router_std, dtype)
 
@@ -159,12 +161,14 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     expert_placement: ExpertPlacement | None = None,
+    with_draft_layers: bool = False,
 ) -> nn.Module:
     """Model of model_config's architecture on `device`, weights loaded, eval mode, grads off.
 
     With tp_size > 1 the model holds tensor-parallel rank tp_rank's shard of every split weight.
     expert_placement (the identity when None) says which routed experts this rank holds; the
-    checkpoint's tensors of the others are never read.
+    checkpoint's tensors of the others are never read. with_draft_layers: also the checkpoint's draft
+    (MTP) layer, for MTP speculative decoding (GLM-4.5 only).
     """
     hf = model_config.hf_config
     arch = (hf.get("architectures") or [None])[0]
@@ -177,7 +181,8 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf, dtype, tp_rank, tp_size, expert_placement)
+            draft = {"with_draft_layers": True} if with_draft_layers else {}  # only GLM takes it
+            model = model_cls(hf, dtype, tp_rank, tp_size, expert_placement, **draft)
             # fp8 parameters replace the dense linears' and experts' before loading (biases: the model dtype)
             quantize_model(model, model_config.quantization, model_config.quantization_config.ignored_layers)
     finally:

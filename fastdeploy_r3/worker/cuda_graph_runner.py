@@ -120,6 +120,8 @@ class DecodeGraphs:
                                 for q in self.query_sizes}  # fmt: skip
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (P, Q) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}  # [P * Q, V] float32, the graphs' outputs
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # [P * Q, H] their final hidden states
+        self._last: tuple[tuple[int, int], torch.Tensor | None, int] | None = None  # hidden_of(): the last replay
         self.replays = dict.fromkeys(self.query_sizes, 0)  # steps replayed, by query length
 
     def _metadata(self, size: int, q: int) -> AttentionMetadata:
@@ -136,7 +138,7 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         )
 
-    def _forward(self, size: int, q: int) -> torch.Tensor:
+    def _forward(self, size: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         capture, tokens = self.routing_capture, size * q
         with set_forward_context(ForwardContext(self._metadata(size, q), self.kv_caches, capture)):
             if capture is not None:
@@ -144,7 +146,7 @@ class DecodeGraphs:
             hidden = self.model(self.input_ids[:tokens], self.positions[:tokens])  # [P * Q, H]
             if capture is not None:
                 capture.check_complete()
-            return self.model.compute_logits(hidden)  # [P * Q, V]
+            return hidden, self.model.compute_logits(hidden)  # [P * Q, H], [P * Q, V]
 
     @torch.inference_mode()
     @graph_kernels()
@@ -160,7 +162,7 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[(size, q)] = self._forward(size, q)
+                    self.hidden[(size, q)], self.logits[(size, q)] = self._forward(size, q)
                 self.graphs[(size, q)] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for (batch sizes) x query length: %s", self.query_sizes)
@@ -197,6 +199,7 @@ class DecodeGraphs:
             self.slot_mapping[:num_reqs].copy_(inp.slot_mapping)
             self.slot_mapping[num_reqs:size].fill_(-1)
             self.graphs[(size, 1)].replay()
+            self._last = ((size, 1), None, num_reqs)
             return self.logits[(size, 1)][:num_reqs]
         tokens = size * q
         slots = torch.from_numpy(verify_layout(inp.query_lens, q)).to(inp.input_ids.device, non_blocking=True)
@@ -207,7 +210,15 @@ class DecodeGraphs:
         self.slot_mapping[:tokens].fill_(-1)
         self.slot_mapping.index_copy_(0, slots, inp.slot_mapping)
         self.graphs[(size, q)].replay()
+        self._last = ((size, q), slots, inp.num_tokens)
         capture = self.routing_capture
         if capture is not None:  # the real tokens' rows, in packed order, where the runner reads them
             capture.buffer[: inp.num_tokens].copy_(capture.buffer[slots])
         return self.logits[(size, q)][slots[inp.sample_idx]]
+
+    def hidden_of(self) -> torch.Tensor:
+        """The last replayed step's final hidden states in packed token order [T, H], a copy (the next
+        replay overwrites the graph's output): what MTP drafts read (worker/mtp_drafter.py)."""
+        assert self._last is not None, "replay() first"
+        key, slots, num_tokens = self._last
+        return self.hidden[key][:num_tokens].clone() if slots is None else self.hidden[key][slots]

@@ -62,6 +62,7 @@ class MemoryOccupation:
         self.num_gpu_blocks = r.kv_cache.shape[2]
         r.decode_graphs = None  # its static buffers hold views of the cache
         r.kv_cache = None
+        r.drafter = None  # and the MTP draft layer's own cache: init_kv_cache makes a new drafter on resume
         if r._kv_segment is not None:
             r._kv_segment.close()  # the owner unlinks: /dev/shm gets the bytes back
             r._kv_segment = None

@@ -131,6 +131,9 @@ class StepOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     launched_ahead: bool = False  # launched while the step before it was unfinished (worker_process.py)
+    # MTP speculative decoding (worker/mtp_drafter.py): per request that sampled, up to k drafts to follow
+    # its last sampled token, for the engine to feed next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

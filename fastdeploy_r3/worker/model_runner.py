@@ -43,6 +43,7 @@ from fastdeploy_r3.worker.messages import (
     WeightsChecksum,
     WeightUpdateResult,
 )
+from fastdeploy_r3.worker.mtp_drafter import DraftInputs, MtpDrafter, make_mtp_drafter
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
 from fastdeploy_r3.worker.sample.sampler import PendingSample, StepSampler
@@ -62,6 +63,7 @@ class LaunchedStep:
     pending: PendingSample | None = None  # rank 0's draw on its way to the host
     sample_rows: list[SampleRow] = field(default_factory=list)
     fed_from: int | None = None  # the step whose sampled ids filled this one's placeholders
+    draft_inputs: DraftInputs | None = None  # MTP drafts: what the draft layer reads after the draw
 
     def done(self) -> bool:
         """Whether finish() would not wait."""
@@ -84,6 +86,8 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         if config.speculative_config is not None:  # a verify step feeds up to k drafts past its chunk
             self.num_lookahead_tokens = config.speculative_config.num_speculative_tokens
+        self.with_draft_layer = config.speculative_config is not None and config.speculative_config.method == "mtp"
+        self.drafter: MtpDrafter | None = None  # MTP drafts (worker/mtp_drafter.py), once the KV cache exists
         self.model: torch.nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, NB, BS, KVH, D]
         self._kv_segment: ShmSegment | None = None
@@ -109,7 +113,7 @@ class ModelRunner:
         torch.manual_seed(self.config.model_config.seed)
         mc = self.config.model_config
         placement = expert_placement_for(self.config.parallel_config, mc, self.rank)  # None: no expert parallel
-        self.model = load_model(mc, self.device, self.rank, self.world_size, placement)
+        self.model = load_model(mc, self.device, self.rank, self.world_size, placement, self.with_draft_layer)
         if self.config.parallel_config.moe_a2a_backend != "local":
             from fastdeploy_r3.model_executor.layers.expert_alltoall import use_moe_a2a_backend
 
@@ -133,7 +137,7 @@ class ModelRunner:
         m = self.model
         assert m is not None
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return (m.num_layers + self.with_draft_layer) * 2 * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def determine_num_gpu_blocks(self) -> int:
         cc = self.config.cache_config
@@ -162,6 +166,9 @@ class ModelRunner:
         m = self.model
         assert m is not None
         shape = (m.num_layers, 2, num_gpu_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        if self.with_draft_layer:
+            self.drafter = make_mtp_drafter(m, self.num_lookahead_tokens, self.block_size, num_gpu_blocks,
+                                            self.config.scheduler_config.max_num_seqs, self.kv_dtype, self.device)
         dtype_name = self.config.cache_config.kv_cache_dtype  # a dtype name: EngineConfig resolved 'auto'
         name = shm_name(self.engine_suffix, f"kv_rank{self.rank}")
         if self.device.type == "cuda":
@@ -259,6 +266,8 @@ class ModelRunner:
         for rid in step.finished_request_ids:
             self.sampler.forget(rid)
             self.input_batcher.forget(rid)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
         # whatever this step does, a later step may feed only what it samples (a failed step: nothing)
         prev_ids, self._prev_ids = self._prev_ids, None
         launched = LaunchedStep(StepOutput(step.step_id, {}))
@@ -296,6 +305,8 @@ class ModelRunner:
             if capture is not None:
                 capture.mark_graph_replay()  # the graph's capture kernels write the step buffer
             logits = graphs.replay(inp, q)  # [S, V]: a decode or verify step, every token samples
+            if self.drafter is not None:  # MTP drafts read every token's hidden state
+                launched.draft_inputs = DraftInputs(graphs.hidden_of(), step.requests, inp.query_start_loc)
         else:
             with set_forward_context(ForwardContext(meta, kv_caches, capture)):
                 hidden = model(inp.input_ids, pos_t)  # [T, H]
@@ -319,6 +330,8 @@ class ModelRunner:
                 assert self.sampler.last_ids is not None
                 self._prev_ids = self.sampler.last_ids
                 self.input_batcher.state.record_samples(step.step_id, inp.state_rows[inp.sample_requests])
+            if self.drafter is not None and hidden is not None:  # eager (a replayed graph set them above)
+                launched.draft_inputs = DraftInputs(hidden, step.requests, inp.query_start_loc)
             if hidden is not None:  # a replayed decode graph feeds no prompt position
                 chunk_rows = [(inp.query_start_loc[b], r) for b, r in enumerate(step.requests)]
                 launched.out.prompt_logprobs = self.sampler.prompt_logprobs(model.compute_logits, hidden, chunk_rows)
@@ -354,6 +367,8 @@ class ModelRunner:
             r, at = row.request, row.position - row.request.start_pos
             if at >= len(r.token_ids) or r.token_ids[at] != tok:
                 verified.add(rid)
+        if launched.draft_inputs is not None and self.drafter is not None:  # after the draw: drafts follow it
+            out.draft_token_ids = self.drafter.propose(launched.draft_inputs, out.sampled_token_ids)
         return out
 
     def _fail(self, launched: LaunchedStep) -> None:

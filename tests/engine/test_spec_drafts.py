@@ -70,7 +70,7 @@ def test_speculative_config_json_and_its_errors() -> None:
     for bad, words in [
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min=4"),
-        ('{"method": "mtp"}', "needs a draft model"),
+        ('{"method": "eagle3"}', "needs a separate draft model"),
         ('{"method": "lookahead"}', "unknown"),
         ('{"num_speculative_tokens": 3}', 'needs "method"'),
         ('{"method": "ngram", "k": 3}', "unknown speculative config key(s) k"),
@@ -86,7 +86,18 @@ def test_sglang_flags_map_onto_the_config() -> None:
                               "4", "--speculative-ngram-min-match-window-size", "2",
                               "--speculative-ngram-max-match-window-size", "5"])
     assert _sglang_speculative(args) == SpeculativeConfig("ngram", 3, 2, 5)
+    for algorithm in ("EAGLE", "NEXTN"):  # SGLang's spellings for GLM-4.5's own draft layer
+        args = parser.parse_args(["--model", "m", "--speculative-algorithm", algorithm,
+                                  "--speculative-num-draft-tokens", "3"])
+        assert _sglang_speculative(args) == SpeculativeConfig("mtp", 2)
+    glm = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+           "--speculative-num-draft-tokens", "4"]  # SGLang's GLM-4.5 recipe
+    assert _sglang_speculative(parser.parse_args(["--model", "m", *glm])) == SpeculativeConfig("mtp", 3)
     for argv, words in [
+        (["--speculative-algorithm", "EAGLE", "--speculative-ngram-max-match-window-size", "3"], "for .* NGRAM"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4"], "only chains"),
+        (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "3"],
+         "give 4"),
         (["--speculative-algorithm", "EAGLE3"], "not served here"),
         (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"], "use 2 or more"),
         (["--speculative-num-draft-tokens", "4"], "need --speculative-algorithm"),

@@ -32,3 +32,14 @@ def test_spec_bench_runs_on_cpu_and_writes_the_table(tmp_path: Path) -> None:
         assert r["step_ms"] > 0
         for a, tok_s in r["tok_s"].items():
             assert abs(tok_s - r["batch"] * expected_tokens(float(a), r["k"]) / (r["step_ms"] / 1e3)) < 1e-6 * tok_s
+
+
+def test_mtp_spec_bench_runs_on_cpu_with_the_fake_glm(tmp_path: Path) -> None:
+    """--method mtp: a plain runner's decode rows, then an MTP runner's verify rows (its draft layer drafting)."""
+    cmd = [sys.executable, "tools/bench_spec.py", "--device", "cpu", "--method", "mtp", "--batches", "1", "--ks", "2",
+           "--steps", "1", "--prompt-len", "4", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads((tmp_path / "bench_spec.json").read_text())
+    assert res["method"] == "mtp" and "MTP drafts" in res["title"]
+    assert [(r["batch"], r["k"]) for r in res["rows"]] == [(1, 0), (1, 2)]

@@ -2,17 +2,20 @@
 row b owns token slots [b*Q, (b+1)*Q) and puts its real tokens last, gives the packed eager step's tokens,
 logits and R3 rows. CI has no GPU, so the "graph" here replays the same forward eagerly on the CPU (the
 layout, the sampling rows and the R3 gather are what is under test); tests/gpu/test_spec_cuda.py runs real
-graphs on an H200."""
+graphs on an H200. MTP drafts read the padded graph's hidden states back in packed order."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
+from fake_model import make_fake_model
 from step_bench import StepBench
 from verify_graph_cases import assert_accepted_lengths, verify_step_after_prefill
 
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, verify_layout
-from fastdeploy_r3.worker.messages import ScheduledRequestData
+from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput
 
 
 def test_each_rows_tokens_take_the_last_slots_of_its_window() -> None:
@@ -53,7 +56,7 @@ class _EagerReplay:
         g, cap = self.graphs, self.graphs.routing_capture
         # a replayed graph runs kernels only: the capture's step (begun by the runner) stays as it was
         step = (cap._num_tokens, cap._positions, cap._captured)
-        g.logits[(self.size, self.q)] = g._forward(self.size, self.q)
+        g.hidden[(self.size, self.q)], g.logits[(self.size, self.q)] = g._forward(self.size, self.q)
         cap._num_tokens, cap._positions, cap._captured = step
 
 
@@ -86,5 +89,32 @@ def test_a_verify_step_through_the_padded_layout_equals_the_packed_eager_step(fa
         assert_accepted_lengths(got_tokens)
         assert np.array_equal(sb.routing_host.rows[slots], want_rows)
         assert want_rows.shape[0] == 4 + 2 + 1 and (want_rows != 255).all()  # real rows, no sentinel
+    finally:
+        sb.close()
+
+
+def test_mtp_drafts_after_the_padded_layout_equal_the_eager_step_s(tmp_path) -> None:  # noqa: ANN001
+    """The fake GLM with a draft layer: from the same draft state, the drafter reads the padded graph's
+    hidden states in packed order (DecodeGraphs.hidden_of) and drafts what it drafts after the eager step."""
+    model = make_fake_model("glm4_moe", str(tmp_path / "glm"), draft_layer=True)
+    sb = StepBench(model, "cpu", "float32", "auto", 4, 64, 64, 4, 256, True,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3})  # fmt: skip
+    try:
+        step, _ = verify_step_after_prefill(sb)
+        runner, drafter = sb.runner, sb.runner.drafter
+        states, free = copy.deepcopy(drafter._states), list(drafter._free)
+        want = runner.execute(StepInput(1000, step))
+        drafter._states, drafter._free = states, free  # the draft state the eager step started from
+        graphs = _CpuGraphs(runner.model, runner._kv_caches(), runner.routing_capture, 4, 64, 4,
+                            torch.device("cpu"), verify_query_len=4)  # fmt: skip
+        graphs.graphs = {(size, q): _EagerReplay(graphs, size, q) for q, sizes in graphs.query_sizes.items()
+                         for size in sizes}  # fmt: skip
+        runner.decode_graphs = graphs
+        got = runner.execute(StepInput(1001, step))
+        assert graphs.replays == {1: 0, 4: 1}
+        assert got.sampled_token_ids == want.sampled_token_ids
+        assert got.draft_token_ids == want.draft_token_ids
+        assert sorted(got.draft_token_ids) == ["r0", "r1", "r2"]
+        assert all(len(d) == 3 for d in got.draft_token_ids.values())
     finally:
         sb.close()

@@ -388,6 +388,12 @@ class MoeCausalLM(nn.Module):
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightLoadingError(f"weight {missing[0]!r}{more} is missing from the checkpoint")
 
+    draft_layer: nn.Module | None = None  # the draft (MTP) layer of a model built with one (models/glm4_mtp.py)
+
+    def is_draft_weight(self, ckpt_name: str) -> bool:
+        """Whether a checkpoint name belongs to a draft (MTP) layer rather than the policy."""
+        return False
+
     def _skip_checkpoint_weight(self, ckpt_name: str) -> bool:
         """Checkpoint tensors this engine deliberately ignores (e.g. GLM's multi-token-prediction layers)."""
         return False
