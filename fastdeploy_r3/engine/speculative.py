@@ -20,7 +20,7 @@ the test model). Greedy tokens and R3 rows are then equal unless an argmax or a 
     step_builder: token_ids = chunk + drafts, num_sample_rows = len(drafts) + 1
     worker (worker/model_runner.py, worker/sample/draw.py): one forward over every request's drafts;
         row i samples the token after draft i - 1; keep rows while the drawn token equals the draft
-        fed after it (greedy: argmax == draft; sampled: rejection sampling), then the bonus token
+        fed after it (each row draws as plain decoding does), then the bonus token
     token_processor.append_tokens: accepted drafts + bonus, cut at a stop; the cursor advances over
         the verified ones only, so R3 rows and KV of rejected drafts are never published (see there)
 """

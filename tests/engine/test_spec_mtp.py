@@ -136,15 +136,17 @@ def test_greedy_mtp_gives_the_plain_engine_s_tokens_and_rows(
     assert got2.outputs[0].spec.accepted_tokens > 0
 
 
-def test_sampled_requests_verify_mtp_drafts_by_rejection_sampling(mtp: EngineService) -> None:
-    """Sampled rows verify the draft layer's greedy drafts by rejection sampling (worker/sample/draw.py):
-    some are accepted, and the rows are P + N - 1. (A seeded request reproduces only from the same draft
-    state: docs/speculative.md.)"""
+def test_seeded_sampled_requests_under_mtp_draw_plain_decoding_s_tokens(
+        plain: EngineService, mtp: EngineService) -> None:
+    """A sampled row draws what plain decoding draws at its (seed, position) and keeps the draft when the
+    draw equals it (worker/sample/draw.py): seeded requests give the plain engine's tokens whatever the
+    draft layer proposed, some drafts are accepted, and the rows are P + N - 1."""
     params = SamplingParams(temperature=0.8, seed=42, max_tokens=12, ignore_eos=True)
-    out = run_requests(mtp, {"s1": (WORKLOAD["r1"], params), "s2": (WORKLOAD["r2"], params)})
-    for o in out.values():
+    batch = {"s1": (WORKLOAD["r1"], params), "s2": (WORKLOAD["r2"], params)}
+    want, out = run_requests(plain, batch), run_requests(mtp, batch)
+    for rid, o in out.items():
         comp = o.outputs[0]
-        assert comp.error is None and len(comp.token_ids) == 12
+        assert comp.error is None and comp.token_ids == want[rid].outputs[0].token_ids
         assert comp.routed_experts.shape == (len(o.prompt_token_ids) + 11, 1, 4)
     assert sum(o.outputs[0].spec.accepted_tokens for o in out.values()) > 0
 

@@ -306,12 +306,15 @@ def test_max_tokens_inside_an_accepted_run(debug_spec: EngineService, reference:
 # -- sampled ---------------------------------------------------------------------------------------------
 
 
-def test_a_seeded_sampled_request_reproduces_itself(spec: EngineService) -> None:
-    """Rejection sampling draws from (seed, position) noise: the same seeded request twice, alone and
-    beside another, gives the same tokens; the repeated prompt gets drafts accepted."""
+def test_a_seeded_sampled_request_draws_plain_decoding_s_tokens(plain: EngineService, spec: EngineService) -> None:
+    """Every row draws what plain decoding draws at its (seed, position); a draft is kept when the draw
+    equals it: the same seeded request alone and beside another gives the plain engine's tokens, and the
+    repeated prompt gets drafts accepted."""
     params = SamplingParams(temperature=0.7, seed=123, max_tokens=12, ignore_eos=True)
+    want = _one(plain, "s0", WORKLOAD["rep2"], params)
     a = _one(spec, "s1", WORKLOAD["rep2"], params)
     b = run_requests(spec, {"s2": (WORKLOAD["rep2"], params), "other": (WORKLOAD["rnd"], GREEDY)})["s2"]
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == want.outputs[0].token_ids
     assert len(a.outputs[0].token_ids) == 12
     assert a.outputs[0].spec is not None and a.outputs[0].spec.draft_tokens > 0
+    assert a.outputs[0].spec.accepted_tokens > 0

@@ -11,12 +11,13 @@ device, so a seeded request draws the same tokens alone or in any batch, and no 
 anywhere (a preempted request that recomputes draws the same noise again). Requests without a seed get
 one drawn by the caller.
 
-A verify row (a speculative draft d is fed at the position the row draws for, engine/speculative.py)
-keeps the target distribution exact by rejection sampling against the drafter's point mass on d: it
-draws d with probability p(d) (a second uniform of the same (seed, position), salted), and otherwise
-races the residual max(p - q, 0) normalised, that is p with d removed: P(v) = p(d)[v = d] +
-(1 - p(d)) p(v) / (1 - p(d)) = p(v). The row's id equals d exactly when the draft is accepted; greedy
-rows need nothing more (the argmax equals d or it does not).
+A verify row (a speculative draft d was fed at the position the row draws for, engine/speculative.py)
+draws exactly as any row does, and its draft is accepted when the drawn id equals d. That is
+rejection sampling against the drafter's point mass on d, in its simplest form: d is kept with
+probability p(d), and a rejected row's id is p's draw conditioned on not being d, which is the
+normalised residual max(p - q, 0); every id keeps probability p(v). Because the draw does not look at
+the draft, a seeded request draws the very tokens of plain decoding whatever was drafted (n-gram or
+MTP, a drafter state reset by a prefix hit or a preemption), and greedy rows are the argmax as always.
 
 Only the sampled ids cross to the host, into a pinned buffer: one D2H copy and one host sync per step.
 """
@@ -32,8 +33,6 @@ import torch
 _MASK32 = 0xFFFFFFFF
 # odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows
 _M1, _M2, _M3 = 0x2C1B3C6D, 0x297A2D39, 0x27D4EB2D
-# xor-ed into a seed for a verify row's accept uniform: independent of the race noise of the same row
-_ACCEPT_SALT = 0x3C6EF372FE94F82B
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
@@ -65,7 +64,6 @@ class SamplingBatch:
     all_greedy: bool  # host-side: skip the sampling ops entirely
     any_top_k: bool
     any_top_p: bool
-    drafts: torch.Tensor | None = None  # [S] int64 the draft a verify row decides on, -1 for none; None: no row has one
 
     @classmethod
     def build(
@@ -76,7 +74,6 @@ class SamplingBatch:
         seeds: Sequence[int],
         counters: Sequence[int],
         device: torch.device,
-        drafts: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """From host lists (numpy-packed, then one copy to the device per dtype)."""
         floats = np.array([list(temperature), list(top_p)], dtype=np.float32)  # [2, S]
@@ -88,8 +85,6 @@ class SamplingBatch:
             all_greedy=bool((floats[0] == 0).all()),
             any_top_k=bool(ints[0].any()),
             any_top_p=bool((floats[1] < 1).any()),
-            drafts=(torch.tensor(list(drafts), dtype=torch.int64).to(device, non_blocking=True)
-                    if drafts is not None and any(d >= 0 for d in drafts) else None),
         )
 
 
@@ -120,7 +115,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)  # [S]
     if batch.all_greedy:
         return greedy_ids
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     greedy = batch.temperature == 0  # [S]
     temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)  # [S]
     scaled = logits / temp[:, None]  # [S, V]
@@ -130,25 +125,8 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     else:
         probs = torch.softmax(scaled, dim=-1)  # [S, V]
     noise = -torch.log(uniform_noise(batch.seeds, batch.counters, vocab))  # [S, V] Exp(1)
-    if batch.drafts is not None:
-        sampled = _verify_drafts(probs, noise, batch)
-    else:
-        sampled = (probs / noise).argmax(dim=-1)  # [S]
+    sampled = (probs / noise).argmax(dim=-1)  # [S]
     return torch.where(greedy, greedy_ids, sampled)
-
-
-def _verify_drafts(probs: torch.Tensor, noise: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """probs [S, V], noise [S, V] Exp(1) -> ids [S]: rows without a draft race probs; a verify row
-    keeps its draft d with probability probs[d], else races probs with d removed (module docstring)."""
-    assert batch.drafts is not None
-    has = batch.drafts >= 0  # [S]
-    d = batch.drafts.clamp(min=0)[:, None]  # [S, 1]
-    p_draft = probs.gather(1, d)[:, 0]  # [S]
-    u = uniform_noise(batch.seeds ^ _ACCEPT_SALT, batch.counters, 1)[:, 0]  # [S] in (0, 1)
-    accept = has & (u < p_draft)  # [S]
-    residual = torch.where(has[:, None], probs.scatter(1, d, 0.0), probs)  # [S, V]
-    raced = (residual / noise).argmax(dim=-1)  # [S]
-    return torch.where(accept, d[:, 0], raced)
 
 
 class HostCopy:

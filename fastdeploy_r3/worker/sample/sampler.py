@@ -108,7 +108,6 @@ class StepSampler:
             seeds=[s.seed for s in states],
             counters=[r.position for r in rows],  # position of the token drawn
             device=processed.device,
-            drafts=[_draft_of(r) for r in rows],
         )
         return sample_batch(processed, batch)
 
@@ -206,13 +205,6 @@ class StepSampler:
             out[rid] = (first_pos, records[at : at + count])
             at += count
         return out
-
-
-def _draft_of(row: SampleRow) -> int:
-    """The draft a verify row decides on: the token its chunk feeds at the position the row draws for
-    (engine/speculative.py); -1 for a row past the chunk (an ordinary draw, or a verify step's bonus)."""
-    at = row.position - row.request.start_pos
-    return row.request.token_ids[at] if at < len(row.request.token_ids) else -1
 
 
 def _as_int64(seed: int) -> int:
