@@ -99,6 +99,42 @@ def test_decode_kernel_matches_torch_for_every_split_count() -> None:
     """)
 
 
+def test_short_query_rows_are_one_decode_row_per_token_over_its_causal_prefix() -> None:
+    """Rows of 3, 0 (capacity padding) and 2 query tokens over contexts of 10, 0 and 5: each token becomes
+    a decode row with its row's block table and the positions it may see."""
+    import torch
+
+    from fastdeploy_r3.model_executor.ops.paged_decode import short_query_rows
+
+    tables = torch.tensor([[7, 2, 5], [0, 0, 0], [4, 1, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([10, 0, 5], dtype=torch.int32)
+    start_loc = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    tok_tables, tok_seq_lens, tok_start_loc = short_query_rows(tables, seq_lens, start_loc, 5)
+    assert tok_tables.tolist() == [[7, 2, 5]] * 3 + [[4, 1, 0]] * 2
+    assert tok_seq_lens.tolist() == [8, 9, 10, 4, 5] and tok_seq_lens.dtype == torch.int32
+    assert tok_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_verify_steps_at_small_batch_take_the_split_decode_kernel_one_row_per_token() -> None:
+    """Verify-like rows (2..5 query tokens after contexts of 4..62, a fresh 4-token row, padded rows) at
+    a batch the prefill kernel would underfill: the backend routes them through the decode kernel and
+    equals the torch oracle, in float32 and bf16."""
+    _run_interpreted("""
+        from fastdeploy_r3.model_executor.ops.paged_decode import use_short_query_decode
+        rows = [(29, 3), (4, 5), (62, 2), (0, 4)]
+        for heads, kv_heads, dtype in ((4, 1, torch.float32), (8, 1, torch.bfloat16)):
+            case = make_case(rows, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype, padded_rows=2, seed=5)
+            m = case.meta
+            assert use_short_query_decode(m.seq_lens_tensor.shape[0], kv_heads, m.max_query_len, case.q.device)
+            want, k_want, v_want = run_torch(case)
+            got, k_got, v_got = run_triton(case)
+            real = case.real_tokens
+            assert max_err(got[:real], want[:real]) < TOL[dtype], (heads, dtype)
+            assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+            assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    """)
+
+
 def test_decode_graph_capacity_rows_beyond_the_batch_write_nothing() -> None:
     """Metadata of capacity B_max = 6 for 3 live rows: the rest have query_len 0 and seq_len 0 and must
     leave the output untouched (a CUDA graph replays the same launch for any live batch)."""

@@ -28,7 +28,11 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, get_forward_context
 from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache, write_kv_cache_ref
-from fastdeploy_r3.model_executor.ops.paged_decode import paged_decode_attention
+from fastdeploy_r3.model_executor.ops.paged_decode import (
+    paged_decode_attention,
+    short_query_rows,
+    use_short_query_decode,
+)
 from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
@@ -120,7 +124,10 @@ class TritonPagedAttentionBackend(AttentionBackend):
     """Triton kernels over the device-side metadata; graph-safe when the metadata has a fixed capacity.
 
     Every token must belong to a row (query_start_loc[B] == T); max_query_len == 1 takes the decode
-    kernel (split-KV sized by max_seq_len), anything longer the ragged prefill kernel.
+    kernel (split-KV sized by max_seq_len); a few query tokens a row at a small batch (a speculative
+    verify step) take it too, one row per token (ops/paged_decode.py short_query_rows), where the
+    prefill kernel would run one program per (row, kv head) over the whole context; anything else the
+    ragged prefill kernel.
     """
 
     def forward(
@@ -142,6 +149,9 @@ class TritonPagedAttentionBackend(AttentionBackend):
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor, scale, out)
         if meta.max_query_len == 1:
             return paged_decode_attention(*args, max_seq_len=meta.max_seq_len)
+        if use_short_query_decode(meta.seq_lens_tensor.shape[0], k_cache.shape[2], meta.max_query_len, q.device):
+            rows = short_query_rows(meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor, q.shape[0])
+            return paged_decode_attention(q, k_cache, v_cache, *rows, scale, out, max_seq_len=meta.max_seq_len)
         return paged_prefill_attention(*args, max_query_len=meta.max_query_len)
 
 

@@ -37,6 +37,7 @@ from fastdeploy_r3.model_executor.ops.paged_tiles import (
 )
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, tl, triton
 
+SHORT_QUERY_MAX = 8  # the most query tokens a row may have for the short-query path (k + 1)
 # shortest split: on the H200 (2026-11-30, 32:4 heads, D 128, context 1024) batch 1 took 12.4 µs a layer with 4
 # splits of 256 and 7.2 µs with 16 of 64; batch 64 41.8 µs with 2 splits, 44.4 with 1
 MIN_PARTITION = 64
@@ -213,3 +214,34 @@ def paged_decode_attention(
             HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
         )  # fmt: skip
     return out
+
+
+def short_query_rows(
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    query_start_loc: torch.Tensor,  # [B + 1]
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode kernel's metadata for a batch whose rows have a few query tokens each (a speculative
+    verify step: k + 1 per row): one row per token, over the causal prefix that token sees.
+
+    Token i of a row with q queries and context seq_len sits at position seq_len - q + i and attends to
+    [0, seq_len - q + i] (the prefill kernel's causal rule), so it is a decode row of its own with
+    seq_len - (q - 1 - i) positions and the row's block table. Device ops of fixed shape only (no host
+    sync): a CUDA graph captures them. Returns block_tables [T, max_blocks], seq_lens [T],
+    query_start_loc [T + 1]."""
+    tok = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=query_start_loc.device)  # [T]
+    row = torch.searchsorted(query_start_loc[1:], tok, right=True).clamp_(max=seq_lens.shape[0] - 1)  # [T]
+    start = query_start_loc[row]  # [T]
+    q_len = query_start_loc[row + 1] - start  # [T]
+    tok_seq_lens = (seq_lens[row] - (q_len - 1 - (tok - start))).clamp_(min=0).to(seq_lens.dtype)  # [T]
+    tok_start_loc = torch.arange(num_tokens + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    return block_tables.index_select(0, row), tok_seq_lens, tok_start_loc
+
+
+def use_short_query_decode(num_rows: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> bool:
+    """Whether rows of max_query_len (> 1) tokens go through the decode kernel one token a row: when the
+    prefill kernel's one program per (row, kv head) over the whole context would leave the GPU mostly
+    idle (a verify step at small batch), and the queries are few (each token rereads its row's K/V)."""
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    return 1 < max_query_len <= SHORT_QUERY_MAX and num_rows * num_kv_heads < 2 * num_sms
