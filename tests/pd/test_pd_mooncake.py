@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 from api_server_process import free_port
-from pd_deployment import Deployment, assert_idle_and_clean, pd_deployment
+from pd_deployment import Deployment, assert_idle_and_clean, assert_swept, kill_tree, pd_deployment, server_tree
 
 from fastdeploy_r3.client import decode_routed_experts
 
@@ -158,3 +158,21 @@ def test_a_closed_bootstrap_port_is_a_502_and_both_servers_end_clean(pd: Deploym
     assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
     for server in (pd.prefill, pd.decode):
         assert_idle_and_clean(server)
+
+
+def test_p_killed_after_its_handoff_fails_d_clearly_and_leaves_nothing(pd: Deployment) -> None:
+    """Last (P stays dead): P published room 77 and holds its blocks for D, then its whole tree is
+    SIGKILLed before D asks: D answers 502 within seconds, its books and arena clean, it serves on, and
+    nothing of P's tree (segments, IPC directories) survives the next start's sweep."""
+    prompt = [300 + i for i in range(9)]
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 77}
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
+    roles, pids = server_tree(pd.prefill)
+    kill_tree(pd.prefill, pids)
+    r = httpx.post(f"{pd.decode.url}/generate", json={**body, **boot}, timeout=60)
+    assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+    assert_idle_and_clean(pd.decode)
+    plain = httpx.post(f"{pd.decode.url}/generate", json=body, timeout=120).json()
+    assert plain["output_ids"] == _generate(pd.colocated.url, prompt, 3)["output_ids"]
+    assert_swept(roles, pids)

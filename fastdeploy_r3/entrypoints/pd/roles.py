@@ -11,6 +11,10 @@
               of any stored block), the tail of the prompt and the first token are computed here, and
               the first token is put back in front of the output (with P's logprob and text)
 
+With --disaggregation-transfer-backend mooncake each server has its own store: P also keeps the blocks
+it stored in an outbox, and D pulls them over Mooncake Transfer Engine into its store before running
+(te_blocks.py, te_transfer.py).
+
 R3 across the boundary: D's engine holds prompt + first token as its prompt, so its rows are
 [0, P + 1) for that prompt plus one per further token: P + 1 + (N - 1) - 1 = P + N - 1 rows, the
 rows of a colocated run, each gathered under its block's tag as always.
@@ -64,6 +68,10 @@ def check_pd_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.disaggregation_mode == "null":
         return
     if config.cache_config.kv_storage is None or not config.cache_config.enable_prefix_caching:
+        if args.disaggregation_transfer_backend == "mooncake":
+            raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode} with the mooncake backend keeps "
+                              "the blocks that travel in each server's own store: give each a --kv-storage (e.g. "
+                              "file:///var/cache/fdr3_p and file:///var/cache/fdr3_d) and prefix caching on")
         raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode} moves blocks through the shared KV "
                           "store: start P and D with the same --kv-storage (e.g. redis://127.0.0.1:6379/0) and "
                           "prefix caching on")
