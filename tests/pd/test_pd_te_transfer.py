@@ -131,3 +131,14 @@ def test_an_arena_too_small_for_the_room_refuses_it_by_name(arenas) -> None:
             small.close()
 
     asyncio.run(run())
+
+
+def test_the_target_engine_refuses_writes_outside_its_registered_arena(arenas) -> None:
+    """A wrong (or hostile) TeTarget cannot make P scribble over D's memory: D's engine checks every
+    write against what it registered, and P reports the failure instead."""
+    p, d = arenas
+    past_end = d.base + d.buf.nbytes - BLOB // 2  # starts inside, ends outside
+    for address in (past_end, 4096):
+        written = asyncio.run(write_room(p, _blobs(1, 6), TeTarget(5, d.segment, [address])))
+        assert written.num_written == 0 and "failed (code" in written.error
+    assert p.used_bytes == 0
