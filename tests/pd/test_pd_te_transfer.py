@@ -142,3 +142,18 @@ def test_the_target_engine_refuses_writes_outside_its_registered_arena(arenas) -
         written = asyncio.run(write_room(p, _blobs(1, 6), TeTarget(5, d.segment, [address])))
         assert written.num_written == 0 and "failed (code" in written.error
     assert p.used_bytes == 0
+
+
+def test_blobs_scattered_at_d_arrive_each_at_its_address(arenas) -> None:
+    """D reserves a room in one range (one write); blobs at addresses that are not contiguous still land
+    each where D said, and a failing run stops the room at its first blob."""
+    p, d = arenas
+    blobs = _blobs(3, 7)
+    off = d.alloc(5 * BLOB)
+    addresses = [d.base + off, d.base + off + BLOB, d.base + off + 4 * BLOB]  # two runs: [0, 1] and [2]
+    assert asyncio.run(write_room(p, blobs, TeTarget(6, d.segment, addresses))) == TeWritten(6, 3)
+    got = [d.buf[a - d.base:a - d.base + BLOB].tobytes() for a in addresses]
+    assert got == blobs
+    written = asyncio.run(write_room(p, blobs, TeTarget(6, d.segment, addresses[:2] + [4096])))
+    assert written.num_written == 2 and "failed" in written.error
+    d.free(off)

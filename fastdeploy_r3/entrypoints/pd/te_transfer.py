@@ -239,13 +239,19 @@ async def write_room(arena: TeArena, blobs: list[bytes], target: TeTarget) -> Te
             pos += len(b)
 
         def send() -> TeWritten:
-            at = off
-            for i, b in enumerate(blobs[:n]):
+            # one write per run of blobs contiguous at D (D reserves a room's blobs in one range: one
+            # write), each a round trip; a failed run ends the room there
+            at, i = off, 0
+            while i < n:
+                j, nbytes = i + 1, len(blobs[i])
+                while j < n and target.addresses[j] == target.addresses[i] + nbytes:
+                    nbytes += len(blobs[j])
+                    j += 1
                 try:
-                    arena.write(target.segment, at, target.addresses[i], len(b))
+                    arena.write(target.segment, at, target.addresses[i], nbytes)
                 except TeError as e:
                     return TeWritten(target.room, i, str(e))
-                at += len(b)
+                at, i = at + nbytes, j
             return TeWritten(target.room, n)
 
         return await asyncio.to_thread(send)
