@@ -7,6 +7,7 @@ What must hold (docs/pd.md): greedy tokens and R3 rows through PD equal the colo
 rows, with shared prefixes, chunked prefill and preemption on D, /generate and /v1/completions, streamed
 or not; D never recomputes a block that arrived (cached_tokens); a block corrupted on P's side costs D
 recomputation, never exactness; a closed bootstrap port is a 502; the books of both are clean after.
+R3 in debug mode through this backend: tests/pd/test_pd_mooncake_debug.py.
 """
 
 from __future__ import annotations
