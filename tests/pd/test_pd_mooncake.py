@@ -152,6 +152,22 @@ def test_a_block_corrupted_on_p_costs_d_recomputation_never_exactness(pd: Deploy
     assert out["meta_info"]["cached_tokens"] == 0
 
 
+def test_a_transfer_that_fails_after_the_handoff_costs_d_recomputation_never_exactness(pd: Deployment) -> None:
+    """P handed room 88 over, but its blocks are gone before D asks (here: another target took them, as a
+    D that died mid-pull would have): D's pull fails, D computes the whole prompt, the answer is exact."""
+    prompt = [400 + i for i in range(9)]
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 88}
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
+    bootstrap = f"http://127.0.0.1:{pd.bootstrap_port}/pd/rooms/88"
+    assert len(httpx.get(f"{bootstrap}/manifest", timeout=30).json()["checksums"]) == 2
+    taken = httpx.post(f"{bootstrap}/te", timeout=30, json={"room": 88, "segment": "127.0.0.1:1", "addresses": []})
+    assert taken.json() == {"room": 88, "num_written": 0, "error": None}
+    out = httpx.post(f"{pd.decode.url}/generate", json={**body, **boot}, timeout=120).json()
+    _same(out, _generate(pd.colocated.url, prompt), prompt, 5)
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
 def test_a_closed_bootstrap_port_is_a_502_and_both_servers_end_clean(pd: Deployment) -> None:
     body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 99}
