@@ -34,17 +34,27 @@ class Deployment:
 
 @contextlib.contextmanager
 def pd_deployment(model: str, log_dir: str, common: tuple[str, ...], decode_args: tuple[str, ...] = (),
-                  timeout: float = 180.0) -> Iterator[Deployment]:
-    """Everything started, the router routing; `common` are every server's flags, `decode_args` D's own."""
+                  timeout: float = 180.0, backend: str = "store") -> Iterator[Deployment]:
+    """Everything started, the router routing; `common` are every server's flags, `decode_args` D's own.
+    backend "store": P and D share a redis-server; "mooncake": each has its own file store (under
+    log_dir), and blocks move from P to D only over Mooncake Transfer Engine."""
     bootstrap_port = free_port()
-    with redis_server() as url, api_servers(
-        log_dir,
-        (model, *common, "--kv-storage", url, "--disaggregation-mode", "prefill",
-         "--disaggregation-bootstrap-port", str(bootstrap_port)),
-        (model, *common, "--kv-storage", url, "--disaggregation-mode", "decode", *decode_args),
-        (model, *common),
-        timeout=timeout,
-    ) as (p, d, colocated):
+    with contextlib.ExitStack() as stack:
+        if backend == "store":
+            url = stack.enter_context(redis_server())
+            p_store, d_store, extra = url, url, ()
+        else:
+            url = ""
+            p_store, d_store = (f"file://{os.path.join(log_dir, side + '_store')}" for side in ("p", "d"))
+            extra = ("--disaggregation-transfer-backend", backend, "--disaggregation-te-arena-mb", "4")
+        p, d, colocated = stack.enter_context(api_servers(
+            log_dir,
+            (model, *common, "--kv-storage", p_store, "--disaggregation-mode", "prefill",
+             "--disaggregation-bootstrap-port", str(bootstrap_port), *extra),
+            (model, *common, "--kv-storage", d_store, "--disaggregation-mode", "decode", *extra, *decode_args),
+            (model, *common),
+            timeout=timeout,
+        ))
         port = free_port()
         log = open(os.path.join(log_dir, "router.log"), "w")  # noqa: SIM115 - closed below, after the process
         router = subprocess.Popen(

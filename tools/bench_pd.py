@@ -5,13 +5,16 @@ server with the same flags.
     python tools/bench_pd.py --model DIR [--device cuda] [--block-size 16] [--prompts 32]
         [--prompt-len 64:512] [--max-tokens 64] [--concurrency 8] [--server-arg=--max-num-seqs=64 ...]
     python tools/bench_pd.py --fake                       # a tiny fake model on the CPU (a smoke run)
+    python tools/bench_pd.py --fake --backend mooncake    # the Mooncake Transfer Engine backend
 
-It prints, for the `store` backend (the only one built):
+It prints, for the chosen backend (`store`: a redis-server P and D share; `mooncake`: each server its
+own file store, blocks moving P -> D over Mooncake Transfer Engine):
   handoff    per fresh prompt sent to P alone: P's prefill until its handoff is published (the
              write-through of its blocks included), then D's first token once the handoff is there
-             (fetch, storage loads, the partial block and the first token computed on D)
-  bytes      per prompt token moved through the store: KV and R3 rows (rows: the blob's bytes beyond
-             the KV, header and checksum included), from the blobs P wrote
+             (fetch, the transfer, storage loads, the partial block and the first token computed on D);
+             mooncake: also the transfer itself (D's manifest, P's writes into D's arena, checks)
+  bytes      per prompt token moved: KV and R3 rows (rows: the blob's bytes beyond the KV, header and
+             checksum included), from the blobs that arrived (store: P wrote; mooncake: D received)
   load       TTFT and TPOT p50 / p99 of a mixed load (random prompt lengths, shared prefixes across
              half of the prompts), streamed /generate, through the router vs the colocated server
 On one GPU P, D and the colocated server share the device: pass --server-arg=--gpu-memory-utilization=0.25.
@@ -24,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -94,6 +98,10 @@ async def load(url: str, prompts: list[list[int]], max_tokens: int, concurrency:
     return ttfts, tpots
 
 
+def _files(root: str) -> set[str]:
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
@@ -105,6 +113,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--backend", choices=("store", "mooncake"), default="store")
     args = ap.parse_args()
     logs = tempfile.mkdtemp(prefix="bench_pd_")
     if args.fake:
@@ -121,14 +130,26 @@ def main() -> None:
                for i in range(args.prompts)]
     common = ("--device", args.device, "--routing-replay-config", R3_ON, "--block-size", str(args.block_size),
               *args.server_arg)
-    with pd_deployment(args.model, logs, common, timeout=900) as dep:
-        import redis
-
-        store = redis.Redis.from_url(dep.store_url)
-        keys_before = set(store.keys("*"))
+    with pd_deployment(args.model, logs, common, timeout=900, backend=args.backend) as dep:
         fresh = [[rng.randrange(vocab) for _ in range(hi)] for _ in range(4)]
-        hand = asyncio.run(handoffs(dep.prefill.url, dep.decode.url, dep.bootstrap_port, fresh))
-        blobs = [store.strlen(k) for k in set(store.keys("*")) - keys_before if store.type(k) == b"string"]
+        moved: list[tuple[int, int, float]] = []
+        if args.backend == "store":
+            import redis
+
+            store = redis.Redis.from_url(dep.store_url)
+            keys_before = set(store.keys("*"))
+            hand = asyncio.run(handoffs(dep.prefill.url, dep.decode.url, dep.bootstrap_port, fresh))
+            blobs = [store.strlen(k) for k in set(store.keys("*")) - keys_before if store.type(k) == b"string"]
+        else:
+            d_store = os.path.join(logs, "d_store")
+            files_before = _files(d_store)
+            log_at = os.path.getsize(dep.decode.log_path)
+            hand = asyncio.run(handoffs(dep.prefill.url, dep.decode.url, dep.bootstrap_port, fresh))
+            blobs = [os.path.getsize(f) for f in _files(d_store) - files_before]
+            with open(dep.decode.log_path) as f:
+                f.seek(log_at)
+                moved = [(int(n), int(b), float(s)) for n, b, s in re.findall(
+                    r"(\d+) blocks \((\d+) bytes\) over the transfer engine in ([0-9.]+) s", f.read())]
         heads, kv_heads = int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads", hf["num_attention_heads"]))
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
         itemsize = 2 if hf.get("torch_dtype") in ("bfloat16", "float16") else 4
@@ -136,7 +157,11 @@ def main() -> None:
         per_token = sum(blobs) / (len(blobs) * args.block_size) if blobs else float("nan")
         pd_ttft, pd_tpot = asyncio.run(load(dep.router, prompts, args.max_tokens, args.concurrency))
         co_ttft, co_tpot = asyncio.run(load(dep.colocated.url, prompts, args.max_tokens, args.concurrency))
-    print("backend store (redis)")
+    print("backend store (redis)" if args.backend == "store" else "backend mooncake (transfer engine, tcp)")
+    if args.backend == "mooncake" and moved:
+        ms, blocks, nbytes = (statistics.median(m[i] for m in moved) for i in (2, 0, 1))
+        print(f"transfer  D pulls a room over the transfer engine: p50 {ms * 1e3:.1f} ms for {blocks:.0f} blocks "
+              f"({nbytes:.0f} bytes; {len(moved)} rooms)")
     print(f"handoff   P prefill until published: p50 {statistics.median(h[0] for h in hand) * 1e3:.1f} ms; "
           f"D first token after it: p50 {statistics.median(h[1] for h in hand) * 1e3:.1f} ms "
           f"({len(hand)} prompts of {hi} tokens)")

@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation on one GPU (docs/pd.md): P, D and a colocated server share the
-device, sglang-router in PD mode in front of P and D, a redis-server as the shared KV store. Greedy
-tokens and R3 through PD equal the colocated server's bit for bit, streamed and not; D loads every full
-prompt block P stored (the lead runs this on an H200; CI skips it, tests/gpu/conftest.py):
+device, sglang-router in PD mode in front of P and D; once with the store backend (a redis-server as
+the shared KV store), once with the mooncake backend (each its own file store, blocks over Mooncake
+Transfer Engine on loopback TCP). Greedy tokens and R3 through PD equal the colocated server's bit for
+bit, streamed and not; D loads every full prompt block P stored (the lead runs this on an H200; CI skips
+it, tests/gpu/conftest.py):
 
     python -m pytest -m gpu tests/gpu/test_pd_cuda.py -v
 """
@@ -25,13 +27,13 @@ PREFIX = list(range(100, 148))  # three full blocks shared by every prompt
 PROMPTS = [PREFIX + list(range(300 + 10 * i, 300 + 10 * i + k)) for i, k in enumerate((0, 1, 9, 16, 23))]
 
 
-@pytest.fixture(scope="module")
-def pd(fake_model_dir, tmp_path_factory) -> Iterator[Deployment]:
+@pytest.fixture(scope="module", params=["store", "mooncake"])
+def pd(fake_model_dir, tmp_path_factory, request) -> Iterator[Deployment]:
     common = ("--device", "cuda", "--routing-replay-config", '{"enable_routing_replay": true}',
               "--enable-return-routed-experts", "--max-model-len", "512", "--block-size", str(BLOCK),
               "--num-gpu-blocks-override", "256", "--gpu-memory-utilization", "0.25")  # three servers, one GPU
     with pd_deployment(fake_model_dir("glm4_moe"), str(tmp_path_factory.mktemp("pd_cuda_logs")), common,
-                       timeout=600) as deployment:
+                       timeout=600, backend=request.param) as deployment:
         yield deployment
 
 

@@ -85,7 +85,7 @@ def server_args(ctx: ServingContext, address: ServerAddress) -> dict[str, Any]:
         # prefill/decode disaggregation (entrypoints/pd/): the router reads the mode, D the bootstrap port
         "disaggregation_mode": ctx.pd.mode if ctx.pd is not None else "null",
         "disaggregation_bootstrap_port": ctx.pd.bootstrap_port if ctx.pd is not None else None,
-        "disaggregation_transfer_backend": "store" if ctx.pd is not None else None,
+        "disaggregation_transfer_backend": ctx.pd.transfer_backend if ctx.pd is not None else None,
         "enable_memory_saver": ctx.enable_memory_saver,
         # SGLang returns R3 only from a server started with this flag; here R3 on is enough, and
         # --enable-return-routed-experts makes it the default of every /generate

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from fastdeploy_r3.entrypoints.pd.handoff import MAX_ROOM, Bootstrap, Handoff, HandoffError
+from fastdeploy_r3.entrypoints.pd.te_transfer import TeSender, add_te_routes
 
 ROOM_TTL_S = 600.0
 MAX_ROOMS = 65536
@@ -82,8 +83,10 @@ class Rooms:
         return len(self._waiting)
 
 
-def bootstrap_app(rooms: Rooms) -> FastAPI:
+def bootstrap_app(rooms: Rooms, te: TeSender | None = None) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    if te is not None:
+        add_te_routes(app, te)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -106,7 +109,7 @@ def bootstrap_app(rooms: Rooms) -> FastAPI:
 class BootstrapServer:
     """P's bootstrap server on its own port, in the API server's event loop."""
 
-    def __init__(self, rooms: Rooms, host: str, port: int) -> None:
+    def __init__(self, rooms: Rooms, host: str, port: int, te: TeSender | None = None) -> None:
         self.rooms = rooms
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -118,7 +121,7 @@ class BootstrapServer:
             raise OSError(f"--disaggregation-bootstrap-port {port}: cannot bind {host}:{port} ({e}); choose a free "
                           "port") from e
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(bootstrap_app(rooms), log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(bootstrap_app(rooms, te), log_level="warning", lifespan="off"))
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign] - the API server's
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
 

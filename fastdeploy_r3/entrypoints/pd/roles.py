@@ -11,6 +11,10 @@
               of any stored block), the tail of the prompt and the first token are computed here, and
               the first token is put back in front of the output (with P's logprob and text)
 
+With --disaggregation-transfer-backend mooncake each server has its own store: P also keeps the blocks
+it stored in an outbox, and D pulls them over Mooncake Transfer Engine into its store before running
+(te_blocks.py, te_transfer.py).
+
 R3 across the boundary: D's engine holds prompt + first token as its prompt, so its rows are
 [0, P + 1) for that prompt plus one per further token: P + 1 + (N - 1) - 1 = P + N - 1 rows, the
 rows of a colocated run, each gathered under its block's tag as always.
@@ -30,6 +34,8 @@ from fastdeploy_r3.engine.messages import AwaitWriteThrough, EngineStateQuery
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient
 from fastdeploy_r3.entrypoints.pd.bootstrap import BootstrapServer, Rooms, fetch_handoff
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap, Handoff, HandoffError, prompt_digest
+from fastdeploy_r3.entrypoints.pd.te_blocks import TeBlocks
+from fastdeploy_r3.entrypoints.pd.te_transfer import DEFAULT_ARENA_MB, Outbox, TeArena, TeSender
 from fastdeploy_r3.errors import ConfigError
 from fastdeploy_r3.outputs import RequestDelta, TextRule, WeightVersionSpan
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
@@ -47,9 +53,14 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disaggregation-bootstrap-port", type=int, default=DEFAULT_BOOTSTRAP_PORT,
                    help="prefill: the port of its bootstrap server, where decode servers fetch handoffs (the "
                         "port sglang-router's --prefill URL PORT names)")
-    g.add_argument("--disaggregation-transfer-backend", choices=("store",), default="store",
+    g.add_argument("--disaggregation-transfer-backend", choices=("store", "mooncake"), default="store",
                    help="how blocks travel from P to D: store = through the shared --kv-storage (Redis, "
-                        "Mooncake Store or a shared directory) both servers are started with")
+                        "Mooncake Store or a shared directory) both servers are started with; mooncake = P "
+                        "writes them into memory D reserved, over Mooncake Transfer Engine (each server keeps "
+                        "its own --kv-storage)")
+    g.add_argument("--disaggregation-te-arena-mb", type=int, default=DEFAULT_ARENA_MB,
+                   help="mooncake backend: the memory each server registers with its transfer engine (D: "
+                        "blocks of rooms being received; P: blocks being written)")
 
 
 def check_pd_flags(args: argparse.Namespace, config: EngineConfig) -> None:
@@ -57,26 +68,42 @@ def check_pd_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.disaggregation_mode == "null":
         return
     if config.cache_config.kv_storage is None or not config.cache_config.enable_prefix_caching:
+        if args.disaggregation_transfer_backend == "mooncake":
+            raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode} with the mooncake backend keeps "
+                              "the blocks that travel in each server's own store: give each a --kv-storage (e.g. "
+                              "file:///var/cache/fdr3_p and file:///var/cache/fdr3_d) and prefix caching on")
         raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode} moves blocks through the shared KV "
                           "store: start P and D with the same --kv-storage (e.g. redis://127.0.0.1:6379/0) and "
                           "prefix caching on")
+    if args.disaggregation_transfer_backend == "mooncake" and args.disaggregation_te_arena_mb < 1:
+        raise ConfigError(f"--disaggregation-te-arena-mb {args.disaggregation_te_arena_mb}; use at least 1")
     if not 1 <= args.disaggregation_bootstrap_port <= 65535:
         raise ConfigError(f"--disaggregation-bootstrap-port {args.disaggregation_bootstrap_port}; use a TCP port")
 
 
 async def start_pd_role(args: argparse.Namespace, engine: AsyncEngineClient) -> PdPrefill | PdDecode | None:
     """The server's role (prefill: with its bootstrap server listening); None in mode null."""
+    if args.disaggregation_mode == "null":
+        return None
+    te = None
+    if args.disaggregation_transfer_backend == "mooncake":
+        te = TeBlocks(engine.config, TeArena(args.disaggregation_te_arena_mb << 20))
     if args.disaggregation_mode == "prefill":
         rooms = Rooms()
-        return PdPrefill(engine, rooms, BootstrapServer(rooms, args.host, args.disaggregation_bootstrap_port))
-    return PdDecode(engine) if args.disaggregation_mode == "decode" else None
+        sender = None if te is None else TeSender(te.arena, Outbox())
+        return PdPrefill(engine, rooms, BootstrapServer(rooms, args.host, args.disaggregation_bootstrap_port, sender),
+                         te, sender)
+    return PdDecode(engine, te)
 
 
 class PdPrefill:
     mode = "prefill"
 
-    def __init__(self, engine: AsyncEngineClient, rooms: Rooms, server: BootstrapServer) -> None:
+    def __init__(self, engine: AsyncEngineClient, rooms: Rooms, server: BootstrapServer,
+                 te: TeBlocks | None = None, sender: TeSender | None = None) -> None:
         self.engine, self.rooms, self.server = engine, rooms, server
+        self.te, self.sender = te, sender
+        self.transfer_backend = "store" if te is None else "mooncake"
 
     @property
     def bootstrap_port(self) -> int:
@@ -84,6 +111,8 @@ class PdPrefill:
 
     async def close(self) -> None:
         await self.server.close()
+        if self.te is not None:
+            self.te.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None, boot: Bootstrap, deadline: float) -> AsyncIterator[RequestDelta]:
@@ -113,6 +142,8 @@ class PdPrefill:
                     if c.error is not None or not token_ids:
                         publish(weight_version=version, error=c.error or f"finished {c.finish_reason} without a token")
                     else:
+                        if self.te is not None and self.sender is not None:  # before D can ask for them
+                            self.sender.outbox.put(boot.room, await self.te.read(prompt_token_ids, version))
                         publish(weight_version=version, token_id=token_ids[0], text="".join(text),
                                 logprob=logprobs[0] if logprobs else None, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason, num_cached_tokens=delta.num_cached_tokens)
@@ -126,11 +157,13 @@ class PdDecode:
     mode = "decode"
     bootstrap_port = None
 
-    def __init__(self, engine: AsyncEngineClient) -> None:
-        self.engine = engine
+    def __init__(self, engine: AsyncEngineClient, te: TeBlocks | None = None) -> None:
+        self.engine, self.te = engine, te
+        self.transfer_backend = "store" if te is None else "mooncake"
 
     async def close(self) -> None:
-        pass
+        if self.te is not None:
+            self.te.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None, boot: Bootstrap, deadline: float) -> AsyncIterator[RequestDelta]:
@@ -138,6 +171,8 @@ class PdDecode:
         handoff = await fetch_handoff(boot, deadline)
         state = (await self.engine.control(EngineStateQuery(), timeout_s=_CONTROL_TIMEOUT_S)).state
         handoff.check_for(boot.room, prompt_token_ids, state.weight_version)
+        if self.te is not None:  # P's blocks into this server's own store: its engine loads them as hits
+            await self.te.receive(boot, prompt_token_ids, state.weight_version, deadline)
         ends = handoff.finish_reason != "length" or params.max_tokens == 1
         if ends:  # D computes the prompt's rows; its own token is replaced by P's
             run_ids = list(prompt_token_ids)

@@ -1,0 +1,195 @@
+"""Prefill/decode disaggregation with the mooncake transfer backend: P, D, a colocated server and the
+registry's sglang-router as real processes; P and D each keep their own file store, so the prompt's
+blocks reach D only over Mooncake Transfer Engine (TCP on loopback), P writing them into the arena D
+reserved (entrypoints/pd/te_transfer.py).
+
+What must hold (docs/pd.md): greedy tokens and R3 rows through PD equal the colocated server's, P + N - 1
+rows, with shared prefixes, chunked prefill and preemption on D, /generate and /v1/completions, streamed
+or not; D never recomputes a block that arrived (cached_tokens); a block corrupted on P's side costs D
+recomputation, never exactness; a closed bootstrap port is a 502; the books of both are clean after.
+R3 in debug mode through this backend: tests/pd/test_pd_mooncake_debug.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from api_server_process import free_port
+from pd_deployment import Deployment, assert_idle_and_clean, assert_swept, kill_tree, pd_deployment, server_tree
+
+from fastdeploy_r3.client import decode_routed_experts
+
+NUM_LAYERS, TOP_K = 4, 4  # the fake glm4_moe
+BLOCK = 4
+R3_ON = '{"enable_routing_replay": true}'
+PREFIX = [30 + i for i in range(8)]  # two full blocks shared, then tails of other lengths
+PROMPTS = [PREFIX + [60 + i for i in range(k)] for k in (0, 3, 5)]
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("pd_te_logs"))
+
+
+@pytest.fixture(scope="module")
+def pd(fake_model_dir, logs) -> Iterator[Deployment]:
+    common = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "40",
+              "--block-size", str(BLOCK), "--max-num-batched-tokens", "8")
+    with pd_deployment(fake_model_dir("glm4_moe"), logs, common, ("--num-gpu-blocks-override", "10"),
+                       backend="mooncake") as deployment:
+        yield deployment
+
+
+def _generate(url: str, prompt: list[int], max_new_tokens: int = 5, stream: bool = False) -> dict:
+    body = {"input_ids": prompt, "stream": stream,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    if not stream:
+        r = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+    last = None
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[len("data: "):])
+    assert last is not None
+    return last
+
+
+def _rows(out: dict, num_rows: int) -> np.ndarray:
+    rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+    return rows.reshape(num_rows, NUM_LAYERS, TOP_K)
+
+
+def _blobs(logs: str, side: str) -> list[str]:
+    return sorted(p for p in glob.glob(os.path.join(logs, f"{side}_store", "**", "*"), recursive=True)
+                  if os.path.isfile(p))
+
+
+def _same(out: dict, ref: dict, prompt: list[int], n: int) -> None:
+    assert out["output_ids"] == ref["output_ids"] and len(out["output_ids"]) == n
+    assert np.array_equal(_rows(out, len(prompt) + n - 1), _rows(ref, len(prompt) + n - 1))
+
+
+def test_both_servers_advertise_the_mooncake_backend(pd: Deployment) -> None:
+    infos = [httpx.get(f"{s.url}/get_server_info", timeout=30).json() for s in (pd.prefill, pd.decode)]
+    assert [(i["disaggregation_mode"], i["disaggregation_transfer_backend"]) for i in infos] == [
+        ("prefill", "mooncake"), ("decode", "mooncake")]
+
+
+def test_generate_equals_colocated_and_d_computes_none_of_the_blocks_that_arrived(pd: Deployment, logs) -> None:
+    for stream in (False, True):
+        for prompt in PROMPTS:
+            out = _generate(pd.router, prompt, stream=stream)
+            _same(out, _generate(pd.colocated.url, prompt), prompt, 5)
+            if not stream:  # D's GPU cache serves the streamed repeats; the first time, the blocks arrived
+                assert out["meta_info"]["cached_tokens"] == len(prompt) // BLOCK * BLOCK
+    # every full prompt block crossed over the transfer engine into D's own store (P's store is not D's)
+    assert len(_blobs(logs, "d")) >= 2 + 1 and len(_blobs(logs, "p")) >= 2 + 1
+
+
+def test_requests_in_flight_together_preempt_each_other_on_d_and_still_equal_colocated(pd: Deployment) -> None:
+    prompts = [[100 + 20 * i + j for j in range(10)] for i in range(3)]  # 3 x 3 blocks, then 3 x 6: D holds 10
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: _generate(pd.router, p, 14), prompts))
+    for prompt, out in zip(prompts, answers, strict=True):
+        _same(out, _generate(pd.colocated.url, prompt, 14), prompt, 14)
+    metrics = httpx.get(f"{pd.decode.url}/metrics", timeout=30).text
+    preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("fastdeploy_r3_engine_preemptions"))
+    assert preempted > 0, "D never preempted: the test no longer covers preemption"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_equal_colocated(pd: Deployment, stream: bool) -> None:
+    model = httpx.get(f"{pd.colocated.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    prompt = f"the quick brown fox jumps over the {'lazy' if stream else 'sleepy'} dog"
+
+    def ask(url: str) -> tuple[str, str]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        if not stream:
+            c = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+            return c["text"], c["routed_experts"]
+        text, routed = "", None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for c in json.loads(line[len("data: "):])["choices"]:
+                        text, routed = text + (c.get("text") or ""), c.get("routed_experts") or routed
+        return text, routed
+
+    (text, routed), (ref_text, ref_routed) = ask(pd.router), ask(pd.colocated.url)
+    assert text == ref_text
+    assert np.array_equal(decode_routed_experts(routed), decode_routed_experts(ref_routed))
+
+
+def test_a_block_corrupted_on_p_costs_d_recomputation_never_exactness(pd: Deployment, logs) -> None:
+    prompt = [200 + i for i in range(9)]
+    before = set(_blobs(logs, "p"))
+    # P alone under a room of its own: it answers once the prompt's two full blocks are in its store
+    r = httpx.post(f"{pd.prefill.url}/generate", timeout=120, json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 4242})
+    assert r.status_code == 200, r.text
+    new = sorted(set(_blobs(logs, "p")) - before)
+    assert len(new) == 2
+    for path in new:  # a flipped byte in each: P sends them as stored, D's load refuses them and computes
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0x01
+        open(path, "wb").write(bytes(data))
+    out = _generate(pd.router, prompt)
+    _same(out, _generate(pd.colocated.url, prompt), prompt, 5)
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
+def test_a_transfer_that_fails_after_the_handoff_costs_d_recomputation_never_exactness(pd: Deployment) -> None:
+    """P handed room 88 over, but its blocks are gone before D asks (here: another target took them, as a
+    D that died mid-pull would have): D's pull fails, D computes the whole prompt, the answer is exact."""
+    prompt = [400 + i for i in range(9)]
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 88}
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
+    bootstrap = f"http://127.0.0.1:{pd.bootstrap_port}/pd/rooms/88"
+    assert len(httpx.get(f"{bootstrap}/manifest", timeout=30).json()["checksums"]) == 2
+    taken = httpx.post(f"{bootstrap}/te", timeout=30, json={"room": 88, "segment": "127.0.0.1:1", "addresses": []})
+    assert taken.json() == {"room": 88, "num_written": 0, "error": None}
+    out = httpx.post(f"{pd.decode.url}/generate", json={**body, **boot}, timeout=120).json()
+    _same(out, _generate(pd.colocated.url, prompt), prompt, 5)
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
+def test_a_closed_bootstrap_port_is_a_502_and_both_servers_end_clean(pd: Deployment) -> None:
+    body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 99}
+    r = httpx.post(f"{pd.decode.url}/generate", json=body, timeout=60)
+    assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+    for server in (pd.prefill, pd.decode):
+        assert_idle_and_clean(server)
+
+
+def test_p_killed_after_its_handoff_fails_d_clearly_and_leaves_nothing(pd: Deployment) -> None:
+    """Last (P stays dead): P published room 77 and holds its blocks for D, then its whole tree is
+    SIGKILLed before D asks: D answers 502 within seconds, its books and arena clean, it serves on, and
+    nothing of P's tree (segments, IPC directories) survives the next start's sweep."""
+    prompt = [300 + i for i in range(9)]
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 77}
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
+    roles, pids = server_tree(pd.prefill)
+    kill_tree(pd.prefill, pids)
+    r = httpx.post(f"{pd.decode.url}/generate", json={**body, **boot}, timeout=60)
+    assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+    assert_idle_and_clean(pd.decode)
+    plain = httpx.post(f"{pd.decode.url}/generate", json=body, timeout=120).json()
+    assert plain["output_ids"] == _generate(pd.colocated.url, prompt, 3)["output_ids"]
+    assert_swept(roles, pids)
