@@ -44,12 +44,15 @@ from typing import Any, Protocol
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.engine.control_error import EngineControlError
 from fastdeploy_r3.engine.memory_control import MemoryControl
-from fastdeploy_r3.engine.messages import WeightsReport
+from fastdeploy_r3.engine.messages import ExpertLoadReport, WeightsReport
 from fastdeploy_r3.engine.request import Request, WeightVersionEvent
 from fastdeploy_r3.engine.worker_group import PerRank
 from fastdeploy_r3.worker.messages import (
+    EXPERT_DISTRIBUTION_ACTIONS,
     ChecksumWeights,
     DestroyWeightUpdateGroup,
+    ExpertDistribution,
+    ExpertDistributionResult,
     InitWeightUpdateGroup,
     UpdateWeights,
     WeightsChecksum,
@@ -235,6 +238,25 @@ class EngineControl:
             message = "weights equal the snapshot" if not diff else f"{len(diff)} parameters differ from the snapshot"
             return not diff, message, weight_check.report(per_rank, diff)
         return True, "sha256 per parameter per rank", weight_check.report(per_rank)
+
+    def expert_distribution(self, action: str) -> tuple[str, ExpertLoadReport | None]:
+        """Start, stop or dump the expert load record on every rank (model_executor/layers/expert_load.py).
+        Every rank routes every token, so the ranks' counts must agree: the record is rank 0's, not a sum."""
+        if action not in EXPERT_DISTRIBUTION_ACTIONS:
+            raise EngineControlError(f"expert distribution action {action!r}; use one of "
+                                     f"{', '.join(EXPERT_DISTRIBUTION_ACTIONS)}")
+        self.requests.drain()  # a step in flight counts into the record it ran under
+        results: list[ExpertDistributionResult] = self.call_workers(ExpertDistribution(action))
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise EngineControlError("; ".join(errors), invalid=False)
+        if action != "dump":
+            return ("Start" if action == "start" else "Stop") + " recording the expert distribution.", None
+        differ = [r.rank for r in results if r.counts != results[0].counts]
+        if differ:
+            raise EngineControlError(f"ranks {differ} counted other expert loads than rank 0; every rank routes "
+                                     "every token, so this is a bug in the record", invalid=False)
+        return "Dump expert distribution record.", ExpertLoadReport(results[0].counts or [], results[0].recording)
 
     def check_weights_usable(self) -> None:
         if self.weights_broken is not None:

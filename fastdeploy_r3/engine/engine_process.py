@@ -43,6 +43,7 @@ from fastdeploy_r3.engine.messages import (
     EngineState,
     EngineStateQuery,
     ErrorKind,
+    ExpertDistributionRecord,
     FlushCache,
     HealthQuery,
     HealthReply,
@@ -228,7 +229,7 @@ class _EngineLoop:
                 message = (f"weights updated; weight_version is {version}" if ctl.last_update_reloaded else
                            f"weight_version {version!r} is already current; nothing reloaded (force: true reloads)")
             elif isinstance(cmd, (UpdateWeightVersion, ReleaseMemoryOccupation, ResumeMemoryOccupation, WeightsCheck,
-                                  WeightUpdateSession)):
+                                  WeightUpdateSession, ExpertDistributionRecord)):
                 return self.rl_control(msg)
             elif isinstance(cmd, InitWeightUpdateGroup):
                 ctl.init_weight_update_group(cmd)
@@ -263,6 +264,8 @@ class _EngineLoop:
                 message, report = ctl.memory.resume(cmd.tags)
             elif isinstance(cmd, WeightsCheck):
                 ok, message, report = ctl.check_weights(cmd.action, cmd.skip)
+            elif isinstance(cmd, ExpertDistributionRecord):
+                message, report = ctl.expert_distribution(cmd.action)
             else:
                 assert isinstance(cmd, WeightUpdateSession)
                 was, ctl.update_session_open = ctl.update_session_open, cmd.begin

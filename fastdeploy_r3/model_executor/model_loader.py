@@ -14,6 +14,7 @@ from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
 from fastdeploy_r3.config.parallel import read_expert_placement_file
 from fastdeploy_r3.model_executor.batch_invariant import make_batch_invariant
+from fastdeploy_r3.model_executor.layers.expert_load import ExpertLoadRecorder
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
@@ -201,4 +202,6 @@ def load_model(
         make_batch_invariant(model)
     model.eval()
     model.requires_grad_(False)
+    # counters every MoE layer adds its routed rows to while a record runs (layers/expert_load.py)
+    model.expert_load = ExpertLoadRecorder(model)
     return model

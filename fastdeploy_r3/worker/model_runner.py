@@ -30,23 +30,12 @@ from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, Forw
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher, SampleRow, StepInputs
 from fastdeploy_r3.worker.kv_budget import num_kv_blocks, usable_blocks
-from fastdeploy_r3.worker.messages import (
-    ChecksumWeights,
-    DestroyWeightUpdateGroup,
-    InitWeightUpdateGroup,
-    MemoryResult,
-    ReleaseMemory,
-    ResumeMemory,
-    StepInput,
-    StepOutput,
-    UpdateWeights,
-    WeightsChecksum,
-    WeightUpdateResult,
-)
+from fastdeploy_r3.worker.messages import StepInput, StepOutput
 from fastdeploy_r3.worker.mtp_drafter import DraftInputs, MtpDrafter, make_mtp_drafter
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
 from fastdeploy_r3.worker.sample.sampler import PendingSample, StepSampler
+from fastdeploy_r3.worker.weight_loading import ControlMessage, ControlResult
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +112,7 @@ class ModelRunner:
                                             deadline_s=self.config.parallel_config.worker_step_timeout_s)
         self.memory = MemoryOccupation(self)
 
-    def control(
-        self, msg: InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights | ReleaseMemory | ResumeMemory
-        | ChecksumWeights,
-    ) -> WeightUpdateResult | MemoryResult | WeightsChecksum:
+    def control(self, msg: ControlMessage) -> ControlResult:
         """Run one control command between steps. Whatever goes wrong comes back as the result's error
         (the worker lives on with the weights it has), in words without paths, content or tracebacks."""
         from fastdeploy_r3.worker.weight_loading import run_control

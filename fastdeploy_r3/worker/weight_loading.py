@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from fastdeploy_r3.worker.messages import (
     ChecksumWeights,
     DestroyWeightUpdateGroup,
+    ExpertDistribution,
+    ExpertDistributionResult,
     InitWeightUpdateGroup,
     MemoryResult,
     ReleaseMemory,
@@ -29,11 +31,15 @@ logger = logging.getLogger(__name__)
 
 ControlMessage = (
     InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights | ReleaseMemory | ResumeMemory | ChecksumWeights
+    | ExpertDistribution
 )
+ControlResult = WeightUpdateResult | MemoryResult | WeightsChecksum | ExpertDistributionResult
 
 
-def run_control(runner: ModelRunner, msg: ControlMessage) -> WeightUpdateResult | MemoryResult | WeightsChecksum:
+def run_control(runner: ModelRunner, msg: ControlMessage) -> ControlResult:
     rank = runner.rank
+    if isinstance(msg, ExpertDistribution):
+        return expert_distribution(runner, msg)
     if isinstance(msg, (ReleaseMemory, ResumeMemory)):
         try:
             assert runner.memory is not None
@@ -122,3 +128,20 @@ def _allocated(runner: ModelRunner) -> int:
 def _short(e: BaseException) -> str:
     """The first line of an error we raise ourselves or torch's OOM text, bounded; paths never appear there."""
     return str(e).splitlines()[0][:200] if str(e) else "no message"
+
+
+def expert_distribution(runner: ModelRunner, msg: ExpertDistribution) -> ExpertDistributionResult:
+    """Start, stop or dump this rank's expert load record (model_executor/layers/expert_load.py)."""
+    recorder = getattr(runner.model, "expert_load", None)
+    if recorder is None:
+        return ExpertDistributionResult(runner.rank, error=f"rank {runner.rank} has no model loaded")
+    if msg.action == "start":
+        recorder.start()
+    elif msg.action == "stop":
+        recorder.stop()
+    elif msg.action == "dump":
+        return ExpertDistributionResult(runner.rank, counts=recorder.dump(), recording=recorder.recording)
+    else:
+        return ExpertDistributionResult(runner.rank, error=f"unknown expert distribution action {msg.action!r}; "
+                                                           "use start, stop or dump")
+    return ExpertDistributionResult(runner.rank, recording=recorder.recording)

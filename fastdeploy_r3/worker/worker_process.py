@@ -42,6 +42,7 @@ from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
     ChecksumWeights,
     DestroyWeightUpdateGroup,
+    ExpertDistribution,
     InitWeightUpdateGroup,
     ReleaseMemory,
     ResumeMemory,
@@ -118,7 +119,7 @@ def worker_main(
                 runner.capture_decode_graphs()
                 conn.send(RoutingAttached(rank))
             elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
-                                  ResumeMemory, ChecksumWeights)):
+                                  ResumeMemory, ChecksumWeights, ExpertDistribution)):
                 conn.send(runner.control(msg))
     except Exception as e:
         try:
