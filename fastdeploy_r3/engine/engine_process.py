@@ -44,6 +44,8 @@ from fastdeploy_r3.engine.messages import (
     EngineStateQuery,
     ErrorKind,
     ExpertDistributionRecord,
+    ExpertPlacementReport,
+    ExpertRebalance,
     FlushCache,
     HealthQuery,
     HealthReply,
@@ -229,7 +231,7 @@ class _EngineLoop:
                 message = (f"weights updated; weight_version is {version}" if ctl.last_update_reloaded else
                            f"weight_version {version!r} is already current; nothing reloaded (force: true reloads)")
             elif isinstance(cmd, (UpdateWeightVersion, ReleaseMemoryOccupation, ResumeMemoryOccupation, WeightsCheck,
-                                  WeightUpdateSession, ExpertDistributionRecord)):
+                                  WeightUpdateSession, ExpertDistributionRecord, ExpertRebalance)):
                 return self.rl_control(msg)
             elif isinstance(cmd, InitWeightUpdateGroup):
                 ctl.init_weight_update_group(cmd)
@@ -266,6 +268,9 @@ class _EngineLoop:
                 ok, message, report = ctl.check_weights(cmd.action, cmd.skip)
             elif isinstance(cmd, ExpertDistributionRecord):
                 message, report = ctl.expert_distribution(cmd.action)
+            elif isinstance(cmd, ExpertRebalance):
+                message, p2l = ctl.rebalance_experts()
+                report = ExpertPlacementReport(p2l)
             else:
                 assert isinstance(cmd, WeightUpdateSession)
                 was, ctl.update_session_open = ctl.update_session_open, cmd.begin

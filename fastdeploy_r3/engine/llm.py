@@ -152,6 +152,11 @@ class LLM:
         assert report is not None
         return report.logical_count
 
+    def rebalance_experts(self) -> list[int]:
+        """EPLB from the recorded load: replicas of the hottest experts in the redundant slots, balanced over
+        the ranks, weights moved between them; returns the new physical_to_logical (P/N slots per rank)."""
+        return self.engine.control.rebalance_experts()[1]
+
     def _deliver_r3(self, out: RequestOutput, params: SamplingParams, rollout_id: str | None, overwrite: bool) -> None:
         """Check (and store) one finished prompt's R3; on failure the prompt's choices fail."""
         if not self.r3_delivery.wants(params.return_routed_experts):

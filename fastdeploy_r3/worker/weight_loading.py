@@ -15,8 +15,10 @@ from fastdeploy_r3.worker.messages import (
     DestroyWeightUpdateGroup,
     ExpertDistribution,
     ExpertDistributionResult,
+    ExpertRebalanceResult,
     InitWeightUpdateGroup,
     MemoryResult,
+    RebalanceExperts,
     ReleaseMemory,
     ResumeMemory,
     UpdateWeights,
@@ -31,15 +33,17 @@ logger = logging.getLogger(__name__)
 
 ControlMessage = (
     InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights | ReleaseMemory | ResumeMemory | ChecksumWeights
-    | ExpertDistribution
+    | ExpertDistribution | RebalanceExperts
 )
-ControlResult = WeightUpdateResult | MemoryResult | WeightsChecksum | ExpertDistributionResult
+ControlResult = WeightUpdateResult | MemoryResult | WeightsChecksum | ExpertDistributionResult | ExpertRebalanceResult
 
 
 def run_control(runner: ModelRunner, msg: ControlMessage) -> ControlResult:
     rank = runner.rank
     if isinstance(msg, ExpertDistribution):
         return expert_distribution(runner, msg)
+    if isinstance(msg, RebalanceExperts):
+        return rebalance_experts(runner, msg)
     if isinstance(msg, (ReleaseMemory, ResumeMemory)):
         try:
             assert runner.memory is not None
@@ -145,3 +149,18 @@ def expert_distribution(runner: ModelRunner, msg: ExpertDistribution) -> ExpertD
         return ExpertDistributionResult(runner.rank, error=f"unknown expert distribution action {msg.action!r}; "
                                                            "use start, stop or dump")
     return ExpertDistributionResult(runner.rank, recording=recorder.recording)
+
+
+def rebalance_experts(runner: ModelRunner, msg: RebalanceExperts) -> ExpertRebalanceResult:
+    """This rank's side of an EPLB move: broadcasts over the worker group, every rank in the same order."""
+    import torch.distributed as dist
+
+    from fastdeploy_r3.model_executor.layers.expert_rebalance import move_experts
+
+    try:
+        assert runner.model is not None
+        nbytes = move_experts(runner.model, tuple(msg.physical_to_logical), lambda t, src: dist.broadcast(t, src))
+        return ExpertRebalanceResult(runner.rank, bytes_received=nbytes)
+    except Exception as e:  # noqa: BLE001 - the engine reports it and marks the weights broken
+        logger.exception("expert rebalance on rank %d failed", runner.rank)
+        return ExpertRebalanceResult(runner.rank, error=f"{type(e).__name__}: {_short(e)}")

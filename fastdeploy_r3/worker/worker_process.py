@@ -44,6 +44,7 @@ from fastdeploy_r3.worker.messages import (
     DestroyWeightUpdateGroup,
     ExpertDistribution,
     InitWeightUpdateGroup,
+    RebalanceExperts,
     ReleaseMemory,
     ResumeMemory,
     RoutingAttached,
@@ -119,7 +120,8 @@ def worker_main(
                 runner.capture_decode_graphs()
                 conn.send(RoutingAttached(rank))
             elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
-                                  ResumeMemory, ChecksumWeights, ExpertDistribution)):
+                                  ResumeMemory, ChecksumWeights, ExpertDistribution,
+                                  RebalanceExperts)):
                 conn.send(runner.control(msg))
     except Exception as e:
         try:

@@ -94,6 +94,9 @@ def test_server_dump_equals_the_r3_rows_of_the_recorded_requests(server: ServerH
     assert record["rank"] == 0
     assert record["logical_count"].dtype == torch.int64
     assert np.array_equal(record["logical_count"].numpy(), bincount(rows))
+    # the EPLB call on an engine without expert parallelism: refused by name, nothing moved
+    r = httpx.post(f"{server.url}/rebalance_experts", timeout=60)
+    assert r.status_code == 400 and "needs expert parallelism" in r.json()["message"], r.text
 
 
 def test_padded_tokens_and_a_stopped_record_count_nothing(fake_model_dir) -> None:

@@ -2,6 +2,7 @@
 
     /start_expert_distribution_record   forget earlier counts, count from the next step on
     /stop_expert_distribution_record    stop counting (the counts stay)
+    POST /rebalance_experts             EPLB from the record: JSON {"success", "message", "physical_to_logical"}
     /dump_expert_distribution_record    write the counts to $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (default
                                         /tmp) as expert_distribution_recorder_<unix time>.pt:
                                         {"rank": 0, "logical_count": int64 tensor [L, E]}
@@ -20,7 +21,14 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from fastdeploy_r3.engine.messages import ControlCommand, ControlReply, ExpertDistributionRecord, ExpertLoadReport
+from fastdeploy_r3.engine.messages import (
+    ControlCommand,
+    ControlReply,
+    ExpertDistributionRecord,
+    ExpertLoadReport,
+    ExpertPlacementReport,
+    ExpertRebalance,
+)
 
 RECORDER_DIR_ENV = "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"
 
@@ -32,7 +40,7 @@ def dump_path(now: float | None = None) -> str:
 
 
 def add_expert_distribution_routes(app: FastAPI, control: Callable[[ControlCommand], Awaitable[ControlReply]],
-                                   answer: Callable[[ControlReply], JSONResponse]) -> None:  # fmt: skip
+                                   answer: Callable[..., JSONResponse]) -> None:  # fmt: skip
     async def run(action: str, text: str) -> Response:
         reply = await control(ExpertDistributionRecord(action))
         if not reply.success:
@@ -57,3 +65,10 @@ def add_expert_distribution_routes(app: FastAPI, control: Callable[[ControlComma
     @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
     async def dump_expert_distribution_record() -> Response:
         return await run("dump", "Dump expert distribution record.\n")
+
+    @app.post("/rebalance_experts")
+    async def rebalance_experts() -> JSONResponse:
+        reply = await control(ExpertRebalance())
+        if not isinstance(reply.report, ExpertPlacementReport):
+            return answer(reply)
+        return answer(reply, physical_to_logical=reply.report.physical_to_logical)
