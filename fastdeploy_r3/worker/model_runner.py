@@ -201,9 +201,9 @@ class ModelRunner:
         the verify graphs of query length k + 1 under speculative decoding (verify_query_len overrides)."""
         if self.device.type != "cuda" or self.config.model_config.enforce_eager or self.model is None:
             return
-        if self.config.parallel_config.expert_parallel_size > 1:  # the dispatch syncs with the host
-            logger.info("decode runs eagerly: the expert-parallel dispatch (layers/expert_dispatch.py) is not "
-                        "CUDA-graph safe")
+        if self.config.parallel_config.moe_a2a_backend == "alltoall":  # its row counts sync with the host
+            logger.info("decode runs eagerly: the all-to-all expert dispatch (layers/expert_alltoall.py) is not "
+                        "CUDA-graph safe; the local one is (fixed-shape rows on CUDA, layers/expert_dispatch.py)")
             return
         if not attention_is_graph_safe(self.model):
             logger.info("decode runs eagerly: the attention backend is not CUDA-graph safe")

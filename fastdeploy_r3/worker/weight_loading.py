@@ -160,6 +160,8 @@ def rebalance_experts(runner: ModelRunner, msg: RebalanceExperts) -> ExpertRebal
     try:
         assert runner.model is not None
         nbytes = move_experts(runner.model, tuple(msg.physical_to_logical), lambda t, src: dist.broadcast(t, src))
+        if runner.decode_graphs is not None:  # they baked in the old dispatch's replica tables
+            runner.capture_decode_graphs()
         return ExpertRebalanceResult(runner.rank, bytes_received=nbytes)
     except Exception as e:  # noqa: BLE001 - the engine reports it and marks the weights broken
         logger.exception("expert rebalance on rank %d failed", runner.rank)
