@@ -58,11 +58,11 @@ def rebalanced_placement(load: list[int], num_ranks: int, slots_per_rank: int) -
 
 
 def _stacked_experts(model: nn.Module) -> list[nn.Module]:
+    """Every layer's experts, a draft (MTP) layer's included: the model's checkpoint filter
+    (holds_checkpoint_weight) follows one placement, so every layer moves to it."""
     from fastdeploy_r3.model_executor.layers.moe import StackedExperts
 
-    draft = getattr(model, "draft_layer", None)
-    in_draft = {id(m) for m in draft.modules()} if isinstance(draft, nn.Module) else set()
-    return [m for m in model.modules() if isinstance(m, StackedExperts) and id(m) not in in_draft]
+    return [m for m in model.modules() if isinstance(m, StackedExperts)]
 
 
 def move_experts(model: nn.Module, physical_to_logical: tuple[int, ...],
