@@ -3,7 +3,8 @@ layer and LOGICAL expert, the (token, k) rows of every forward pass between star
 of the same requests ARE that routing, so the counts must equal their bincount exactly: through an
 offline engine at EP=2 (two gloo worker ranks, which must agree) and through the real server's
 /start_, /stop_ and /dump_expert_distribution_record (GLM with a dense layer 0, so the MoE layers are
-not the model's layers).
+not the model's layers; EP=2 with 2 redundant slots), whose record then feeds /rebalance_experts: the
+recorded hottest expert gets a replica and the same requests give the same tokens and R3 rows after it.
 
 No prefix caching: a cached prefix is not forwarded again, while its R3 rows are still returned.
 """
@@ -63,40 +64,60 @@ def record_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(fake_model_dir, tmp_path_factory, record_dir) -> Iterator[ServerHandle]:
+    """EP=2 with 2 redundant slots: the record and the rebalance it feeds, through HTTP."""
     logs = str(tmp_path_factory.mktemp("logs"))
     os.environ["SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"] = record_dir  # the server process inherits it
     try:
         with api_server(fake_model_dir("glm4_moe"), logs, "--routing-replay-config", '{"enable_routing_replay": true}',
-                        "--max-model-len", "128", "--no-enable-prefix-caching") as handle:
+                        "--max-model-len", "128", "--no-enable-prefix-caching", "--tensor-parallel-size", "2",
+                        "--enable-expert-parallel", "--ep-num-redundant-experts", "2") as handle:
             yield handle
     finally:
         del os.environ["SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"]
 
 
-def test_server_dump_equals_the_r3_rows_of_the_recorded_requests(server: ServerHandle, record_dir: str) -> None:
+def _generate(server: ServerHandle) -> tuple[list[list[int]], list[np.ndarray]]:
+    tokens, rows = [], []
+    for prompt in PROMPTS:
+        out = httpx.post(f"{server.url}/generate", timeout=120, json={
+            "input_ids": prompt, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}).json()
+        tokens.append(out["output_ids"])
+        flat = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+        rows.append(flat.reshape(len(prompt) + 4, 4, 4)[:, 1:])  # [n, layers 1..3 (MoE), K]: layer 0 is dense
+    return tokens, rows
+
+
+def test_server_dump_equals_the_r3_rows_and_feeds_a_rebalance(server: ServerHandle, record_dir: str) -> None:
     def call(path: str, method: str = "POST") -> str:
         r = httpx.request(method, f"{server.url}/{path}_expert_distribution_record", timeout=60)
         assert r.status_code == 200, r.text
         return r.text
 
+    def rebalance() -> httpx.Response:
+        return httpx.post(f"{server.url}/rebalance_experts", timeout=120)
+
+    refused = rebalance()  # nothing recorded yet: nothing to balance by
+    assert refused.status_code == 409 and "no expert load is recorded" in refused.json()["message"], refused.text
     assert call("start") == "Start recording the expert distribution.\n"
-    rows = []
-    for prompt in PROMPTS:
-        out = httpx.post(f"{server.url}/generate", timeout=120, json={
-            "input_ids": prompt, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}).json()
-        flat = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
-        rows.append(flat.reshape(len(prompt) + 4, 4, 4)[:, 1:])  # [n, layers 1..3 (MoE), K]: layer 0 is dense
+    tokens, rows = _generate(server)
     assert call("stop", "GET") == "Stop recording the expert distribution.\n"
     assert call("dump") == "Dump expert distribution record.\n"
     [path] = glob.glob(os.path.join(record_dir, "expert_distribution_recorder_*.pt"))
     record = torch.load(path)
     assert record["rank"] == 0
     assert record["logical_count"].dtype == torch.int64
-    assert np.array_equal(record["logical_count"].numpy(), bincount(rows))
-    # the EPLB call on an engine without expert parallelism: refused by name, nothing moved
-    r = httpx.post(f"{server.url}/rebalance_experts", timeout=60)
-    assert r.status_code == 400 and "needs expert parallelism" in r.json()["message"], r.text
+    counts = record["logical_count"].numpy()
+    assert np.array_equal(counts, bincount(rows))
+
+    r = rebalance()
+    assert r.status_code == 200 and r.json()["success"], r.text
+    p2l = r.json()["physical_to_logical"]
+    assert len(p2l) == 18 and sorted(set(p2l)) == list(range(NUM_EXPERTS))
+    assert p2l.count(int(np.argmax(counts.sum(axis=0)))) >= 2  # the recorded hottest expert is replicated
+    again_tokens, again_rows = _generate(server)  # no prefix cache: every token recomputed on the new slots
+    assert again_tokens == tokens
+    assert all(np.array_equal(a, b) for a, b in zip(again_rows, rows, strict=True))
 
 
 def test_padded_tokens_and_a_stopped_record_count_nothing(fake_model_dir) -> None:
