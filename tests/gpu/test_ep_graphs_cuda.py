@@ -1,10 +1,10 @@
 """Expert parallelism under CUDA graphs: the local dispatch's fixed-shape rows (layers/expert_dispatch.py)
 are capturable, and EP=2 decode steps replayed from graphs give the tokens and R3 rows of the same engine
 run eagerly, and of one rank, also after an EPLB rebalance (which re-captures the graphs: they baked in
-the old replica tables).
+the old replica tables); the expert load record counts graph-replayed decode steps and never their padding.
 
 Run (the lead, on the device tool): one GPU for the first test, two (nvidia-h200-x2) for the others:
-    PYTHONPATH=$PWD:$PWD/tools python -m pytest -q tests/gpu/test_ep_graphs_cuda.py
+    PYTHONPATH=$PWD:$PWD/tools:$PWD/tests/gpu python -m pytest -q tests/gpu/test_ep_graphs_cuda.py
 """
 
 from __future__ import annotations
@@ -86,3 +86,20 @@ def test_ep2_graphs_after_a_rebalance_equal_one_rank(tmp_path) -> None:
     for outs in (before, after):
         assert [o.outputs[0].token_ids for o in outs] == one[0]
         assert all(np.array_equal(o.outputs[0].routed_experts, b) for o, b in zip(outs, one[1], strict=True))
+
+
+def test_expert_load_record_counts_graph_replayed_steps_without_padding(tmp_path) -> None:
+    """One GPU, decode from the padded graphs (3 requests replay the graph of 4): the record counts every real
+    token's rows, graph-replayed ones included, and no padding row: it equals the bincount of the R3 rows."""
+    model_dir = make_fake_model("qwen3_moe", str(tmp_path / "m"), preset="tiny", seed=0)
+    prompts = two_gpu_runs.prompts(SEED)[:3]
+    with LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_seqs=4, enable_prefix_caching=False,
+             routing_replay_config=two_gpu_runs.R3) as llm:  # fmt: skip
+        llm.start_expert_distribution_record()
+        outs = llm.generate(prompts, two_gpu_runs.GREEDY, use_tqdm=False)
+        llm.stop_expert_distribution_record()
+        llm.generate(prompts[:1], two_gpu_runs.GREEDY, use_tqdm=False)  # after the stop: graphs replay, no count
+        counts = np.array(llm.dump_expert_distribution_record())
+    rows = np.concatenate([o.outputs[0].routed_experts for o in outs])  # [n, L, K]
+    want = np.stack([np.bincount(rows[:, layer].reshape(-1), minlength=16) for layer in range(rows.shape[1])])
+    assert np.array_equal(counts, want)
