@@ -3,7 +3,7 @@ are capturable, and EP=2 decode steps replayed from graphs give the tokens and R
 run eagerly, and of one rank, also after an EPLB rebalance (which re-captures the graphs: they baked in
 the old replica tables); the expert load record counts graph-replayed decode steps and never their padding.
 
-Run (the lead, on the device tool): one GPU for the first test, two (nvidia-h200-x2) for the others:
+Run (the lead, on the device tool): one GPU for the first and last tests, two (nvidia-h200-x2) for the others:
     PYTHONPATH=$PWD:$PWD/tools:$PWD/tests/gpu python -m pytest -q tests/gpu/test_ep_graphs_cuda.py
 """
 

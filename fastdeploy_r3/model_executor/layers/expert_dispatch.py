@@ -22,7 +22,12 @@ Two shapes of LocalDispatch's rows, bit for bit the same result (tests/model_exe
     fixed-shape  N = T * K, every (token, k) row kept: another rank's row gets weight 0 and slot 0 (a valid
                  slot, so any backend runs it) and `keep` False, and combine() zeroes it (torch.where, not
                  the weight: 0 * inf would be NaN). No host sync and shapes fixed by T: CUDA graphs can
-                 capture it, so CUDA always uses it (worker/model_runner.py captures EP decode steps).
+                 capture it (worker/model_runner.py captures EP decode steps).
+
+On CUDA the fixed shape runs every step of up to FIXED_SHAPE_MAX_TOKENS tokens (decode, graph-replayed or
+eager alike, so both run the same kernels on the same shapes) and every step under a graph capture;
+larger steps (prefill) keep the compact rows: there each rank would otherwise run N times its share of
+expert rows, while one host sync per layer costs little next to the step.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ class ExpertDispatch(Protocol):
     def combine(self, y: torch.Tensor, rows: DispatchedRows) -> torch.Tensor: ...
 
 
+FIXED_SHAPE_MAX_TOKENS = 512  # CUDA steps of at most this many tokens run fixed-shape rows (decode sizes)
+
+
 class LocalDispatch:
     """Expert parallelism over TP ranks: every rank has every token; it runs the rows of its own experts."""
 
@@ -68,7 +76,7 @@ class LocalDispatch:
 
     def __init__(self, placement: ExpertPlacement, fixed_shape: bool | None = None) -> None:
         self.placement = placement
-        self.fixed_shape = fixed_shape  # None: fixed-shape rows on CUDA, compact ones elsewhere
+        self.fixed_shape = fixed_shape  # None: fixed-shape rows on CUDA for decode-sized steps, else compact
         reps = [placement.replicas(e) for e in range(placement.num_experts)]
         width = max(len(r) for r in reps)
         # [E] replicas of each logical expert; [E, R] their ranks and slots (padded with the first replica)
@@ -93,7 +101,11 @@ class LocalDispatch:
         token = torch.arange(num_tokens, device=topk_ids.device).unsqueeze(1)  # [T, 1]
         replica = token % num_replicas[topk_ids]  # [T, K]
         mine = replica_rank[topk_ids, replica] == self.placement.ep_rank  # [T, K]
-        if self.fixed_shape or (self.fixed_shape is None and topk_ids.is_cuda):
+        fixed = self.fixed_shape
+        if fixed is None:
+            small = num_tokens <= FIXED_SHAPE_MAX_TOKENS
+            fixed = topk_ids.is_cuda and (small or torch.cuda.is_current_stream_capturing())
+        if fixed:
             keep = mine.reshape(-1)  # [T * K]
             return DispatchedRows(
                 x=x.repeat_interleave(top_k, dim=0),  # [T * K, H]
