@@ -104,25 +104,29 @@ def _generate(llm: LLM) -> tuple[list[list[int]], list[np.ndarray]]:
 
 
 def test_an_engine_rebalance_keeps_ep1s_tokens_and_r3_rows(fake_model_dir) -> None:
+    """Both dispatches: the local one, and the all-to-all one (its replica tables rebuilt over the same group)."""
     model = fake_model_dir("qwen3_moe")
     with LLM(model, block_size=4, routing_replay_config=R3) as llm:
         want_tokens, want_rows = _generate(llm)
-    with LLM(model, tensor_parallel_size=2, enable_expert_parallel=True, ep_num_redundant_experts=2, block_size=4,
-             routing_replay_config=R3) as llm:
-        llm.start_expert_distribution_record()
-        before_tokens, before_rows = _generate(llm)
-        load = np.array(llm.dump_expert_distribution_record()).sum(axis=0)  # [E] over the 4 MoE layers
-        version, hits = llm.engine.control.weight_version, llm.engine.metrics()["prefix_hit_blocks"]
-        p2l = llm.rebalance_experts()
-        after_tokens, after_rows = _generate(llm)  # the same prompts: their blocks are cached from before
-        assert llm.engine.control.weight_version == version
-        assert llm.engine.metrics()["prefix_hit_blocks"] > hits
-    for tokens, rows in ((before_tokens, before_rows), (after_tokens, after_rows)):
-        assert tokens == want_tokens
-        for got, want in zip(rows, want_rows, strict=True):
-            assert np.array_equal(got, want)
-    assert p2l == list(rebalanced_placement(load.tolist(), 2, 9)) != list(trivial_physical_to_logical(16, 2))
-    # the two extra slots went to the hottest experts per replica: replicas of the recorded hottest experts
-    hottest = int(np.argmax(load))
-    assert p2l.count(hottest) >= 2
-    assert sorted(set(p2l)) == list(range(16)) and len(p2l) == 18
+    for backend in ("local", "alltoall"):
+        with LLM(model, tensor_parallel_size=2, enable_expert_parallel=True, ep_num_redundant_experts=2,
+                 moe_a2a_backend=backend, block_size=4, routing_replay_config=R3) as llm:
+            llm.start_expert_distribution_record()
+            before_tokens, before_rows = _generate(llm)
+            load = np.array(llm.dump_expert_distribution_record()).sum(axis=0)  # [E] over the 4 MoE layers
+            version, hits = llm.engine.control.weight_version, llm.engine.metrics()["prefix_hit_blocks"]
+            p2l = llm.rebalance_experts()
+            after_tokens, after_rows = _generate(llm)  # the same prompts: their blocks are cached from before
+            llm.engine.control.flush_cache()
+            fresh_tokens, fresh_rows = _generate(llm)  # every token computed on the new slots
+            assert llm.engine.control.weight_version == version
+            assert llm.engine.metrics()["prefix_hit_blocks"] > hits
+        for tokens, rows in ((before_tokens, before_rows), (after_tokens, after_rows), (fresh_tokens, fresh_rows)):
+            assert tokens == want_tokens, backend
+            for got, want in zip(rows, want_rows, strict=True):
+                assert np.array_equal(got, want), backend
+        assert p2l == list(rebalanced_placement(load.tolist(), 2, 9)) != list(trivial_physical_to_logical(16, 2))
+        # the two extra slots went to the hottest experts per replica: replicas of the recorded hottest experts
+        hottest = int(np.argmax(load))
+        assert p2l.count(hottest) >= 2
+        assert sorted(set(p2l)) == list(range(16)) and len(p2l) == 18
