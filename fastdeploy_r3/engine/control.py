@@ -272,6 +272,8 @@ class EngineControl:
                                      "--enable-expert-parallel (and --ep-num-redundant-experts for replicas)")
         if "weights" in self.memory.released:
             raise EngineControlError("the weights are released; resume them first", status=409)
+        if self.weights_broken is not None:  # moving a partial update around would not repair it
+            raise EngineControlError(f"{self.weights_broken}; push a complete update first", status=409)
         report = self.expert_distribution("dump")[1]
         assert report is not None
         load = [sum(col) for col in zip(*report.logical_count, strict=True)]  # [E] over every MoE layer

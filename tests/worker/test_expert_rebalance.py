@@ -19,7 +19,7 @@ from fastdeploy_r3.config import ConfigError, ModelConfig
 from fastdeploy_r3.config.parallel import trivial_physical_to_logical
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.expert_rebalance import move_experts, rebalanced_placement
-from fastdeploy_r3.model_executor.model_loader import load_model
+from fastdeploy_r3.model_executor.model_loader import iter_safetensors, load_model, safetensors_files
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -105,9 +105,12 @@ def _generate(llm: LLM) -> tuple[list[list[int]], list[np.ndarray]]:
 
 def test_an_engine_rebalance_keeps_ep1s_tokens_and_r3_rows(fake_model_dir) -> None:
     """Both dispatches: the local one, and the all-to-all one (its replica tables rebuilt over the same group)."""
-    model = fake_model_dir("qwen3_moe")
+    model, new = fake_model_dir("qwen3_moe"), fake_model_dir("qwen3_moe", seed=1)
     with LLM(model, block_size=4, routing_replay_config=R3) as llm:
         want_tokens, want_rows = _generate(llm)
+        llm.update_weights(new)
+        want_new = _generate(llm)
+    new_tensors = dict(iter_safetensors(safetensors_files(new)))
     for backend in ("local", "alltoall"):
         with LLM(model, tensor_parallel_size=2, enable_expert_parallel=True, ep_num_redundant_experts=2,
                  moe_a2a_backend=backend, block_size=4, routing_replay_config=R3) as llm:
@@ -121,6 +124,11 @@ def test_an_engine_rebalance_keeps_ep1s_tokens_and_r3_rows(fake_model_dir) -> No
             fresh_tokens, fresh_rows = _generate(llm)  # every token computed on the new slots
             assert llm.engine.control.weight_version == version
             assert llm.engine.metrics()["prefix_hit_blocks"] > hits
+            if backend == "local":  # a tensor update after the move: each rank gets the experts of its new slots
+                llm.update_weights(new_tensors)
+                got_tokens, got_rows = _generate(llm)
+                assert got_tokens == want_new[0] != want_tokens
+                assert all(np.array_equal(a, b) for a, b in zip(got_rows, want_new[1], strict=True))
         for tokens, rows in ((before_tokens, before_rows), (after_tokens, after_rows), (fresh_tokens, fresh_rows)):
             assert tokens == want_tokens, backend
             for got, want in zip(rows, want_rows, strict=True):

@@ -92,7 +92,7 @@ def move_experts(model: nn.Module, physical_to_logical: tuple[int, ...],
             else:
                 p = getattr(layers[0], name)
                 buf = torch.empty((len(layers), *p.shape[1:]), dtype=p.dtype, device=p.device)
-            broadcast(buf, src)
+            broadcast(buf.view(torch.uint8), src)  # as bytes: fp8 weights travel where a backend lacks the dtype
             if old.ep_rank in needed:
                 received[(e, name)] = buf
                 nbytes += buf.numel() * buf.element_size() if old.ep_rank != src else 0
