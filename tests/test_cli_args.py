@@ -29,7 +29,7 @@ def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
         "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill", "--disable-overlap-schedule",
         "--max-waiting-requests",
         "--tensor-parallel-size", "--worker-step-timeout-s", "--enable-expert-parallel", "--ep-size",
-        "--expert-placement-file", "--moe-a2a-backend",
+        "--expert-placement-file", "--ep-num-redundant-experts", "--moe-a2a-backend",
         "--routing-replay-config", "--device",
         "--speculative-config",
         # SGLang's spellings of --speculative-config (config/cli.py adds them by hand)

@@ -15,6 +15,12 @@ experts, and run it on --tokens random hidden states (the same on every rank, as
                sums over k, all-gathers [T, H] (AllToAllDispatch.bytes_sent counts what leaves a rank);
                shared experts, if any, all-reduced on their own
 
+Roofline (per rank, per layer): the bytes the rank must move at least, over the device's copy bandwidth
+(measured as tools/bench_r3.py measures it, or --bandwidth-gbs): the weights of its experts that got at
+least one row (w13 + w2 of each; an expert no token chose is not read), its share of the shared experts'
+weights, and the bytes its dispatch sends (bytes_sent below). "layer / roofline" is how far the measured
+layer is from that floor.
+
 Times are medians over --repeats after --warmup, each stage closed by a device sync (so a stage's time
 includes waiting for the slowest rank in its collective). "step" is the layer time times the preset's MoE
 layer count: the MoE share of one forward step at that batch, attention and dense layers not included.
@@ -99,6 +105,17 @@ def time_layer(block: Any, x: torch.Tensor, device: torch.device) -> tuple[dict[
     return t, out
 
 
+def roofline_bytes(block: Any, ids: torch.Tensor, shape: dict[str, int], elem: int, sent: int) -> dict[str, int]:
+    """What one rank must read for one layer: its touched experts' weights, its shared-expert shard, and
+    the dispatch bytes it sends. ids [T, K] logical (the same on every rank)."""
+    placement = block.experts.placement
+    touched = sum(1 for e in torch.unique(ids).tolist() if placement.local_slots(e))
+    expert_bytes = 3 * shape["inter"] * shape["hidden"] * elem  # w13 [2I, H] + w2 [H, I]
+    shared_bytes = 3 * shape["shared"] * shape["hidden"] * elem // placement.ep_size
+    return {"touched_experts": touched, "weight_bytes": touched * expert_bytes + shared_bytes,
+            "roofline_bytes": touched * expert_bytes + shared_bytes + sent}
+
+
 def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     from fastdeploy_r3.model_executor.layers.expert_alltoall import TorchGroup, use_moe_a2a_backend
     from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
@@ -122,6 +139,12 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> 
         for p in block.parameters():
             p.normal_(0, 0.05)
     elem = torch.tensor([], dtype=dtype).element_size()
+    if args.bandwidth_gbs:
+        bandwidth = args.bandwidth_gbs * 1e9
+    else:
+        from bench_r3 import copy_bandwidth
+
+        bandwidth = copy_bandwidth(args.device)  # bytes read + written per second, this rank's device
     rows: list[dict[str, Any]] = []
     for tokens in args.tokens:
         x = torch.randn(tokens, shape["hidden"], generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
@@ -144,8 +167,13 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> 
                 sent += ring if shape["shared"] else 0
             med = {s: statistics.median(d[s] for d in samples) * 1e3 for s in STAGES}
             layer = sum(med.values())
+            with torch.no_grad():
+                roof = roofline_bytes(block, block.route(x)[1], shape, elem, sent)
+            roofline_ms = roof["roofline_bytes"] / bandwidth * 1e3
             rows.append({"rank": rank, "backend": backend, "tokens": tokens, **{f"{s}_ms": med[s] for s in STAGES},
-                         "layer_ms": layer, "step_ms": layer * shape["moe_layers"], "bytes_sent": sent})
+                         "layer_ms": layer, "step_ms": layer * shape["moe_layers"], "bytes_sent": sent, **roof,
+                         "bandwidth": bandwidth, "roofline_ms": roofline_ms,
+                         "layer_over_roofline": layer / roofline_ms})
         a, b = outs["local"].float(), outs["alltoall"].float()
         diff = ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()
         for r in rows[-2:]:
@@ -165,12 +193,13 @@ def print_table(res: dict) -> None:
     print(f"EP={res['ep']} {res['device']} {res['dtype']}: hidden {s['hidden']}, {s['experts']} experts "
           f"top-{s['top_k']}, expert intermediate {s['inter']}, shared {s['shared']}, {s['moe_layers']} MoE layers")
     print("| backend | tokens | rank | dispatch ms | experts ms | combine ms | reduce ms | layer ms | step ms "
-          "| bytes sent / layer | max diff / max out |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| bytes sent / layer | roofline ms | layer / roofline | max diff / max out |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(res["rows"], key=lambda r: (r["backend"], r["tokens"], r["rank"])):
         print(f"| {r['backend']} | {r['tokens']} | {r['rank']} | {r['dispatch_ms']:.3f} | {r['experts_ms']:.3f} "
               f"| {r['combine_ms']:.3f} | {r['reduce_ms']:.3f} | {r['layer_ms']:.3f} | {r['step_ms']:.2f} "
-              f"| {r['bytes_sent']} | {r['max_rel_diff']:.2e} |")
+              f"| {r['bytes_sent']} | {r['roofline_ms']:.4f} | {r['layer_over_roofline']:.1f} "
+              f"| {r['max_rel_diff']:.2e} |")
 
 
 def plot(res: dict, path: str) -> None:
@@ -183,6 +212,8 @@ def plot(res: dict, path: str) -> None:
     tokens = sorted({r["tokens"] for r in res["rows"]})
     for color, backend in zip(("C0", "C1"), BACKENDS, strict=True):
         mine = [r for r in res["rows"] if r["backend"] == backend]
+        ax1.plot(tokens, [max(r["roofline_ms"] for r in mine if r["tokens"] == t) for t in tokens], "s-.",
+                 color=color, label=f"{backend} roofline")
         for stage, style in (("layer", "-o"), ("dispatch", ":"), ("combine", "--")):
             ax1.plot(tokens, [max(r[f"{stage}_ms"] for r in mine if r["tokens"] == t) for t in tokens], style,
                      color=color, label=f"{backend} {stage}")
@@ -211,6 +242,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="the device's bandwidth for the roofline, GB/s (default: a copy measured on each rank)")
     ap.add_argument("--png", default="bench_ep.png")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

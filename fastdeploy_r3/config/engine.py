@@ -35,7 +35,7 @@ from fastdeploy_r3.config.parallel import (
     expert_parallel_size,
     read_expert_placement_file,
     validate_expert_parallel,
-    validate_moe_a2a_backend,
+    validate_expert_parallel_flags,
     validate_tensor_parallel,
 )
 from fastdeploy_r3.config.quantization import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
@@ -268,6 +268,7 @@ class ParallelConfig:
     ep_size: int = flag(1, "expert-parallel size; 1, or the tensor-parallel size (same as --enable-expert-parallel)")
     expert_placement_file: str | None = flag(None, "EPLB: JSON {\"physical_to_logical\": [...]}, the logical expert "
                                                    "of each physical slot (replicas of hot experts), P/N per rank")
+    ep_num_redundant_experts: int = flag(0, "EPLB: R extra expert slots (R/N per rank) for replicas of hot experts")
     moe_a2a_backend: str = flag("local", "expert parallelism's token dispatch: local (every rank keeps the rows of its "
                                          "experts, one all-reduce) or alltoall (rows to their expert's rank and back)",
                                 choices=("local", "alltoall"))
@@ -278,7 +279,8 @@ class ParallelConfig:
         if not self.worker_step_timeout_s > 0:
             raise ConfigError(f"worker_step_timeout_s={self.worker_step_timeout_s}; use a positive number of seconds")
         assert self.expert_parallel_size >= 1  # refuses an ep_size the TP size does not allow
-        validate_moe_a2a_backend(self.moe_a2a_backend, self.expert_parallel_size)
+        validate_expert_parallel_flags(self.moe_a2a_backend, self.expert_parallel_size, self.ep_num_redundant_experts,
+                                       self.expert_placement_file)
 
     @property
     def expert_parallel_size(self) -> int:

@@ -29,6 +29,29 @@ def expert_parallel_size(tensor_parallel_size: int, enable_expert_parallel: bool
     return tensor_parallel_size if enable_expert_parallel or ep_size > 1 else 1
 
 
+def validate_expert_parallel_flags(backend: str, ep: int, redundant: int, placement_file: str | None) -> None:
+    """--moe-a2a-backend and --ep-num-redundant-experts (SGLang's flag): R extra physical expert slots, R/N
+    per rank, that first hold replicas of experts 0..R-1 (physical slot p holds logical p mod E) and that a
+    rebalance (/rebalance_experts) later gives to the experts the recorded load says are hottest."""
+    validate_moe_a2a_backend(backend, ep)
+    if redundant < 0:
+        raise ConfigError(f"ep_num_redundant_experts={redundant}; use 0 or more")
+    if redundant and ep == 1:
+        raise ConfigError("ep_num_redundant_experts needs expert parallelism: add --enable-expert-parallel with a "
+                          "tensor-parallel size of at least 2")
+    if redundant % max(ep, 1):
+        raise ConfigError(f"ep_num_redundant_experts={redundant} is not a multiple of the expert-parallel size {ep}: "
+                          "every rank holds the same number of expert slots")
+    if redundant and placement_file is not None:
+        raise ConfigError("give either ep_num_redundant_experts or expert_placement_file: the file already says how "
+                          "many physical slots there are")
+
+
+def trivial_physical_to_logical(num_experts: int, redundant: int) -> tuple[int, ...]:
+    """The placement before any load is known: physical slot p holds logical expert p mod E."""
+    return tuple(p % num_experts for p in range(num_experts + redundant))
+
+
 def validate_moe_a2a_backend(backend: str, ep: int) -> None:
     """--moe-a2a-backend: local (LocalDispatch) or alltoall (AllToAllDispatch, between expert-parallel ranks)."""
     if backend not in ("local", "alltoall"):

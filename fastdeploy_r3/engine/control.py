@@ -44,13 +44,19 @@ from typing import Any, Protocol
 from fastdeploy_r3.cache_manager.block_hash import root_hash
 from fastdeploy_r3.engine.control_error import EngineControlError
 from fastdeploy_r3.engine.memory_control import MemoryControl
-from fastdeploy_r3.engine.messages import WeightsReport
+from fastdeploy_r3.engine.messages import ExpertLoadReport, WeightsReport
 from fastdeploy_r3.engine.request import Request, WeightVersionEvent
 from fastdeploy_r3.engine.worker_group import PerRank
+from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.worker.messages import (
+    EXPERT_DISTRIBUTION_ACTIONS,
     ChecksumWeights,
     DestroyWeightUpdateGroup,
+    ExpertDistribution,
+    ExpertDistributionResult,
+    ExpertRebalanceResult,
     InitWeightUpdateGroup,
+    RebalanceExperts,
     UpdateWeights,
     WeightsChecksum,
     WeightUpdateResult,
@@ -101,17 +107,17 @@ class EngineControl:
         model_identity: str,
         weight_version: str,
         has_kv_tiers: bool = False,
-        rank_holds: list[Callable[[str], bool]] | None = None,
+        placements: list[ExpertPlacement] | None = None,
     ) -> None:
-        """rank_holds[r](name): False for a checkpoint tensor rank r does not hold (another expert-parallel
-        rank's routed expert); None: every rank holds every tensor (or a shard of it)."""
+        """placements[r]: expert-parallel rank r's experts (a rebalance replaces them); None: every rank holds
+        every tensor (or a shard of it)."""
         self.requests = requests
         self.cache = cache
         self.workers = workers
         self.model_identity = model_identity
         self.weight_version = weight_version  # roots the prefix cache; changed by weight updates only
         self.has_kv_tiers = has_kv_tiers  # a CPU or storage tier maps the KV cache: it cannot be released
-        self.rank_holds = rank_holds
+        self.placements = placements
         self.last_update_tensors: list[int] = []  # tensors each rank loaded in the last weight update
         self.paused: str | None = None  # the pause mode while /pause_generation holds the engine
         self.weights_broken: str | None = None
@@ -236,6 +242,56 @@ class EngineControl:
             return not diff, message, weight_check.report(per_rank, diff)
         return True, "sha256 per parameter per rank", weight_check.report(per_rank)
 
+    def expert_distribution(self, action: str) -> tuple[str, ExpertLoadReport | None]:
+        """Start, stop or dump the expert load record on every rank (model_executor/layers/expert_load.py).
+        Every rank routes every token, so the ranks' counts must agree: the record is rank 0's, not a sum."""
+        if action not in EXPERT_DISTRIBUTION_ACTIONS:
+            raise EngineControlError(f"expert distribution action {action!r}; use one of "
+                                     f"{', '.join(EXPERT_DISTRIBUTION_ACTIONS)}")
+        self.requests.drain()  # a step in flight counts into the record it ran under
+        results: list[ExpertDistributionResult] = self.call_workers(ExpertDistribution(action))
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise EngineControlError("; ".join(errors), invalid=False)
+        if action != "dump":
+            return ("Start" if action == "start" else "Stop") + " recording the expert distribution.", None
+        differ = [r.rank for r in results if r.counts != results[0].counts]
+        if differ:
+            raise EngineControlError(f"ranks {differ} counted other expert loads than rank 0; every rank routes "
+                                     "every token, so this is a bug in the record", invalid=False)
+        return "Dump expert distribution record.", ExpertLoadReport(results[0].counts or [], results[0].recording)
+
+    def rebalance_experts(self) -> tuple[str, list[int]]:
+        """EPLB: a placement of the same physical slots from the recorded expert load, the weights moved between
+        the ranks (model_executor/layers/expert_rebalance.py). Same logical weights: the weight version and
+        the prefix cache stay. Returns the message and the new physical_to_logical."""
+        from fastdeploy_r3.model_executor.layers.expert_rebalance import rebalanced_placement
+
+        if self.placements is None:
+            raise EngineControlError("rebalancing experts needs expert parallelism: start the engine with "
+                                     "--enable-expert-parallel (and --ep-num-redundant-experts for replicas)")
+        if "weights" in self.memory.released:
+            raise EngineControlError("the weights are released; resume them first", status=409)
+        if self.weights_broken is not None:  # moving a partial update around would not repair it
+            raise EngineControlError(f"{self.weights_broken}; push a complete update first", status=409)
+        report = self.expert_distribution("dump")[1]
+        assert report is not None
+        load = [sum(col) for col in zip(*report.logical_count, strict=True)]  # [E] over every MoE layer
+        if not any(load):
+            raise EngineControlError("no expert load is recorded: call /start_expert_distribution_record and serve "
+                                     "requests before /rebalance_experts", status=409)
+        first = self.placements[0]
+        p2l = rebalanced_placement(load, first.ep_size, first.num_local_experts)
+        results: list[ExpertRebalanceResult] = self.call_workers(RebalanceExperts(p2l))
+        errors = [f"rank {r.rank}: {r.error}" for r in results if r.error]
+        if errors:  # some ranks may have moved and others not: their slots no longer agree
+            self._break_weights(f"expert rebalance failed ({'; '.join(errors)})")
+            raise EngineControlError(self.weights_broken or "", invalid=False)
+        self.placements = [ExpertPlacement.redundant(p2l, first.num_experts, first.ep_size, r)
+                           for r in range(first.ep_size)]
+        moved = sum(r.bytes_received for r in results)
+        return f"experts rebalanced over {first.ep_size} ranks; {moved} bytes moved between ranks", list(p2l)
+
     def check_weights_usable(self) -> None:
         if self.weights_broken is not None:
             raise EngineControlError(f"{self.weights_broken}; push a complete update before sending requests",
@@ -287,10 +343,10 @@ class EngineControl:
         nothing is pickled through a pipe to be dropped. A directory is read by each rank for its own
         tensors (worker/weight_updater.py); a broadcast and a serialized payload per rank are the trainer's
         to shape (docs/expert_parallel.md says why they are not split here)."""
-        if source.tensors is None or self.rank_holds is None:
+        if source.tensors is None or self.placements is None:
             return source
-        return PerRank([replace(source, tensors=[(n, t) for n, t in source.tensors if holds(n)])
-                        for holds in self.rank_holds])
+        return PerRank([replace(source, tensors=[(n, t) for n, t in source.tensors if q.holds_checkpoint_tensor(n)])
+                        for q in self.placements])
 
     def call_workers(self, msg: object) -> list:
         """Every rank's answer to a control message; the engine heartbeats while they work."""

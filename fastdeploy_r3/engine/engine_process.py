@@ -43,6 +43,9 @@ from fastdeploy_r3.engine.messages import (
     EngineState,
     EngineStateQuery,
     ErrorKind,
+    ExpertDistributionRecord,
+    ExpertPlacementReport,
+    ExpertRebalance,
     FlushCache,
     HealthQuery,
     HealthReply,
@@ -228,7 +231,7 @@ class _EngineLoop:
                 message = (f"weights updated; weight_version is {version}" if ctl.last_update_reloaded else
                            f"weight_version {version!r} is already current; nothing reloaded (force: true reloads)")
             elif isinstance(cmd, (UpdateWeightVersion, ReleaseMemoryOccupation, ResumeMemoryOccupation, WeightsCheck,
-                                  WeightUpdateSession)):
+                                  WeightUpdateSession, ExpertDistributionRecord, ExpertRebalance)):
                 return self.rl_control(msg)
             elif isinstance(cmd, InitWeightUpdateGroup):
                 ctl.init_weight_update_group(cmd)
@@ -263,6 +266,11 @@ class _EngineLoop:
                 message, report = ctl.memory.resume(cmd.tags)
             elif isinstance(cmd, WeightsCheck):
                 ok, message, report = ctl.check_weights(cmd.action, cmd.skip)
+            elif isinstance(cmd, ExpertDistributionRecord):
+                message, report = ctl.expert_distribution(cmd.action)
+            elif isinstance(cmd, ExpertRebalance):
+                message, p2l = ctl.rebalance_experts()
+                report = ExpertPlacementReport(p2l)
             else:
                 assert isinstance(cmd, WeightUpdateSession)
                 was, ctl.update_session_open = ctl.update_session_open, cmd.begin

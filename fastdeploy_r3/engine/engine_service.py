@@ -63,7 +63,7 @@ class EngineService:
 
         placements = expert_placements_of_ranks(config.parallel_config, mc)  # None: no expert parallelism
         self.control = EngineControl(self, p.kv, _DrainFirst(self), mc.model_identity, mc.weight_version, has_tiers,
-                                     None if placements is None else [q.holds_checkpoint_tensor for q in placements])
+                                     placements)
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
         self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule,
                                        config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)

@@ -138,6 +138,25 @@ class LLM:
             source = UpdateWeights(tensors=[(name, t.detach().to("cpu")) for name, t in items])
         return self.engine.control.update_weights(source, weight_version, abort_all_requests=False)
 
+    def start_expert_distribution_record(self) -> None:
+        """Count, from the next step on, the (token, k) rows each MoE layer routes to each logical expert."""
+        self.engine.control.expert_distribution("start")
+
+    def stop_expert_distribution_record(self) -> None:
+        self.engine.control.expert_distribution("stop")
+
+    def dump_expert_distribution_record(self) -> list[list[int]]:
+        """[L][E]: rows routed to each logical expert of each MoE layer since the start (the prompt's and
+        every generated token's forward passes; padding never counts)."""
+        report = self.engine.control.expert_distribution("dump")[1]
+        assert report is not None
+        return report.logical_count
+
+    def rebalance_experts(self) -> list[int]:
+        """EPLB from the recorded load: replicas of the hottest experts in the redundant slots, balanced over
+        the ranks, weights moved between them; returns the new physical_to_logical (P/N slots per rank)."""
+        return self.engine.control.rebalance_experts()[1]
+
     def _deliver_r3(self, out: RequestOutput, params: SamplingParams, rollout_id: str | None, overwrite: bool) -> None:
         """Check (and store) one finished prompt's R3; on failure the prompt's choices fail."""
         if not self.r3_delivery.wants(params.return_routed_experts):

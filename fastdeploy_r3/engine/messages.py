@@ -27,7 +27,9 @@ from fastdeploy_r3.worker.messages import DestroyWeightUpdateGroup, InitWeightUp
 __all__ = [
     "AbortRequest", "AddRequest", "AwaitWriteThrough", "ContinueGeneration", "ControlCommand", "ControlReply",
     "ControlRequest", "EngineCrashed", "EngineInfo", "ErrorKind", "EngineReady", "EngineStartupFailed", "EngineState",
-    "EngineStateQuery", "FlushCache", "HealthQuery", "HealthReply", "MetricsQuery", "MetricsReply", "OutputBatch",
+    "EngineStateQuery", "ExpertDistributionRecord", "ExpertLoadReport",
+    "ExpertPlacementReport", "ExpertRebalance", "FlushCache", "HealthQuery", "HealthReply",
+    "MetricsQuery", "MetricsReply", "OutputBatch",
     "PauseGeneration", "ReleaseMemoryOccupation", "RequestRejected", "ResumeMemoryOccupation", "Shutdown",
     "UpdateWeightVersion", "MemoryReport", "WeightUpdate", "WeightUpdateSession", "WeightsCheck", "WeightsReport",
 ]
@@ -133,10 +135,23 @@ class WeightUpdateSession:
     begin: bool
 
 
+@dataclass
+class ExpertDistributionRecord:
+    """SGLang's /start_expert_distribution_record, /stop_... and /dump_...: action "start" | "stop" | "dump"."""
+
+    action: str
+
+
+@dataclass
+class ExpertRebalance:
+    """/rebalance_experts: a placement from the recorded expert load, weights moved between the ranks."""
+
+
 ControlCommand = (
     PauseGeneration | ContinueGeneration | FlushCache | EngineStateQuery | WeightUpdate | AwaitWriteThrough
     | CheckIntegrity | InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeightVersion | ReleaseMemoryOccupation
-    | ResumeMemoryOccupation | WeightsCheck | WeightUpdateSession
+    | ResumeMemoryOccupation | WeightsCheck | WeightUpdateSession | ExpertDistributionRecord
+    | ExpertRebalance
 )
 
 
@@ -248,6 +263,21 @@ class MemoryReport:
 
 
 @dataclass
+class ExpertLoadReport:
+    """A dumped expert load record: rows routed to each LOGICAL expert of each MoE layer since the start."""
+
+    logical_count: list[list[int]]  # [L][E]
+    recording: bool  # whether the engine still counts
+
+
+@dataclass
+class ExpertPlacementReport:
+    """What /rebalance_experts placed: the logical expert of each physical slot, P/N consecutive per rank."""
+
+    physical_to_logical: list[int]
+
+
+@dataclass
 class IntegrityReport:
     """What /check_integrity found consistent: with no request in flight, no block may be referenced
     (a block still referenced then was reserved and never freed)."""
@@ -265,7 +295,7 @@ class ControlReply:
     state: EngineState
     invalid: bool = False  # a refused command (HTTP 400) rather than a failed one (HTTP 500)
     status: int | None = None  # an HTTP status other than 200/400/500 (409: conflicts with the engine's state)
-    report: WeightsReport | MemoryReport | IntegrityReport | None = None
+    report: WeightsReport | MemoryReport | IntegrityReport | ExpertLoadReport | ExpertPlacementReport | None = None
 
 
 @dataclass

@@ -12,8 +12,9 @@ from torch import nn
 from fastdeploy_r3.config import ConfigError, ModelConfig, ParallelConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
 from fastdeploy_r3.config.hf_config import num_routed_experts_from_hf_config
-from fastdeploy_r3.config.parallel import read_expert_placement_file
+from fastdeploy_r3.config.parallel import read_expert_placement_file, trivial_physical_to_logical
 from fastdeploy_r3.model_executor.batch_invariant import make_batch_invariant
+from fastdeploy_r3.model_executor.layers.expert_load import ExpertLoadRecorder
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.models.base import WeightLoadingError
 from fastdeploy_r3.model_executor.models.registry import get_model_class
@@ -133,14 +134,17 @@ def iter_safetensors(
 def expert_placement_for(
     parallel_config: ParallelConfig, model_config: ModelConfig, rank: int
 ) -> ExpertPlacement | None:
-    """Rank `rank`'s experts: under expert parallelism a contiguous E/N of them, or the slots of the EPLB
-    placement file; else None (the identity)."""
+    """Rank `rank`'s experts: under expert parallelism a contiguous E/N of them, the slots of the EPLB
+    placement file, or with R redundant experts the trivial E + R slots; else None (the identity)."""
     ep = parallel_config.expert_parallel_size
     if ep == 1:
         return None
     num_experts = num_routed_experts_from_hf_config(model_config.hf_config)
     if parallel_config.expert_placement_file is not None:
         p2l = read_expert_placement_file(parallel_config.expert_placement_file, num_experts, ep)
+        return ExpertPlacement.redundant(p2l, num_experts, ep, rank)
+    if parallel_config.ep_num_redundant_experts:
+        p2l = trivial_physical_to_logical(num_experts, parallel_config.ep_num_redundant_experts)
         return ExpertPlacement.redundant(p2l, num_experts, ep, rank)
     return ExpertPlacement.contiguous(num_experts, ep, rank)
 
@@ -201,4 +205,6 @@ def load_model(
         make_batch_invariant(model)
     model.eval()
     model.requires_grad_(False)
+    # counters every MoE layer adds its routed rows to while a record runs (layers/expert_load.py)
+    model.expert_load = ExpertLoadRecorder(model)
     return model

@@ -2,9 +2,10 @@
 
     engine -> worker   AttachRoutingBuffer, StepInput (of ScheduledRequestData), Shutdown;
                        between steps InitWeightUpdateGroup, UpdateWeights, DestroyWeightUpdateGroup,
-                       ReleaseMemory, ResumeMemory, ChecksumWeights
+                       ReleaseMemory, ResumeMemory, ChecksumWeights, ExpertDistribution, RebalanceExperts
     worker -> engine   WorkerReady (or WorkerFailed: the error that stopped the rank), RoutingAttached,
-                       StepOutput, WeightUpdateResult, MemoryResult, WeightsChecksum
+                       StepOutput, WeightUpdateResult, MemoryResult, WeightsChecksum, ExpertDistributionResult,
+                       ExpertRebalanceResult
     a failed step      StepOutput.error: a WorkerError (kind + message), never a string to re-parse
 
 `Shutdown` is the one stop message of every boundary (fastdeploy_r3/lifecycle.py).
@@ -21,8 +22,8 @@ from fastdeploy_r3.logprobs import TokenLogprob
 from fastdeploy_r3.sampling_params import SamplingParams
 
 __all__ = [
-    "PLACEHOLDER_TOKEN", "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "InitWeightUpdateGroup",
-    "MemoryResult",
+    "PLACEHOLDER_TOKEN", "AttachRoutingBuffer", "ChecksumWeights", "DestroyWeightUpdateGroup", "ExpertDistribution",
+    "ExpertDistributionResult", "ExpertRebalanceResult", "InitWeightUpdateGroup", "RebalanceExperts", "MemoryResult",
     "ReleaseMemory", "ResumeMemory", "RoutingAttached", "ScheduledRequestData", "Shutdown", "StepInput",
     "StepOutput", "UpdateWeights", "WeightUpdateResult", "WeightsChecksum", "WorkerError", "WorkerFailed",
     "WorkerReady",
@@ -215,4 +216,37 @@ class ChecksumWeights:
 class WeightsChecksum:
     rank: int
     checksums: dict[str, str] = field(default_factory=dict)  # parameter name -> sha256 hex of its bytes
+    error: str | None = None
+
+
+EXPERT_DISTRIBUTION_ACTIONS = ("start", "stop", "dump")
+
+
+@dataclass
+class ExpertDistribution:
+    """Expert load recording (model_executor/layers/expert_load.py): "start" (reset, count), "stop", "dump"."""
+
+    action: str
+
+
+@dataclass
+class ExpertDistributionResult:
+    rank: int
+    counts: list[list[int]] | None = None  # dump: [L][E] rows routed to each logical expert of each MoE layer
+    recording: bool = False  # whether the rank counts after this action
+    error: str | None = None
+
+
+@dataclass
+class RebalanceExperts:
+    """Take the slots of this placement (one map for every MoE layer), weights exchanged between the ranks
+    (model_executor/layers/expert_rebalance.py). Every rank gets it: the moves are collectives."""
+
+    physical_to_logical: tuple[int, ...]
+
+
+@dataclass
+class ExpertRebalanceResult:
+    rank: int
+    bytes_received: int = 0
     error: str | None = None

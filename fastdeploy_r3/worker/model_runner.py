@@ -30,23 +30,12 @@ from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, Forw
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher, SampleRow, StepInputs
 from fastdeploy_r3.worker.kv_budget import num_kv_blocks, usable_blocks
-from fastdeploy_r3.worker.messages import (
-    ChecksumWeights,
-    DestroyWeightUpdateGroup,
-    InitWeightUpdateGroup,
-    MemoryResult,
-    ReleaseMemory,
-    ResumeMemory,
-    StepInput,
-    StepOutput,
-    UpdateWeights,
-    WeightsChecksum,
-    WeightUpdateResult,
-)
+from fastdeploy_r3.worker.messages import StepInput, StepOutput
 from fastdeploy_r3.worker.mtp_drafter import DraftInputs, MtpDrafter, make_mtp_drafter
 from fastdeploy_r3.worker.routing_capture import RoutingCapture
 from fastdeploy_r3.worker.routing_writer import RoutingWriter, make_routing_writer
 from fastdeploy_r3.worker.sample.sampler import PendingSample, StepSampler
+from fastdeploy_r3.worker.weight_loading import ControlMessage, ControlResult
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +112,7 @@ class ModelRunner:
                                             deadline_s=self.config.parallel_config.worker_step_timeout_s)
         self.memory = MemoryOccupation(self)
 
-    def control(
-        self, msg: InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights | ReleaseMemory | ResumeMemory
-        | ChecksumWeights,
-    ) -> WeightUpdateResult | MemoryResult | WeightsChecksum:
+    def control(self, msg: ControlMessage) -> ControlResult:
         """Run one control command between steps. Whatever goes wrong comes back as the result's error
         (the worker lives on with the weights it has), in words without paths, content or tracebacks."""
         from fastdeploy_r3.worker.weight_loading import run_control
@@ -215,9 +201,9 @@ class ModelRunner:
         the verify graphs of query length k + 1 under speculative decoding (verify_query_len overrides)."""
         if self.device.type != "cuda" or self.config.model_config.enforce_eager or self.model is None:
             return
-        if self.config.parallel_config.expert_parallel_size > 1:  # the dispatch syncs with the host
-            logger.info("decode runs eagerly: the expert-parallel dispatch (layers/expert_dispatch.py) is not "
-                        "CUDA-graph safe")
+        if self.config.parallel_config.moe_a2a_backend == "alltoall":  # its row counts sync with the host
+            logger.info("decode runs eagerly: the all-to-all expert dispatch (layers/expert_alltoall.py) is not "
+                        "CUDA-graph safe; the local one is (fixed-shape rows on CUDA, layers/expert_dispatch.py)")
             return
         if not attention_is_graph_safe(self.model):
             logger.info("decode runs eagerly: the attention backend is not CUDA-graph safe")

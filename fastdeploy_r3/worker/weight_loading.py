@@ -13,8 +13,12 @@ from typing import TYPE_CHECKING
 from fastdeploy_r3.worker.messages import (
     ChecksumWeights,
     DestroyWeightUpdateGroup,
+    ExpertDistribution,
+    ExpertDistributionResult,
+    ExpertRebalanceResult,
     InitWeightUpdateGroup,
     MemoryResult,
+    RebalanceExperts,
     ReleaseMemory,
     ResumeMemory,
     UpdateWeights,
@@ -29,11 +33,17 @@ logger = logging.getLogger(__name__)
 
 ControlMessage = (
     InitWeightUpdateGroup | DestroyWeightUpdateGroup | UpdateWeights | ReleaseMemory | ResumeMemory | ChecksumWeights
+    | ExpertDistribution | RebalanceExperts
 )
+ControlResult = WeightUpdateResult | MemoryResult | WeightsChecksum | ExpertDistributionResult | ExpertRebalanceResult
 
 
-def run_control(runner: ModelRunner, msg: ControlMessage) -> WeightUpdateResult | MemoryResult | WeightsChecksum:
+def run_control(runner: ModelRunner, msg: ControlMessage) -> ControlResult:
     rank = runner.rank
+    if isinstance(msg, ExpertDistribution):
+        return expert_distribution(runner, msg)
+    if isinstance(msg, RebalanceExperts):
+        return rebalance_experts(runner, msg)
     if isinstance(msg, (ReleaseMemory, ResumeMemory)):
         try:
             assert runner.memory is not None
@@ -122,3 +132,37 @@ def _allocated(runner: ModelRunner) -> int:
 def _short(e: BaseException) -> str:
     """The first line of an error we raise ourselves or torch's OOM text, bounded; paths never appear there."""
     return str(e).splitlines()[0][:200] if str(e) else "no message"
+
+
+def expert_distribution(runner: ModelRunner, msg: ExpertDistribution) -> ExpertDistributionResult:
+    """Start, stop or dump this rank's expert load record (model_executor/layers/expert_load.py)."""
+    recorder = getattr(runner.model, "expert_load", None)
+    if recorder is None:
+        return ExpertDistributionResult(runner.rank, error=f"rank {runner.rank} has no model loaded")
+    if msg.action == "start":
+        recorder.start()
+    elif msg.action == "stop":
+        recorder.stop()
+    elif msg.action == "dump":
+        return ExpertDistributionResult(runner.rank, counts=recorder.dump(), recording=recorder.recording)
+    else:
+        return ExpertDistributionResult(runner.rank, error=f"unknown expert distribution action {msg.action!r}; "
+                                                           "use start, stop or dump")
+    return ExpertDistributionResult(runner.rank, recording=recorder.recording)
+
+
+def rebalance_experts(runner: ModelRunner, msg: RebalanceExperts) -> ExpertRebalanceResult:
+    """This rank's side of an EPLB move: broadcasts over the worker group, every rank in the same order."""
+    import torch.distributed as dist
+
+    from fastdeploy_r3.model_executor.layers.expert_rebalance import move_experts
+
+    try:
+        assert runner.model is not None
+        nbytes = move_experts(runner.model, tuple(msg.physical_to_logical), lambda t, src: dist.broadcast(t, src))
+        if runner.decode_graphs is not None:  # they baked in the old dispatch's replica tables
+            runner.capture_decode_graphs()
+        return ExpertRebalanceResult(runner.rank, bytes_received=nbytes)
+    except Exception as e:  # noqa: BLE001 - the engine reports it and marks the weights broken
+        logger.exception("expert rebalance on rank %d failed", runner.rank)
+        return ExpertRebalanceResult(runner.rank, error=f"{type(e).__name__}: {_short(e)}")

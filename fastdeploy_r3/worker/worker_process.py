@@ -42,7 +42,9 @@ from fastdeploy_r3.worker.messages import (
     AttachRoutingBuffer,
     ChecksumWeights,
     DestroyWeightUpdateGroup,
+    ExpertDistribution,
     InitWeightUpdateGroup,
+    RebalanceExperts,
     ReleaseMemory,
     ResumeMemory,
     RoutingAttached,
@@ -118,7 +120,8 @@ def worker_main(
                 runner.capture_decode_graphs()
                 conn.send(RoutingAttached(rank))
             elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
-                                  ResumeMemory, ChecksumWeights)):
+                                  ResumeMemory, ChecksumWeights, ExpertDistribution,
+                                  RebalanceExperts)):
                 conn.send(runner.control(msg))
     except Exception as e:
         try:

@@ -47,6 +47,7 @@ from fastdeploy_r3.entrypoints.native.control_protocol import (
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
+from fastdeploy_r3.entrypoints.native.expert_record_api import add_expert_distribution_routes
 from fastdeploy_r3.entrypoints.openai.serving_engine import ServingContext, bad_request, engine_unavailable
 from fastdeploy_r3.lifecycle import EngineDeadError
 from fastdeploy_r3.worker.messages import UpdateWeights
@@ -73,6 +74,8 @@ def add_control_routes(app: FastAPI, ctx: ServingContext) -> None:
             return await ctx.engine.control(command)
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from e
+
+    add_expert_distribution_routes(app, control, control_answer)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> JSONResponse:

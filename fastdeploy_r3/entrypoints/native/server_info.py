@@ -75,6 +75,7 @@ def server_args(ctx: ServingContext, address: ServerAddress) -> dict[str, Any]:
         "host": address.host, "port": address.port, "nnodes": 1, "node_rank": 0, "dist_init_addr": None,
         "base_gpu_id": 0, "gpu_id_step": 1, "tp_size": pc.tensor_parallel_size, "dp_size": 1, "pp_size": 1,
         "ep_size": getattr(pc, "expert_parallel_size", 1), "moe_dp_size": 1,
+        "ep_num_redundant_experts": getattr(pc, "ep_num_redundant_experts", 0),
         # SGLang's spelling: "none" is its name for no all-to-all (our local dispatch)
         "moe_a2a_backend": "none" if pc.moe_a2a_backend == "local" else pc.moe_a2a_backend,
         "device": cfg.device, "dtype": mc.dtype, "load_format": mc.load_format, "context_length": mc.max_model_len,

@@ -16,12 +16,23 @@ different tokens (data-parallel attention) replaces it behind the same two calls
 all-to-all and combine() sends the results back, adds them per token and gathers every token's output;
 a DeepEP-style kernel would be another.
 
-The rows are cut by a nonzero(): a host sync, so expert-parallel steps run eagerly (no CUDA graphs).
+Two shapes of LocalDispatch's rows, bit for bit the same result (tests/model_executor/test_expert_dispatch.py):
+
+    compact      N = this rank's rows, cut by a nonzero(): a host sync (the CPU's choice: fewer rows to run)
+    fixed-shape  N = T * K, every (token, k) row kept: another rank's row gets weight 0 and slot 0 (a valid
+                 slot, so any backend runs it) and `keep` False, and combine() zeroes it (torch.where, not
+                 the weight: 0 * inf would be NaN). No host sync and shapes fixed by T: CUDA graphs can
+                 capture it (worker/model_runner.py captures EP decode steps).
+
+On CUDA the fixed shape runs every step of up to FIXED_SHAPE_MAX_TOKENS tokens (decode, graph-replayed or
+eager alike, so both run the same kernels on the same shapes) and every step under a graph capture;
+larger steps (prefill) keep the compact rows: there each rank would otherwise run N times its share of
+expert rows, while one host sync per layer costs little next to the step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,6 +50,8 @@ class DispatchedRows:
     rows: torch.Tensor  # [N] int64 flat position token * K + k of each row, ascending
     num_tokens: int
     top_k: int
+    # fixed-shape rows: [T * K] bool, this rank's rows (combine() zeroes the others); None: compact rows
+    keep: torch.Tensor | None = field(default=None, kw_only=True)
 
 
 class ExpertDispatch(Protocol):
@@ -53,13 +66,17 @@ class ExpertDispatch(Protocol):
     def combine(self, y: torch.Tensor, rows: DispatchedRows) -> torch.Tensor: ...
 
 
+FIXED_SHAPE_MAX_TOKENS = 512  # CUDA steps of at most this many tokens run fixed-shape rows (decode sizes)
+
+
 class LocalDispatch:
     """Expert parallelism over TP ranks: every rank has every token; it runs the rows of its own experts."""
 
     complete = False  # combine() gives this rank's partial sum: the MoE block all-reduces it
 
-    def __init__(self, placement: ExpertPlacement) -> None:
+    def __init__(self, placement: ExpertPlacement, fixed_shape: bool | None = None) -> None:
         self.placement = placement
+        self.fixed_shape = fixed_shape  # None: fixed-shape rows on CUDA for decode-sized steps, else compact
         reps = [placement.replicas(e) for e in range(placement.num_experts)]
         width = max(len(r) for r in reps)
         # [E] replicas of each logical expert; [E, R] their ranks and slots (padded with the first replica)
@@ -84,6 +101,18 @@ class LocalDispatch:
         token = torch.arange(num_tokens, device=topk_ids.device).unsqueeze(1)  # [T, 1]
         replica = token % num_replicas[topk_ids]  # [T, K]
         mine = replica_rank[topk_ids, replica] == self.placement.ep_rank  # [T, K]
+        fixed = self.fixed_shape
+        if fixed is None:
+            small = num_tokens <= FIXED_SHAPE_MAX_TOKENS
+            fixed = topk_ids.is_cuda and (small or torch.cuda.is_current_stream_capturing())
+        if fixed:
+            keep = mine.reshape(-1)  # [T * K]
+            return DispatchedRows(
+                x=x.repeat_interleave(top_k, dim=0),  # [T * K, H]
+                topk_weights=torch.where(mine, topk_weights, 0).reshape(-1, 1),  # [T * K, 1], 0: another rank's
+                slots=torch.where(mine, replica_slot[topk_ids, replica], 0).reshape(-1, 1),  # [T * K, 1] valid slots
+                rows=torch.arange(num_tokens * top_k, device=x.device), num_tokens=num_tokens, top_k=top_k, keep=keep,
+            )
         slots = torch.where(mine, replica_slot[topk_ids, replica], -1).reshape(-1)  # [T * K], -1: another rank's
         rows = torch.nonzero(slots >= 0).squeeze(1)  # [N] ascending
         return DispatchedRows(
@@ -97,6 +126,9 @@ class LocalDispatch:
         """y [N, H] (weighted) -> [T, H]: each token's rows summed over k in a fixed order (no atomics, so
         the same bits on every run), in float32 as the fused backends accumulate."""
         hidden = y.shape[1]
+        if rows.keep is not None:  # fixed shape: every row is here, the other ranks' zeroed
+            part = torch.where(rows.keep.unsqueeze(1), y.float(), 0.0)  # [T * K, H]
+            return part.view(rows.num_tokens, rows.top_k, hidden).sum(dim=1).to(y.dtype)  # [T, H]
         part = torch.zeros(rows.num_tokens * rows.top_k, hidden, dtype=torch.float32, device=y.device)
         part.index_copy_(0, rows.rows, y.float())  # [T * K, H], zero for other ranks' rows
         return part.view(rows.num_tokens, rows.top_k, hidden).sum(dim=1).to(y.dtype)  # [T, H]

@@ -282,6 +282,7 @@ class SparseMoeBlock(nn.Module):
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.batch_invariant = False  # the float32 router GEMM in fixed row tiles (model_executor/batch_invariant.py)
+        self.expert_load = None  # (ExpertLoadRecorder, this layer's [E] counts), layers/expert_load.py
         self.use_fused_routing = fused_routing_enabled()  # route_fused() wherever Triton runs
         self.router_spec = (
             RouterSpec(top_k, "softmax", renormalize)
@@ -379,6 +380,8 @@ class SparseMoeBlock(nn.Module):
                 topk_weights = self.replay_weights(x, topk_ids)  # [T, K]
             if sink is not None:
                 sink.capture(self.moe_index, topk_ids)
+        if self.expert_load is not None:  # the same logical ids the capture took, counted on the device
+            self.expert_load[0].count(self.expert_load[1], topk_ids, slot_mapping)
         out = self.experts(x, topk_weights, topk_ids, blocks)  # [T, H], this rank's partial sum
         if self.experts.dispatch is not None and self.experts.dispatch.complete:
             # an all-to-all dispatch gave every token's whole routed output: only the shared experts' sum is left
