@@ -34,7 +34,7 @@ def test_every_flag_field_is_a_flag_and_nothing_else_is() -> None:
         "--speculative-config",
         # SGLang's spellings of --speculative-config (config/cli.py adds them by hand)
         "--speculative-algorithm", "--speculative-num-draft-tokens", "--speculative-ngram-min-match-window-size",
-        "--speculative-ngram-max-match-window-size",
+        "--speculative-ngram-max-match-window-size", "--speculative-num-steps", "--speculative-eagle-topk",
     ]
 
 
