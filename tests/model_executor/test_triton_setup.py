@@ -52,13 +52,15 @@ def test_one_interpret_rule_for_attention_moe_alignment_and_r3_capture(value: st
         for kernel in kernels:
             kernel.run = (lambda run, name: lambda *a, **k: (calls.append(name), run(*a, **k))[1])(
                 kernel.run, kernel.fn.__name__)
-        # attention: a 3-token prompt in block 1 of a 2-block cache of 4-token blocks
-        q, k = torch.randn(3, 2, 4), torch.randn(3, 1, 4)
-        cache = (torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4))
-        meta = AttentionMetadata(torch.tensor([4, 5, 6]), [0, 3], [3], [3], torch.tensor([[1, 0]]), 4)
+        # attention: a 10-token prompt in blocks 1, 2, 0 of a 3-block cache of 4-token blocks (longer
+        # than the decode kernel's short-query rows: the prefill kernel)
+        q, k = torch.randn(10, 2, 4), torch.randn(10, 1, 4)
+        cache = (torch.zeros(3, 4, 1, 4), torch.zeros(3, 4, 1, 4))
+        slots = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 0, 1])
+        meta = AttentionMetadata(slots, [0, 10], [10], [10], torch.tensor([[1, 2, 0]]), 4)
         with set_forward_context(ForwardContext(meta, [cache])):
             Attention(2, 1, 4, 0.5, layer_idx=0)(q, k, k)
-        assert torch.equal(cache[0][1, :3], k)
+        assert torch.equal(cache[0].reshape(12, 1, 4)[slots], k)
         # MoE alignment: T=2, K=2, 3 experts, BM 4
         ids = torch.tensor([[2, 0], [2, 1]])
         blocks = moe_align.align_to_blocks(ids, num_experts=3, block_m=4)
