@@ -15,11 +15,14 @@ server's delivery threads share one instance per store.
 DeadlineCaller runs each blocking store call on the store's own thread and stops waiting at the
 deadline (the call itself cannot be interrupted). The deadline is the store's time: it starts when the
 call starts on that thread, not when it was queued, so a burst of requests queued behind each other
-on a busy machine does not read as a slow store. A queued call gives up when the call ahead of it is
-past its own deadline (the store is stuck: waiting longer helps nobody), and calls made while the
-store is degraded are skipped, so stuck calls do not pile up. An answer already in hand when a
-deadline fires (the process was stopped or starved while the store answered) is taken: the caller
-looks once more after a short grace before it blames the store.
+on a busy machine does not read as a slow store. A failure that took half the deadline or more (a
+socket timeout) is slow too; the outcome is recorded on the store's thread before the next queued
+call starts, and a queued call finding the store slow is not run: a stopped store costs one
+deadline, not one per queued call. A queued caller also gives up when the call ahead of it is past
+its own deadline (a call that hangs for good), and calls made while the store is degraded are
+skipped, so stuck calls do not pile up. An answer already in hand when a deadline fires (the
+process was stopped or starved while the store answered) is taken: the caller looks once more after
+a short grace before it blames the store.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ class StoreHealth:
             if self._reason is None:
                 return None
             return f"{self.name} degraded for {self._clock() - self._since:.1f} s: {self._reason}"
+
+    def skipping(self) -> bool:
+        """Degraded by a slow failure: calls other than the due probe are not tried."""
+        with self._lock:
+            return self._reason is not None and self._skip
 
     def should_try(self) -> bool:
         """True when a call may go to the store: it is healthy, or degraded and due a probe."""
@@ -125,33 +133,41 @@ class DeadlineCaller:
 
         undo: run on the store's thread if fn completes after all, once its caller gave up on it (a put
         that was reported as failed must not stay stored)."""
+        probe = self.health.skipping()  # admitted while skipping: this call is the due probe
         if not self.health.should_try():
             raise self.health.unavailable()
         started: list[float] = []
-        fut = self._pool.submit(self._run, started, fn, *args)
+        fut = self._pool.submit(self._run, started, probe, answers, fn, *args)
         try:
-            result = self._result(fut, started)
+            return self._result(fut, started)
         except concurrent.futures.TimeoutError:
             self.health.failed(f"no answer within {self.timeout_s:g} s")
             if undo is not None:
                 fut.add_done_callback(lambda f: _undo_late(f, undo))
             raise self.health.unavailable() from None
+
+    def _run(self, started: list[float], probe: bool, answers: tuple[type[Exception], ...],
+             fn: Callable[..., T], *args: object) -> T:
+        """On the store's thread. A call that waited in the queue while the store turned slow is not run
+        (the probe is); the outcome is recorded here, before the next queued call starts, so a store that
+        hangs costs the calls behind it nothing. A failure that took half the deadline or more is slow."""
+        if not probe and self.health.skipping():
+            raise self.health.unavailable()
+        self._running_since = t0 = time.monotonic()
+        started.append(t0)
+        try:
+            result = fn(*args)
         except answers:
             self.health.ok()
             raise
         except Exception as e:
-            self.health.failed(f"{type(e).__name__}: {e}", slow=False)
+            self.health.failed(f"{type(e).__name__}: {e}", slow=time.monotonic() - t0 >= self.timeout_s / 2)
             raise
-        self.health.ok()
-        return result
-
-    def _run(self, started: list[float], fn: Callable[..., T], *args: object) -> T:
-        self._running_since = now = time.monotonic()
-        started.append(now)
-        try:
-            return fn(*args)
         finally:
             self._running_since = None
+        if time.monotonic() - t0 <= self.timeout_s:  # a late answer heals nothing: its caller gave up
+            self.health.ok()
+        return result
 
     def _result(self, fut: concurrent.futures.Future, started: list[float]) -> T:
         """fut's result within timeout_s of its start; TimeoutError when it misses that, or when it is still

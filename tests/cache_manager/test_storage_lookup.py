@@ -131,6 +131,38 @@ def test_a_call_queued_behind_a_stuck_one_gives_up_at_the_stuck_calls_deadline()
     caller.close()
 
 
+def test_a_stopped_store_costs_one_deadline_not_one_per_queued_call():
+    """Redis stopped: each call blocks until its socket timeout (here the deadline) and then raises. Six
+    requests at once: the first takes the deadline and marks the store slow; the five queued behind it are
+    not run (before, each ran in turn and took a deadline of its own: six deadlines for the last one)."""
+    calls = []
+
+    def stopped(keys: list[str]) -> list[bool]:
+        calls.append(keys)
+        time.sleep(0.3)
+        raise ConnectionError("redis at redis://127.0.0.1:1/0: Timeout reading from socket")
+
+    caller = DeadlineCaller(StoreHealth("r3 store", retry_after_s=60.0), timeout_s=0.3)
+    outcomes: list[str] = []
+
+    def call() -> None:
+        try:
+            caller.call(stopped, ["a"])
+        except (ConnectionError, StoreUnavailableError) as e:
+            outcomes.append(type(e).__name__)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - t0 < 0.9 and len(calls) == 1
+    assert sorted(outcomes) == ["ConnectionError"] + ["StoreUnavailableError"] * 5
+    assert caller.health.skipping() and caller.health.counters.failures == 1
+    caller.close()
+
+
 def test_a_call_that_fails_fast_degrades_the_store_but_the_next_call_still_tries_it():
     """A refusal costs nothing to retry: /health says degraded, and the first success heals it."""
     outcomes = [ConnectionError("redis at redis://127.0.0.1:1/0 refused"), [True]]
