@@ -111,7 +111,7 @@ class StoreHealth:
 class DeadlineCaller:
     """One thread per store that runs its blocking calls; callers wait at most a deadline of the store's time."""
 
-    grace_s = 0.1  # after a deadline: time for an answer already in hand to be taken (see the module doc)
+    grace_s = 0.25  # after a deadline: time for an answer already in hand to be taken (see the module doc)
     poll_s = 0.05  # how often a queued caller looks whether the call ahead of it is stuck
 
     def __init__(self, health: StoreHealth, timeout_s: float) -> None:
@@ -172,9 +172,14 @@ class DeadlineCaller:
     def _result(self, fut: concurrent.futures.Future, started: list[float]) -> T:
         """fut's result within timeout_s of its start; TimeoutError when it misses that, or when it is still
         queued behind a call that missed its own."""
+        overdue: tuple[float, float] | None = None  # (the call ahead's start, when it was first seen overdue)
         while not started and not fut.done():
-            ahead = self._running_since
-            if ahead is not None and time.monotonic() - ahead > self.timeout_s + self.grace_s and fut.cancel():
+            ahead, now = self._running_since, time.monotonic()
+            if ahead is None or now - ahead <= self.timeout_s:
+                overdue = None
+            elif overdue is None or overdue[0] != ahead:
+                overdue = (ahead, now)  # give it the grace: after a stop of this process it is just resuming
+            elif now - overdue[1] >= self.grace_s and fut.cancel():
                 raise concurrent.futures.TimeoutError
             try:
                 return fut.result(timeout=self.poll_s)
