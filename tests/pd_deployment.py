@@ -6,6 +6,7 @@ tools/bench_pd.py. Below it, what the PD fault tests do to a server tree and che
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,22 @@ def most_unread_bytes(port: int) -> int:
             if local_port == port and fields[3] == "01":  # ESTABLISHED
                 most = max(most, int(fields[4].split(":")[1], 16))
     return most
+
+
+def generate_greedy(url: str, prompt: list[int], max_new_tokens: int, stream: bool = False,
+                    timeout: float = 120) -> dict:
+    """POST /generate of `prompt` (greedy, ignore_eos) to `url`; the answer, or a stream's last chunk."""
+    body = {"input_ids": prompt, "stream": stream,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    if not stream:
+        r = httpx.post(f"{url}/generate", json=body, timeout=timeout)
+        assert r.status_code == 200, r.text
+        return r.json()
+    last = None
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=timeout) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[len("data: "):])
+    assert last is not None
+    return last

@@ -11,13 +11,11 @@ it, tests/gpu/conftest.py):
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Iterator
 
-import httpx
 import numpy as np
 import pytest
-from pd_deployment import Deployment, pd_deployment
+from pd_deployment import Deployment, generate_greedy, pd_deployment
 
 pytestmark = pytest.mark.gpu
 
@@ -37,23 +35,6 @@ def pd(fake_model_dir, tmp_path_factory, request) -> Iterator[Deployment]:
         yield deployment
 
 
-def _generate(url: str, prompt: list[int], stream: bool = False) -> dict:
-    body = {"input_ids": prompt, "stream": stream,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
-    if not stream:
-        r = httpx.post(f"{url}/generate", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        return r.json()
-    last = None
-    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = json.loads(line[len("data: "):])
-    assert last is not None
-    return last
-
-
 def _rows(out: dict, prompt: list[int]) -> np.ndarray:
     rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
     return rows.reshape(len(prompt) + len(out["output_ids"]) - 1, NUM_LAYERS, TOP_K)
@@ -62,7 +43,8 @@ def _rows(out: dict, prompt: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_pd_on_one_gpu_equals_colocated_tokens_and_r3(pd: Deployment, stream: bool) -> None:
     for prompt in PROMPTS:
-        out, ref = _generate(pd.router, prompt, stream), _generate(pd.colocated.url, prompt, stream)
+        out = generate_greedy(pd.router, prompt, 12, stream, timeout=300)
+        ref = generate_greedy(pd.colocated.url, prompt, 12, stream, timeout=300)
         assert out["output_ids"] == ref["output_ids"] and len(out["output_ids"]) == 12
         assert np.array_equal(_rows(out, prompt), _rows(ref, prompt))
         if not stream:

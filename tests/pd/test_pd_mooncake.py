@@ -23,7 +23,15 @@ import httpx
 import numpy as np
 import pytest
 from api_server_process import free_port
-from pd_deployment import Deployment, assert_idle_and_clean, assert_swept, kill_tree, pd_deployment, server_tree
+from pd_deployment import (
+    Deployment,
+    assert_idle_and_clean,
+    assert_swept,
+    generate_greedy,
+    kill_tree,
+    pd_deployment,
+    server_tree,
+)
 
 from fastdeploy_r3.client import decode_routed_experts
 
@@ -48,23 +56,6 @@ def pd(fake_model_dir, logs) -> Iterator[Deployment]:
         yield deployment
 
 
-def _generate(url: str, prompt: list[int], max_new_tokens: int = 5, stream: bool = False) -> dict:
-    body = {"input_ids": prompt, "stream": stream,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
-    if not stream:
-        r = httpx.post(f"{url}/generate", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
-    last = None
-    with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = json.loads(line[len("data: "):])
-    assert last is not None
-    return last
-
-
 def _rows(out: dict, num_rows: int) -> np.ndarray:
     rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
     return rows.reshape(num_rows, NUM_LAYERS, TOP_K)
@@ -73,6 +64,10 @@ def _rows(out: dict, num_rows: int) -> np.ndarray:
 def _blobs(logs: str, side: str) -> list[str]:
     return sorted(p for p in glob.glob(os.path.join(logs, f"{side}_store", "**", "*"), recursive=True)
                   if os.path.isfile(p))
+
+
+def _generate(url: str, prompt: list[int], max_new_tokens: int = 5, stream: bool = False) -> dict:
+    return generate_greedy(url, prompt, max_new_tokens, stream)
 
 
 def _same(out: dict, ref: dict, prompt: list[int], n: int) -> None:
