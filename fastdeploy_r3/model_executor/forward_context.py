@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,6 +37,9 @@ class AttentionMetadata:
     query_start_loc_tensor: torch.Tensor | None = None  # [B + 1] int32; query_start_loc[B] == T
     max_query_len: int | None = None  # host bound on query_lens: 1 selects the decode kernel
     max_seq_len: int | None = None  # host bound on seq_lens: sizes the decode splits (a graph: max_model_len)
+    # tensors a backend derives from this step's layout at its first layer and every later layer reuses
+    # (the metadata is built per forward, so they never outlive the step's layout or its graph capture)
+    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         dev = self.block_tables.device

@@ -132,6 +132,10 @@ def test_verify_steps_at_small_batch_take_the_split_decode_kernel_one_row_per_to
             assert max_err(got[:real], want[:real]) < TOL[dtype], (heads, dtype)
             assert torch.equal(got[real:], torch.zeros_like(got[real:]))
             assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+            # the next layer of the step reuses the per-token rows its first layer expanded
+            expanded = m.derived["short_query_rows"]
+            again, _, _ = run_triton(case)
+            assert m.derived["short_query_rows"] is expanded and torch.equal(again, got)
     """)
 
 

@@ -150,7 +150,10 @@ class TritonPagedAttentionBackend(AttentionBackend):
         if meta.max_query_len == 1:
             return paged_decode_attention(*args, max_seq_len=meta.max_seq_len)
         if use_short_query_decode(meta.seq_lens_tensor.shape[0], k_cache.shape[2], meta.max_query_len, q.device):
-            rows = short_query_rows(meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor, q.shape[0])
+            rows = meta.derived.get("short_query_rows")  # one expansion per step, not per layer
+            if rows is None:
+                rows = meta.derived["short_query_rows"] = short_query_rows(
+                    meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor, q.shape[0])
             return paged_decode_attention(q, k_cache, v_cache, *rows, scale, out, max_seq_len=meta.max_seq_len)
         return paged_prefill_attention(*args, max_query_len=meta.max_query_len)
 
