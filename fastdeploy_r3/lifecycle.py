@@ -69,6 +69,34 @@ def cleanup_begins() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def run_then_clean_up(body: Callable[[], None], cleanup: Callable[[], None]) -> None:
+    """body(), then cleanup() exactly once, however body ends: returning, raising, or unwinding on SIGTERM.
+
+    A plain try/finally is not enough for a child whose parent dies: the kernel closes the parent's
+    pipes before it sends the parent-death signal, so the child sees EOF, leaves its loop, and the
+    SIGTERM's SystemExit can land between the loop's last statement and the finally's first, skipping
+    the whole cleanup (a CI run lost a SIGKILLed engine's shared memory that way; the story test is in
+    tests/engine/test_supervision.py). The outer handler catches that one SystemExit and cleans up; no
+    second one can come, since unwind_on_sigterm ignores SIGTERM from its first delivery on."""
+    done = False
+
+    def clean() -> None:
+        nonlocal done
+        cleanup_begins()
+        if not done:
+            done = True
+            cleanup()
+
+    try:
+        try:
+            body()
+        finally:
+            clean()
+    except SystemExit:
+        clean()
+        raise
+
+
 def name_this_process(name: str) -> None:
     """Set the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), e.g. `fdr3-worker0`.
 

@@ -95,3 +95,44 @@ def test_a_named_process_shows_its_name_in_proc():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT), timeout=60)
     assert out.stdout.strip() == "fdr3-worker1234"  # cut to the kernel's 15 bytes
+
+
+def test_the_cleanup_runs_once_when_the_sigterm_lands_before_it_starts(monkeypatch):
+    """The parent-death SIGTERM's SystemExit lands in the cleanup's first line (after the child left its
+    loop on the parent's EOF, before the cleanup ignored SIGTERM): the cleanup still runs, once, and the
+    exit goes on. Before run_then_clean_up, a plain finally lost the whole cleanup this way."""
+    from fastdeploy_r3 import lifecycle
+
+    calls: list[str] = []
+    first = [True]
+    real = lifecycle.cleanup_begins
+
+    def sigterm_lands_once() -> None:
+        if first[0]:
+            first[0] = False
+            raise SystemExit(128 + signal.SIGTERM)
+        real()
+
+    monkeypatch.setattr(lifecycle, "cleanup_begins", sigterm_lands_once)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        try:
+            lifecycle.run_then_clean_up(lambda: calls.append("body"), lambda: calls.append("cleanup"))
+        except SystemExit as e:
+            assert e.code == 128 + signal.SIGTERM
+        else:
+            raise AssertionError("the SystemExit must go on after the cleanup")
+        assert calls == ["body", "cleanup"]
+        calls.clear()
+        with_error = [RuntimeError("step failed")]
+
+        def failing_body() -> None:
+            raise with_error[0]
+
+        try:
+            lifecycle.run_then_clean_up(failing_body, lambda: calls.append("cleanup"))
+        except RuntimeError as e:
+            assert e is with_error[0]
+        assert calls == ["cleanup"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -35,7 +35,7 @@ from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError, validate_
 from fastdeploy_r3.cache_manager.block_copy import BlockCopier, BlockData
 from fastdeploy_r3.cache_manager.kv_tiers import CpuKVTiers, KVTiers
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
-from fastdeploy_r3.cache_manager.shm import pid_alive, unlink_quietly
+from fastdeploy_r3.cache_manager.shm import pid_alive, unlink_all, unlink_quietly
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
@@ -54,10 +54,11 @@ from fastdeploy_r3.cache_manager.transfer import (
 )
 from fastdeploy_r3.lifecycle import (
     Shutdown,
-    cleanup_begins,
     exit_when_orphaned,
     exit_with_parent,
     name_this_process,
+    parent_gone,
+    run_then_clean_up,
     unwind_on_sigterm,
 )
 
@@ -285,17 +286,45 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
     """Entry point of the CTM subprocess: set up, say ready, run tasks FIFO until told or orphaned."""
     logging.basicConfig(level=logging.INFO, format="[CTM %(process)d] %(levelname)s %(message)s")
 
-    signal.signal(signal.SIGTERM, unwind_on_sigterm)  # unwinds into the finally below, which unlinks the CPU tier
+    signal.signal(signal.SIGTERM, unwind_on_sigterm)  # unwinds into clean_up below, which unlinks the CPU tier
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
     ppid = os.getppid()  # reparenting means the process that started us died, even if parent_pid lives
-    ctm = None
+    state = _CtmState()
+
+    def clean_up() -> None:
+        _unlink(config, engine_gone=not state.told_to_stop and _engine_died(ppid, config.parent_pid))
+        if state.manager is not None:
+            state.manager.close()
+
+    run_then_clean_up(lambda: _serve(config, conn, ppid, state), clean_up)
+
+
+@dataclasses.dataclass
+class _CtmState:
+    manager: CacheTransferManager | None = None
+    told_to_stop: bool = False
+
+
+def _engine_died(ppid: int, engine_pid: int, wait_s: float = 1.0) -> bool:
+    """Whether the engine is gone. The kernel closes a dying engine's pipes (our EOF) a moment before it
+    reparents us, so give that moment; an engine that is alive and stopping us never shows as gone."""
+    deadline = time.monotonic() + wait_s
+    while not (parent_gone(ppid) or not pid_alive(engine_pid)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _serve(config: CacheTransferConfig, conn: Connection, ppid: int, state: _CtmState) -> None:
+    """Set up, say ready, run tasks FIFO until told or orphaned; `state` tells the cleanup what to close."""
     try:
         exit_with_parent(ppid)  # SIGTERM the moment the engine dies, even in the middle of a task
         # and a CTM stuck in native I/O (a hung storage read) that never runs the handler exits anyway
-        exit_when_orphaned(ppid, lambda: [unlink_quietly(name) for name in config.segment_names()])
+        exit_when_orphaned(ppid, lambda: _unlink(config, engine_gone=True))
         name_this_process("fdr3-ctm")
         try:
-            ctm = CacheTransferManager(config)
+            state.manager = manager = CacheTransferManager(config)
         except Exception as e:
             logger.exception("CTM setup failed")
             conn.send(CTMReady(os.getpid(), error=f"{type(e).__name__}: {e}"))
@@ -311,17 +340,24 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
                     logger.warning("engine (pid %d) is gone; CTM exits", config.parent_pid)
                     return
                 continue
-            if item is _EOF or isinstance(item, Shutdown):
+            if isinstance(item, Shutdown):
+                state.told_to_stop = True
                 return
-            conn.send(ctm.run_task(item))
+            if item is _EOF:
+                return
+            conn.send(manager.run_task(item))
     except (BrokenPipeError, EOFError):
         return
-    finally:
-        cleanup_begins()
-        for name in config.segment_names():  # by name: covers what a failed setup left half made
-            unlink_quietly(name)
-        if ctm is not None:
-            ctm.close()
+
+
+def _unlink(config: CacheTransferConfig, engine_gone: bool) -> None:
+    """Unlink the CTM's own segments by name (that covers what a failed setup left half made) and, when
+    the engine died, every segment of the engine as well: the workers do the same, and either child
+    doing it is enough, so that one child killed outright (SIGKILL, the OOM killer) leaves nothing."""
+    for name in config.segment_names():
+        unlink_quietly(name)
+    if engine_gone and config.engine_suffix:
+        unlink_all(config.engine_suffix)
 
 
 def make_kv_tiers(specs: list[KVCacheSpec], num_cpu_blocks: int, kv_cpu_name: str | None) -> KVTiers:

@@ -124,6 +124,7 @@ class CacheTransferConfig:
     storage_must_answer: bool = True  # False: a store that is down at start is degraded, not an error
     storage_ttl_s: int | None = None  # stored blocks expire after it (where the store has expiry)
     storage_capacity_bytes: int | None = None  # a file tier's byte budget (least recently used go first)
+    engine_suffix: str | None = None  # the engine's SHM suffix: a CTM outliving its engine unlinks all of them
 
     def segment_names(self) -> list[str]:
         """SHM names the CTM creates; unlinking them by name also covers a CTM killed before it cleaned up."""

@@ -167,6 +167,7 @@ def _build(cfg: EngineConfig, res: EngineResources, runner_cls: type | None) -> 
             storage_url=cc.kv_storage if res.lookup is not None else None,
             storage_namespace=namespace,
             parent_pid=os.getpid(),
+            engine_suffix=res.suffix,
             storage_timeout_s=cc.storage_timeout_s,
             storage_ttl_s=cc.kv_storage_ttl_s,
             storage_capacity_bytes=(None if cc.kv_storage_capacity_gib is None

@@ -23,6 +23,7 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -31,11 +32,11 @@ import torch
 from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import (
-    cleanup_begins,
     exit_when_orphaned,
     exit_with_parent,
     name_this_process,
     parent_gone,
+    run_then_clean_up,
     unwind_on_sigterm,
 )
 from fastdeploy_r3.worker.messages import (
@@ -74,70 +75,89 @@ def worker_main(
 ) -> None:
     """dist_init_method: the TP group's rendezvous (tcp://127.0.0.1:PORT); unused when world_size is 1.
     runner_cls: a ModelRunner subclass to run instead (one that feeds more than the chunk per step)."""
-    from fastdeploy_r3.distributed.parallel_state import destroy_distributed, init_distributed
-    from fastdeploy_r3.worker.model_runner import ModelRunner
+    from fastdeploy_r3.distributed.parallel_state import destroy_distributed
 
     # SIGTERM (from the engine's stop(), or from the kernel when the engine dies) unwinds into the
-    # finally below, which frees this rank's SHM, whatever the rank was doing.
+    # cleanup below, which frees this rank's SHM, whatever the rank was doing.
     signal.signal(signal.SIGTERM, unwind_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
     engine = multiprocessing.parent_process()
     engine_pid = engine.pid if engine is not None else os.getppid()
-    runner = None
-    told_to_stop = False
-    try:
-        exit_with_parent(engine_pid)
-        # a rank stuck in native I/O never runs the SIGTERM handler: exit anyway, segments unlinked
-        exit_when_orphaned(engine_pid, lambda: unlink_all(engine_suffix))
-        name_this_process(f"fdr3-worker{rank}")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        runner = (runner_cls or ModelRunner)(config, rank, world_size, engine_suffix)
-        init_distributed(rank, world_size, dist_init_method, config.device)
-        runner.load_model()
-        num_blocks = runner.determine_num_gpu_blocks()
-        spec = runner.init_kv_cache(num_blocks)
-        conn.send(WorkerReady(rank, num_blocks, spec, runner.num_lookahead_tokens))
-        # one rank, a runner whose steps split into launch and finish: the next step is launched before
-        # this one is finished whenever the engine sent it already (engine/overlap.py plans it ahead),
-        # so the device runs it while this process waits for, packs and sends the previous one
-        steps = StepPipeline(runner, conn, pipelined=world_size == 1 and type(runner).execute is ModelRunner.execute
-                             and pipeline_steps(config.device))  # fmt: skip
-        while True:
-            try:
-                steps.wait_for_message()
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break  # the engine is gone: the finally below unlinks its segments
-            if isinstance(msg, StepInput):
-                steps.run(msg)
-                continue
-            steps.flush()  # a control message, or shutdown, comes after every step sent before it
-            if isinstance(msg, Shutdown):
-                told_to_stop = True
-                break
-            if isinstance(msg, AttachRoutingBuffer):
-                runner.attach_routing(msg.spec)
-                runner.capture_decode_graphs()
-                conn.send(RoutingAttached(rank))
-            elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
-                                  ResumeMemory, ChecksumWeights, ExpertDistribution,
-                                  RebalanceExperts)):
-                conn.send(runner.control(msg))
-    except Exception as e:
+    state = _RankState()
+
+    def serve() -> None:
         try:
-            conn.send(WorkerFailed(rank, WorkerError.of(e), traceback.format_exc()))
-        except Exception:
-            pass
-    finally:
-        cleanup_begins()
+            _serve(state, config, rank, world_size, engine_pid, engine_suffix, conn, dist_init_method, runner_cls)
+        except Exception as e:
+            try:
+                conn.send(WorkerFailed(rank, WorkerError.of(e), traceback.format_exc()))
+            except Exception:
+                pass
+
+    def clean_up() -> None:
         # Not told to stop: the engine died (neither its pid nor getppid() may show it yet: the
         # parent-death signal comes when its thread exits, before the process is gone), or it is
         # stopping a stuck rank and will unlink them too (a second unlink is harmless).
-        if not told_to_stop or parent_gone(engine_pid):
+        if not state.told_to_stop or parent_gone(engine_pid):
             unlink_all(engine_suffix)  # the engine died without shutting us down: nobody else will
-        if runner is not None:
-            runner.close()
+        if state.runner is not None:
+            state.runner.close()
         destroy_distributed()
+
+    run_then_clean_up(serve, clean_up)
+
+
+@dataclass
+class _RankState:
+    """What the cleanup of a rank needs to know: the runner to close, and whether the engine said stop."""
+
+    runner: ModelRunner | None = None
+    told_to_stop: bool = False
+
+
+def _serve(state: _RankState, config: EngineConfig, rank: int, world_size: int, engine_pid: int, engine_suffix: str,
+           conn: Connection, dist_init_method: str, runner_cls: type | None) -> None:  # fmt: skip
+    """Start this rank and answer the engine's messages until Shutdown or the pipe closes; state.runner
+    and state.told_to_stop tell the cleanup what there is to close."""
+    from fastdeploy_r3.distributed.parallel_state import init_distributed
+    from fastdeploy_r3.worker.model_runner import ModelRunner
+
+    exit_with_parent(engine_pid)
+    # a rank stuck in native I/O never runs the SIGTERM handler: exit anyway, segments unlinked
+    exit_when_orphaned(engine_pid, lambda: unlink_all(engine_suffix))
+    name_this_process(f"fdr3-worker{rank}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    runner = state.runner = (runner_cls or ModelRunner)(config, rank, world_size, engine_suffix)
+    init_distributed(rank, world_size, dist_init_method, config.device)
+    runner.load_model()
+    num_blocks = runner.determine_num_gpu_blocks()
+    spec = runner.init_kv_cache(num_blocks)
+    conn.send(WorkerReady(rank, num_blocks, spec, runner.num_lookahead_tokens))
+    # one rank, a runner whose steps split into launch and finish: the next step is launched before
+    # this one is finished whenever the engine sent it already (engine/overlap.py plans it ahead),
+    # so the device runs it while this process waits for, packs and sends the previous one
+    steps = StepPipeline(runner, conn, pipelined=world_size == 1 and type(runner).execute is ModelRunner.execute
+                         and pipeline_steps(config.device))  # fmt: skip
+    while True:
+        try:
+            steps.wait_for_message()
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the engine is gone: the cleanup unlinks its segments
+        if isinstance(msg, StepInput):
+            steps.run(msg)
+            continue
+        steps.flush()  # a control message, or shutdown, comes after every step sent before it
+        if isinstance(msg, Shutdown):
+            state.told_to_stop = True
+            return
+        if isinstance(msg, AttachRoutingBuffer):
+            runner.attach_routing(msg.spec)
+            runner.capture_decode_graphs()
+            conn.send(RoutingAttached(rank))
+        elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
+                              ResumeMemory, ChecksumWeights, ExpertDistribution, RebalanceExperts)):
+            conn.send(runner.control(msg))
 
 
 def pipeline_steps(device: str) -> bool:

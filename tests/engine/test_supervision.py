@@ -64,8 +64,8 @@ def test_killed_worker_fails_every_in_flight_request(model_dir: str) -> None:
     assert list_segments(suffix) == []
 
 
-def test_sigkilled_engine_leaves_no_children_and_no_shared_memory(model_dir: str, tmp_path) -> None:
-    """An engine process with a worker and a CTM is SIGKILLed: its children notice and clean up."""
+def _start_engine_script(model_dir: str, tmp_path) -> tuple[subprocess.Popen, str, int, int]:
+    """An engine process with a worker and a CTM, R3 on, one request served; -> (proc, suffix, worker, CTM)."""
     script = tmp_path / "engine.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
@@ -78,13 +78,37 @@ def test_sigkilled_engine_leaves_no_children_and_no_shared_memory(model_dir: str
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    suffix, worker_pid, ctm_pid = proc.stdout.readline().split()
+    return proc, suffix, int(worker_pid), int(ctm_pid)
+
+
+def test_sigkilled_engine_leaves_no_children_and_no_shared_memory(model_dir: str, tmp_path) -> None:
+    """An engine process with a worker and a CTM is SIGKILLed: its children notice and clean up."""
+    proc, suffix, worker_pid, ctm_pid = _start_engine_script(model_dir, tmp_path)
     try:
-        suffix, worker_pid, ctm_pid = proc.stdout.readline().split()
         assert list_segments(suffix), "the engine should have SHM segments while alive"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        assert wait_until(lambda: not alive(int(worker_pid)) and not alive(int(ctm_pid)), 20)
+        assert wait_until(lambda: not alive(worker_pid) and not alive(ctm_pid), 20)
         assert wait_until(lambda: list_segments(suffix) == [], 10), list_segments(suffix)
     finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_ctm_alone_unlinks_the_engines_segments_when_the_worker_cannot(model_dir: str, tmp_path) -> None:
+    """The worker is stopped (SIGSTOP: it can run no cleanup, as if the OOM killer had taken it) when the
+    engine is SIGKILLed: the CTM, seeing its engine gone, unlinks every segment of the engine, the worker's
+    KV and the engine's routing buffer included, not only its own."""
+    proc, suffix, worker_pid, ctm_pid = _start_engine_script(model_dir, tmp_path)
+    try:
+        os.kill(worker_pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert wait_until(lambda: not alive(ctm_pid), 20)
+        assert alive(worker_pid)  # stopped: none of the unlinking below is its doing
+        assert wait_until(lambda: list_segments(suffix) == [], 10), list_segments(suffix)
+    finally:
+        os.kill(worker_pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
