@@ -99,6 +99,20 @@ def test_decode_kernel_matches_torch_for_every_split_count() -> None:
     """)
 
 
+def test_a_head_dim_below_the_dot_minimum_is_padded_and_masked() -> None:
+    """tl.dot on a GPU wants operand dimensions >= 16; a head dim of 8 (the transformers-written test
+    checkpoints) runs in 16-wide tiles whose padded lanes are masked: both kernels still equal torch."""
+    _run_interpreted("""
+        from fastdeploy_r3.model_executor.ops.paged_tiles import dot_block
+        assert [dot_block(n) for n in (1, 8, 16, 17, 128)] == [16, 16, 16, 32, 128]
+        for rows in ([(0, 9), (12, 5), (30, 1)], [(29, 1), (4, 1), (62, 1)]):
+            case = make_case(rows, num_heads=4, num_kv_heads=2, head_dim=8, seed=5)
+            want, k_want, _ = run_torch(case)
+            got, k_got, _ = run_triton(case)
+            assert max_err(got, want) < 2e-5 and torch.equal(k_got, k_want)
+    """)
+
+
 def test_short_query_rows_are_one_decode_row_per_token_over_its_causal_prefix() -> None:
     """Rows of 3, 0 (capacity padding) and 2 query tokens over contexts of 10, 0 and 5: each token becomes
     a decode row with its row's block table and the positions it may see."""

@@ -30,6 +30,7 @@ import torch
 from fastdeploy_r3.model_executor.ops.paged_tiles import (
     LOG2E,
     check_paged_attention_args,
+    dot_block,
     kv_tile,
     normalize,
     online_softmax_step,
@@ -199,14 +200,14 @@ def paged_decode_attention(
         part_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # never touched
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = dot_block(head_dim)
     _decode_kernel[(num_rows, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
         scale * LOG2E, partition,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET,
+        BLOCK_G=dot_block(group), BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET,
     )  # fmt: skip
     if splits > 1:
         _reduce_splits_kernel[(num_rows, num_heads)](

@@ -27,6 +27,7 @@ import torch
 from fastdeploy_r3.model_executor.ops.paged_tiles import (
     LOG2E,
     check_paged_attention_args,
+    dot_block,
     kv_tile,
     normalize,
     online_softmax_step,
@@ -122,14 +123,14 @@ def paged_prefill_attention(
                                query_start_loc, out)
     if num_rows == 0 or max_query_len == 0:
         return out
-    block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
+    block_m = min(block_m, dot_block(max_query_len))
     grid = (num_rows, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, UPCAST=INTERPRET,
+        BLOCK_M=block_m, BLOCK_D=dot_block(head_dim), BLOCK_N=block_n, UPCAST=INTERPRET,
         num_warps=num_warps,
     )  # fmt: skip
     return out

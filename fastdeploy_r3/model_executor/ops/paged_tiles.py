@@ -22,6 +22,13 @@ import torch
 from fastdeploy_r3.model_executor.ops.triton_setup import jit, mma, tl
 
 LOG2E = 1.4426950408889634
+MIN_DOT_DIM = 16  # tl.dot on a GPU wants every operand dimension >= 16 (the interpreter does not check)
+
+
+def dot_block(n: int) -> int:
+    """A tile dimension that tl.dot takes on a GPU and that holds n: the next power of two, at least 16
+    (the head dim of a tiny test model is 8; padded lanes are masked like any tail)."""
+    return max(MIN_DOT_DIM, 1 << max(n - 1, 0).bit_length())
 
 
 @jit
