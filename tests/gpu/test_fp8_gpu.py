@@ -4,17 +4,21 @@
     python -m pytest -m gpu tests/gpu/test_fp8_gpu.py -v -s
 
 What they hold: quantization on the GPU gives the CPU's bytes and scales; the fp8 model on CUDA equals the
-dequantise-then-matmul reference on CUDA exactly (float32; the same kernels on the same values) and the CPU
-fp8 model within float32 kernel differences; a bf16 fp8 engine serves. The fp8 Triton kernels are not built
-(the CUDA forward dequantises, then runs the plain kernels), so there is no kernel test yet.
+dequantise-then-matmul reference on CUDA within float32 summation order (its dense linears and experts run
+the Triton kernels that dequantise fp8 tiles as they load them) and the CPU fp8 model within float32 kernel
+differences; a bf16 fp8 engine serves; both fp8 kernels equal their plain-weight references at the
+Qwen3-30B-A3B shapes within bf16 rounding, with their times printed.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 from fake_model import make_fake_model
 from safetensors import safe_open
 
@@ -66,7 +70,8 @@ def test_the_cuda_fp8_model_is_dequantise_then_matmul_and_near_the_cpu_one(fp8_d
     deq = [(n, dequantize(w, expand_scale_rows(tensors[n + "_scale_inv"], w.shape[0]), torch.float32))
            for n, w in tensors.items() if n + "_scale_inv" in tensors]
     plain.load_weights([(n, w.to(CUDA)) for n, w in deq], strict=False)
-    assert torch.equal(got, _logits(plain, CUDA))
+    want = _logits(plain, CUDA)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5  # the same values, another summation order
     # float32 kernels, CPU vs CUDA (TF32, where the engine allows it, stays far inside this)
     assert ((got - cpu_logits).norm() / cpu_logits.norm()).item() < 1e-3
 
@@ -83,8 +88,13 @@ def test_a_bf16_fp8_engine_serves_on_cuda(fp8_dir: str) -> None:
 @pytest.mark.parametrize("num_tokens", [1, 16, 256])
 def test_the_fp8_fused_moe_equals_the_kernel_on_dequantised_bf16_weights(num_tokens: int) -> None:
     """Qwen3-30B-A3B's expert shapes (E 128, K 8, H 2048, I 768) in bf16: the kernel that dequantises each
-    fp8 tile as it loads it gives the bits of the same kernel on the dequantised stacks; it reads half the
-    bytes, and the time of both is printed (CUDA events, median of 20)."""
+    fp8 tile as it loads it gives what the same kernel gives on the dequantised stacks, within bf16
+    rounding; it reads half the bytes, and the time of both is printed (CUDA events, median of 20).
+
+    Not bit for bit on the H200 (it is under the interpreter, tests/model_executor): a tile dequantised in
+    registers reaches the tensor cores by another instruction path than a tile loaded as bf16 (measured
+    2026-12-02: torch.equal false at 1, 16 and 256 tokens), and the MMA's float32 summation order inside
+    a K step differs between them."""
     from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
@@ -108,16 +118,46 @@ def test_the_fp8_fused_moe_equals_the_kernel_on_dequantised_bf16_weights(num_tok
     def plain() -> torch.Tensor:
         return triton_experts(x, plain13, plain2, weights, ids)
 
-    assert torch.equal(fp8(), plain())
-    times = {}
-    for name, fn in (("fp8", fp8), ("bf16", plain)):
-        ms = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            ms.append(start.elapsed_time(end))
-        times[name] = sorted(ms)[10]
+    got, want = fp8().float(), plain().float()
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"\nfused MoE, {num_tokens} tokens: relative L2 difference {rel:.2e}, "
+          f"{(got == want).float().mean().item():.3f} of the outputs bit-equal")
+    assert rel < 1e-2  # bf16 keeps 8 bits: one rounding of the intermediate is ~4e-3 relative
+    times = {"fp8": _median_ms(fp8), "bf16": _median_ms(plain)}
     print(f"\nfused MoE, {num_tokens} tokens: fp8 {times['fp8']:.3f} ms, bf16 {times['bf16']:.3f} ms")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_the_fp8_dense_linear_equals_the_dequantised_matmul_and_reads_half_the_bytes(rows: int) -> None:
+    """Qwen3-30B-A3B's attention projections (qkv 2048 -> 5120, o 4096 -> 2048) in bf16: ops/fp8_linear.py
+    against dequantize() + F.linear, within bf16 rounding; times printed (CUDA events, median of 20)."""
+    from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    for in_features, out_features in ((2048, 5120), (4096, 2048)):
+        codes, scale = quantize_blockwise(torch.randn(out_features, in_features, device=CUDA, generator=gen) * 0.02)
+        scale_rows = expand_scale_rows(scale, out_features)
+        x = torch.randn(rows, in_features, device=CUDA, generator=gen).bfloat16()
+        w = dequantize(codes, scale_rows, torch.bfloat16)
+        got, want = fp8_linear(x, codes, scale_rows).float(), F.linear(x, w).float()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-2, rel
+        times = {"fp8 kernel": _median_ms(partial(fp8_linear, x, codes, scale_rows)),
+                 "dequantise + bf16 matmul": _median_ms(lambda x=x, c=codes, r=scale_rows: F.linear(
+                     x, dequantize(c, r, torch.bfloat16))),
+                 "bf16 matmul": _median_ms(partial(F.linear, x, w))}  # fmt: skip
+        print(f"\nfp8 linear {in_features}->{out_features}, {rows} rows: relative difference {rel:.1e}; "
+              + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()))
+
+
+def _median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median time of fn() on the GPU, CUDA events around each call."""
+    ms = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        ms.append(start.elapsed_time(end))
+    return sorted(ms)[repeats // 2]

@@ -2,8 +2,9 @@
 weight tile as it loads it, with quantization/fp8.py dequantize()'s arithmetic: its output equals the
 same kernel on the dequantised weights exactly (float32 activations under TRITON_INTERPRET=1, where the
 interpreter's bf16 rounding is not the GPU's, so bf16 is held to the loop within its precision here and
-checked bit for bit by tests/gpu/test_fp8_gpu.py on the H200). The
-shapes leave partial 128-wide scale blocks on both dimensions, as tiny checkpoints do."""
+by tests/gpu/test_fp8_gpu.py on the H200, where the two differ in the MMA's summation order only). The
+dense linear (ops/fp8_linear.py) runs the same kernel as one expert. The shapes leave partial 128-wide
+scale blocks on both dimensions, as tiny checkpoints do."""
 
 from __future__ import annotations
 
@@ -54,6 +55,35 @@ def test_fp8_tiles_dequantised_in_the_kernel_equal_the_kernel_on_dequantised_wei
             got = triton_experts(xb, w13[0], w2[0], w, ids, TritonMoeConfig(16, 32, 64, 4, 1),
                                  w13_scale=w13[1], w2_scale=w2[1]).float()
             assert ((got - ref).norm() / ref.norm()).item() < 5e-2, ((got - ref).norm() / ref.norm()).item()
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_the_fp8_dense_linear_equals_a_matmul_on_the_dequantised_weight() -> None:
+    """y = x @ dequantize(W)^T for 1, 5, 20 and 70 rows (each tile shape of ops/fp8_linear._tiles), W 200 x 136
+    (partial scale blocks), in float32: equal to torch's matmul within float32 summation order, and the
+    padded rows of the last tile write nothing (the output is exactly [M, O])."""
+    body = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
+        from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
+
+        torch.manual_seed(0)
+        codes, scale = quantize_blockwise(torch.randn(200, 136) * 0.1)
+        rows = expand_scale_rows(scale, 200)
+        w = dequantize(codes, rows, torch.float32)
+        for m in (1, 5, 20, 70):
+            x = torch.randn(m, 136)
+            got, want = fp8_linear(x, codes, rows), x @ w.T
+            assert got.shape == (m, 200) and got.dtype == torch.float32
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (m, (got - want).abs().max().item())
+            strided = torch.randn(m, 272)[:, ::2]  # a non-contiguous x is copied, not misread
+            assert torch.allclose(fp8_linear(strided, codes, rows), strided @ w.T, rtol=1e-5, atol=1e-5)
         print("OK")
     """)
     proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,

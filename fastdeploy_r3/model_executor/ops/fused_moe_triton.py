@@ -70,15 +70,20 @@ def _expert_gemm_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     FP8_W: tl.constexpr,  # w holds float8_e4m3fn codes: each tile is dequantised as it is loaded
+    DENSE: tl.constexpr = False,  # one expert that every row goes to, in order (ops/fp8_linear.py): no routing
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM] flat rows
+    if DENSE:
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+        expert = 0
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM] flat rows
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     row_ok = rows < num_rows
     a_rows = rows // A_ROW_DIV  # [BM]
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if GATED:  # x [T, H] @ w13[e].T -> act [N, I]
         out_cols = inter
         red_dim = hidden

@@ -1,4 +1,4 @@
-"""Block-wise FP8 weights (the DeepSeek-V3 / Qwen3-FP8 checkpoint format), weight-only on the CPU.
+"""Block-wise FP8 weights (the DeepSeek-V3 / Qwen3-FP8 checkpoint format): loading, quantization, serving.
 
 Checkpoint layout (per quantized Linear, and per expert projection):
 
@@ -23,6 +23,8 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.batch_invariant import linear
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend
+from fastdeploy_r3.model_executor.ops.fp8_linear import MAX_ROWS as FP8_LINEAR_MAX_ROWS
+from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMethod
@@ -81,9 +83,10 @@ def dequantize(weight: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtyp
 class Fp8LinearMethod(LinearMethod):
     """y = x dequantize(W)^T (+ b): weight-only FP8, the activations stay in the compute dtype.
 
-    A Triton kernel that loads fp8 tiles of W and multiplies each by its scale row inside the K loop
-    (no dequantised W in memory) replaces `apply` below and nothing else: the parameters it reads
-    (`weight` fp8 [O, I], `weight_scale_inv` [O, ceil(I/128)]) are what create_weights registers."""
+    On CUDA, up to ops/fp8_linear.py's MAX_ROWS rows (decode steps, short chunks), a Triton kernel loads
+    the fp8 tiles of W and multiplies each by its scale row inside the K loop: no dequantised W in
+    memory, one byte per weight read. Elsewhere (the CPU, long prefill chunks, deterministic mode's
+    fixed-tile matmul) W is dequantised and the plain linear runs."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
@@ -94,6 +97,9 @@ class Fp8LinearMethod(LinearMethod):
         layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O], the model dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_LINEAR_MAX_ROWS and not layer.batch_invariant:
+            y = fp8_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
+            return y if bias is None else y.add_(bias)
         w = dequantize(layer.weight, layer.weight_scale_inv, x.dtype)  # [O, I]
         return linear(x, w, bias, batch_invariant=layer.batch_invariant)  # [T, O]
 
