@@ -8,6 +8,7 @@ only starts and stops the group and sums partial outputs across it.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -25,16 +26,35 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+# FDR3_RANKS_SHARE_GPU=1: rank r runs on GPU r mod (visible GPUs), so that two ranks can share one GPU for
+# a smoke test of a multi-rank layout on a one-GPU machine. NCCL refuses two ranks on one device, so the
+# group is gloo then (it takes CUDA tensors for all_reduce, all_gather, all_to_all and broadcast through
+# host copies): slow, graph-unsafe (run such an engine with enforce_eager), never a deployment.
+SHARE_GPU_ENV = "FDR3_RANKS_SHARE_GPU"
+
+
+def ranks_share_gpu() -> bool:
+    return os.environ.get(SHARE_GPU_ENV, "") == "1"
+
+
+def cuda_index(rank: int) -> int:
+    """The CUDA device of TP rank `rank`: its own GPU, or GPU rank mod N when ranks share GPUs."""
+    if ranks_share_gpu() and torch.cuda.is_available():
+        return rank % torch.cuda.device_count()
+    return rank
+
+
 def init_distributed(rank: int, world_size: int, init_method: str, device_type: str) -> None:
-    """Join the group: NCCL on CUDA (after selecting this rank's GPU), gloo on CPU.
+    """Join the group: NCCL on CUDA (after selecting this rank's GPU), gloo on CPU (and on GPUs shared
+    by ranks, FDR3_RANKS_SHARE_GPU above).
 
     A single rank needs no group: every all_reduce is then a no-op and TP=1 runs exactly as without TP.
     """
     if world_size == 1:
         return
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    backend = "nccl" if device_type == "cuda" and not ranks_share_gpu() else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(cuda_index(rank))
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT
     )

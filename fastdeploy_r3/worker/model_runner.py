@@ -26,6 +26,7 @@ from fastdeploy_r3.cache_manager.shm import ShmSegment, shm_free_bytes, shm_name
 from fastdeploy_r3.cache_manager.transfer import KVCacheSpec
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.config.dtypes import torch_dtype
+from fastdeploy_r3.distributed.parallel_state import cuda_index
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from fastdeploy_r3.worker.cuda_graph_runner import DecodeGraphs, attention_is_graph_safe
 from fastdeploy_r3.worker.input_batch import InputBatcher, SampleRow, StepInputs
@@ -69,7 +70,7 @@ class ModelRunner:
         self.rank = rank
         self.world_size = world_size
         self.engine_suffix = engine_suffix
-        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", cuda_index(rank)) if config.device == "cuda" else torch.device("cpu")
         self.dtype = torch_dtype(config.model_config.dtype)
         self.kv_dtype = torch_dtype(config.cache_config.kv_cache_dtype)  # the model dtype today (config/engine.py)
         self.block_size = config.cache_config.block_size
