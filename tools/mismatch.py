@@ -81,11 +81,11 @@ class Mismatch:
 
 
 def sample_rollouts(model: str, setting: EngineSetting, prompts: Sequence[str], rollouts: int, max_tokens: int,
-                    seed: int = 0) -> list[Rollout]:  # fmt: skip
+                    seed: int = 0, device: str = "auto") -> list[Rollout]:  # fmt: skip
     """--rollouts sampled completions of every prompt, with their logprobs and R3 rows."""
     params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=seed + i, max_tokens=max_tokens,
                              logprobs=0, ignore_eos=True) for i in range(rollouts)]  # fmt: skip
-    with LLM(model, dtype="bfloat16", quantization=setting.quantization, block_size=4,
+    with LLM(model, device=device, dtype="bfloat16", quantization=setting.quantization, block_size=4,
              enable_deterministic_inference=setting.deterministic,
              routing_replay_config={"enable_routing_replay": True, "debug_mode": False}) as llm:  # fmt: skip
         outs = llm.generate([p for p in prompts for _ in params], list(params) * len(prompts), use_tqdm=False)
@@ -108,10 +108,12 @@ class Trainer:
     (router_logits, topk_weights, topk_ids) that the block passes on to its experts; the hook records those
     ids, or replaces them (and their weights) with the R3 ids of the same layer."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, device: str = "cpu") -> None:
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+        self.device = torch.device(device)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(self.device)
+        self.model.eval()
         self.config = self.model.config
         self.gates = [m.gate for m in self.model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
         if not self.gates:
@@ -138,7 +140,7 @@ class Trainer:
             def patch(_module, _args, output):  # noqa: ANN001, ANN202
                 logits, weights, ids = output
                 if replay is not None:
-                    ids = torch.as_tensor(replay[:, index], dtype=torch.int64)  # [T, K]
+                    ids = torch.as_tensor(replay[:, index], dtype=torch.int64, device=logits.device)  # [T, K]
                     weights = self.replay_weights(logits, ids, weights.dtype)
                 used.append(ids)
                 return logits, weights, ids
@@ -162,10 +164,10 @@ class Trainer:
                              "layers of the transformers model")
         used: list[torch.Tensor] = []
         with self._routing(rows if replay else None, used):
-            logits = self.model(torch.tensor([seq])).logits[0].float()  # [S, V]
+            logits = self.model(torch.tensor([seq], device=self.device)).logits[0].float()  # [S, V]
         logp = torch.log_softmax(logits, dim=-1)[len(rollout.prompt_ids) - 1 :]  # [C, V]
-        chosen = logp.gather(1, torch.tensor(rollout.token_ids)[:, None])[:, 0]  # [C]
-        return chosen.double().numpy(), torch.stack(used, dim=1).numpy()  # [C], [S, L, K]
+        chosen = logp.gather(1, torch.tensor(rollout.token_ids, device=self.device)[:, None])[:, 0]  # [C]
+        return chosen.double().cpu().numpy(), torch.stack(used, dim=1).cpu().numpy()  # [C], [S, L, K]
 
 
 def topk_sets_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -221,13 +223,16 @@ def plot(rows: Sequence[Mismatch], path: str) -> None:
 
 
 def run(model: str, settings: Sequence[str], prompts: Sequence[str], rollouts: int, max_tokens: int,
-        seed: int = 0) -> list[Mismatch]:  # fmt: skip
+        seed: int = 0, device: str = "auto") -> list[Mismatch]:  # fmt: skip
+    """device: where the engine and the trainer run (auto: CUDA when there is one)."""
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         raise ValueError(f"unknown settings {unknown}; use some of {', '.join(SETTINGS)}")
-    trainer = Trainer(model)
-    return [measure(SETTINGS[s], sample_rollouts(model, SETTINGS[s], prompts, rollouts, max_tokens, seed), trainer)
-            for s in settings]  # fmt: skip
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = Trainer(model, device)
+    return [measure(SETTINGS[s], sample_rollouts(model, SETTINGS[s], prompts, rollouts, max_tokens, seed, device),
+                    trainer) for s in settings]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> list[Mismatch]:
@@ -238,11 +243,12 @@ def main(argv: Sequence[str] | None = None) -> list[Mismatch]:
     ap.add_argument("--rollouts", type=int, default=2, help="sampled completions per prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="engine and trainer")
     ap.add_argument("--png", help="write the plot here")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     rows = run(args.model, args.settings.split(","), DEFAULT_PROMPTS[: args.prompts], args.rollouts,
-               args.max_tokens, args.seed)  # fmt: skip
+               args.max_tokens, args.seed, args.device)  # fmt: skip
     print(format_table(rows))
     if args.png:
         plot(rows, args.png)
