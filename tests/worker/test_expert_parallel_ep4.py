@@ -8,8 +8,8 @@ exactly a quarter of the expert bytes.
 qwen3_moe and mixtral run the local dispatch; glm4_moe (shared experts) runs the all-to-all one
 (--moe-a2a-backend alltoall, layers/expert_alltoall.py: each rank sends its slice of the step's (token, k)
 rows to their experts' ranks, sums its tokens over k and all-gathers; the shared experts are all-reduced on
-their own), at EP=4 and EP=2. The local dispatch with glm4_moe's shared experts runs at EP=2 in
-test_expert_parallel.py. Each family's EP=1 run is computed once.
+their own), at EP=4 and EP=2; every family also runs the local dispatch at EP=2. Each family's EP=1 run is
+computed once.
 
 The prompts, the checkpoints (4 kv heads, so that four ranks split them) and the comparison:
 tests/expert_parallel_runs.py.
@@ -47,7 +47,9 @@ def ep1_run(checkpoint: Callable[[str], str]) -> Callable[[str], Run]:
 
 
 @pytest.mark.parametrize(("family", "ep", "a2a"), [("qwen3_moe", 4, "local"), ("mixtral", 4, "local"),
-                                                   ("glm4_moe", 4, "alltoall"), ("glm4_moe", 2, "alltoall")])
+                                                   ("glm4_moe", 4, "alltoall"), ("qwen3_moe", 2, "local"),
+                                                   ("mixtral", 2, "local"), ("glm4_moe", 2, "local"),
+                                                   ("glm4_moe", 2, "alltoall")])
 def test_expert_parallel_tokens_and_r3_rows_equal_ep1(checkpoint, ep1_run, family: str, ep: int, a2a: str) -> None:
     """EP ranks, each with 1/EP of the experts, through prefix hits, swaps and preemptions: EP=1's tokens and
     R3 rows, bit for bit."""
