@@ -20,6 +20,7 @@ from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, require_tri
 
 MAX_ROWS = 1024  # more rows amortise a dequantised copy: the caller's matmul on it is faster there
 
+
 def _tiles(rows: int, out_features: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode rows stream the weight, so enough programs to
     keep every SM loading (narrow BLOCK_N); more rows reuse each weight tile over a taller BLOCK_M."""
