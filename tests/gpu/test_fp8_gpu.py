@@ -13,12 +13,12 @@ Qwen3-30B-A3B shapes within bf16 rounding, with their times printed.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from bench_moe import time_fn
 from fake_model import make_fake_model
 from safetensors import safe_open
 
@@ -123,7 +123,7 @@ def test_the_fp8_fused_moe_equals_the_kernel_on_dequantised_bf16_weights(num_tok
     print(f"\nfused MoE, {num_tokens} tokens: relative L2 difference {rel:.2e}, "
           f"{(got == want).float().mean().item():.3f} of the outputs bit-equal")
     assert rel < 1e-2  # bf16 keeps 8 bits: one rounding of the intermediate is ~4e-3 relative
-    times = {"fp8": _median_ms(fp8), "bf16": _median_ms(plain)}
+    times = {"fp8": _median_ms_of(fp8), "bf16": _median_ms_of(plain)}
     print(f"\nfused MoE, {num_tokens} tokens: fp8 {times['fp8']:.3f} ms, bf16 {times['bf16']:.3f} ms")
 
 
@@ -142,22 +142,15 @@ def test_the_fp8_dense_linear_equals_the_dequantised_matmul_and_reads_half_the_b
         got, want = fp8_linear(x, codes, scale_rows).float(), F.linear(x, w).float()
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 1e-2, rel
-        times = {"fp8 kernel": _median_ms(partial(fp8_linear, x, codes, scale_rows)),
-                 "dequantise + bf16 matmul": _median_ms(lambda x=x, c=codes, r=scale_rows: F.linear(
+        times = {"fp8 kernel": _median_ms_of(partial(fp8_linear, x, codes, scale_rows)),
+                 "dequantise + bf16 matmul": _median_ms_of(lambda x=x, c=codes, r=scale_rows: F.linear(
                      x, dequantize(c, r, torch.bfloat16))),
-                 "bf16 matmul": _median_ms(partial(F.linear, x, w))}  # fmt: skip
+                 "bf16 matmul": _median_ms_of(partial(F.linear, x, w))}  # fmt: skip
         print(f"\nfp8 linear {in_features}->{out_features}, {rows} rows: relative difference {rel:.1e}; "
               + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()))
 
 
-def _median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median time of fn() on the GPU, CUDA events around each call."""
-    ms = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        ms.append(start.elapsed_time(end))
-    return sorted(ms)[repeats // 2]
+
+def _median_ms_of(fn) -> float:  # noqa: ANN001
+    """Median milliseconds of fn() on the GPU (tools/bench_moe.py's event timing, 20 runs)."""
+    return time_fn(fn, reps=20) * 1e3
