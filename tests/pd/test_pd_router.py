@@ -105,16 +105,18 @@ def test_generate_through_the_router_equals_colocated_tokens_and_r3_bit_for_bit(
 
 
 def test_requests_in_flight_together_preempt_each_other_on_d_and_still_equal_colocated(pd: Deployment) -> None:
-    # no shared prefix: 3 x 3 blocks at admission (10 tokens + P's), 3 x 6 once decoded (10 + 14), D holds 12
+    # no shared prefix: 3 blocks each at admission (10 tokens + P's), 10 once decoded (10 + 30 - 1), and D
+    # holds 12: any two of them on D at once preempt one another (with shorter outputs two fit, and only
+    # three arriving together preempted, which a busy machine did not always do)
     prompts = [[100 + 20 * i + j for j in range(10)] for i in range(3)]
-    refs = _colocated_meanwhile(pd, prompts, 14)
+    refs = _colocated_meanwhile(pd, prompts, 30)
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: _generate(pd.router, p, 14), prompts))
+        answers = list(pool.map(lambda p: _generate(pd.router, p, 30), prompts))
     for prompt, r, ref in zip(prompts, answers, refs.result(), strict=True):
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["output_ids"] == ref["output_ids"]
-        num_rows = len(prompt) + 14 - 1
+        num_rows = len(prompt) + 30 - 1
         assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
     metrics = httpx.get(f"{pd.decode.url}/metrics", timeout=30).text
     preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
