@@ -1,6 +1,8 @@
 """The local dispatch's two row shapes give the same bits: compact (this rank's rows cut by a nonzero, a host
 sync: the CPU's) and fixed-shape (every (token, k) row kept, other ranks' rows weight 0 at slot 0 and zeroed
-in the combine: what CUDA runs, so that decode graphs capture it), on both ranks of a redundant placement."""
+in the combine: what CUDA runs, so that decode graphs capture it), on both ranks of a redundant placement.
+The experts run their fixed-tile GEMMs (batch_invariant): otherwise slot 0's extra rows may switch the BLAS
+to another kernel for that expert (an AVX-512 machine does), which is not the dispatch's doing."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def test_fixed_shape_rows_equal_compact_rows_bit_for_bit(fake_model_dir) -> None
     for rank in range(2):
         placement = ExpertPlacement.redundant(PLACEMENT, 16, 2, rank)
         experts = model_loader.load_model(mc, CPU, expert_placement=placement).model.layers[0].mlp.experts
+        experts.batch_invariant = True  # fixed-tile GEMMs: rows added for other ranks cannot change the BLAS kernel
         compact, fixed = LocalDispatch(placement, fixed_shape=False), LocalDispatch(placement, fixed_shape=True)
         a, b = compact.dispatch(x, weights, ids), fixed.dispatch(x, weights, ids)
         assert b.x.shape[0] == ids.numel() and b.keep is not None and a.keep is None
