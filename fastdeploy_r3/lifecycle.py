@@ -19,6 +19,7 @@ owner is gone (`remove_stale_ipc_dirs`, `shm.remove_stale_segments`).
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import re
@@ -108,6 +109,15 @@ def name_this_process(name: str) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def freeze_startup_heap() -> None:
+    """Call once a process has started (imports done, model loaded): what exists now moves to the
+    collector's permanent generation. Full collections while serving no longer walk torch's,
+    transformers' and the model's objects, and neither does the interpreter when the process exits (a
+    process that imported torch otherwise spends about a second of CPU just leaving)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pid_alive(pid: int) -> bool:

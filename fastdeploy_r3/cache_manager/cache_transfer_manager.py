@@ -56,6 +56,7 @@ from fastdeploy_r3.lifecycle import (
     Shutdown,
     exit_when_orphaned,
     exit_with_parent,
+    freeze_startup_heap,
     name_this_process,
     parent_gone,
     run_then_clean_up,
@@ -330,6 +331,7 @@ def _serve(config: CacheTransferConfig, conn: Connection, ppid: int, state: _Ctm
             conn.send(CTMReady(os.getpid(), error=f"{type(e).__name__}: {e}"))
             return
         conn.send(CTMReady(os.getpid()))
+        freeze_startup_heap()
         inbox: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(conn, inbox), daemon=True, name="ctm-reader").start()
         while True:

@@ -69,6 +69,7 @@ from fastdeploy_r3.lifecycle import (
     Shutdown,
     cleanup_begins,
     exit_with_parent,
+    freeze_startup_heap,
     name_this_process,
     new_ipc_dir,
     parent_gone,
@@ -368,6 +369,7 @@ def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int, se
         return
     try:
         send_while_parent_lives(output_sock, EngineReady(_engine_info(svc)), parent_pid)
+        freeze_startup_heap()
         _EngineLoop(svc, input_sock, output_sock, parent_pid).run()
     except ParentGoneError:
         pass  # the API server died while this engine waited to hand it something

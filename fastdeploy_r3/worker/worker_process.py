@@ -34,6 +34,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import (
     exit_when_orphaned,
     exit_with_parent,
+    freeze_startup_heap,
     name_this_process,
     parent_gone,
     run_then_clean_up,
@@ -133,6 +134,7 @@ def _serve(state: _RankState, config: EngineConfig, rank: int, world_size: int, 
     num_blocks = runner.determine_num_gpu_blocks()
     spec = runner.init_kv_cache(num_blocks)
     conn.send(WorkerReady(rank, num_blocks, spec, runner.num_lookahead_tokens))
+    freeze_startup_heap()
     # one rank, a runner whose steps split into launch and finish: the next step is launched before
     # this one is finished whenever the engine sent it already (engine/overlap.py plans it ahead),
     # so the device runs it while this process waits for, packs and sends the previous one

@@ -61,7 +61,7 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     engine_unavailable,
 )
 from fastdeploy_r3.entrypoints.pd.roles import PdDecode, PdPrefill, add_pd_args, check_pd_flags, start_pd_role
-from fastdeploy_r3.lifecycle import EngineDeadError
+from fastdeploy_r3.lifecycle import EngineDeadError, freeze_startup_heap
 from fastdeploy_r3.r3.rollout_id import MAX_CHOICES, validate_namespace
 from fastdeploy_r3.r3.stores import RedisRoutingStore, RoutingStore, RoutingStoreError, make_routing_store
 
@@ -364,6 +364,7 @@ async def run_server(args: argparse.Namespace) -> None:
 
         engine.on_dead = on_engine_dead
         logger.info("serving %s on http://%s:%d", ctx.served_model_name, args.host, args.port)
+        freeze_startup_heap()
         await server.serve(sockets=[sock])
         if lost:
             raise EngineLostError(f"the engine is gone ({lost[0]}); exiting with code 1 so that a supervisor "
