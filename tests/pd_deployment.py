@@ -61,7 +61,9 @@ def pd_deployment(model: str, log_dir: str, common: tuple[str, ...], decode_args
         router = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
              "--pd-disaggregation", "--prefill", p.url, str(bootstrap_port), "--decode", d.url,
-             "--policy", "round_robin", "--log-level", "warn"],
+             "--policy", "round_robin", "--log-level", "warn",
+             # its metrics exporter binds 0.0.0.0:29000 otherwise: another router (a parallel test) collides
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=log, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT)
         url_router = f"http://127.0.0.1:{port}"
         try:

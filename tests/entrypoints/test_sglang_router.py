@@ -41,7 +41,9 @@ def routed(fake_model_dir, tmp_path_factory) -> Iterator[tuple[str, list[ServerH
         log = open(os.path.join(logs, "router.log"), "w")  # noqa: SIM115 - closed below, after the process
         router = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--worker-urls", a.url, b.url, "--policy", "round_robin", "--log-level", "warn"],
+             "--worker-urls", a.url, b.url, "--policy", "round_robin", "--log-level", "warn",
+             # its metrics exporter binds 0.0.0.0:29000 otherwise: another router (a parallel test) collides
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=log, stderr=subprocess.STDOUT, env=server_env(), cwd=REPO_ROOT)
         url = f"http://127.0.0.1:{port}"
         try:
