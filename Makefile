@@ -7,6 +7,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 R3_CONFIG ?= {"enable_routing_replay": true, "routing_store_type": "response"}
 PYTEST_ARGS ?=
+# pytest-xdist processes, each taking whole files (a file's servers are started once, in one process);
+# two on two cores: three were no faster (CPU-bound server starts), and add load to timing-sensitive tests
+TEST_WORKERS ?= 2
 
 .PHONY: serve test lint redis mooncake paddle install clean
 
@@ -51,7 +54,7 @@ paddle: $(VENV)/.installed
 	@$(VPY) -c "import paddle" 2>/dev/null || $(VPY) -m pip install -q -e '.[paddle]'
 
 test: $(VENV)/.installed redis mooncake paddle
-	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 lint: $(VENV)/.installed
 	$(VPY) -m ruff check fastdeploy_r3 tests tools

@@ -39,8 +39,9 @@ setup(
         # R3 as Paddle tensors at the trainer boundary (CPU build; paddlepaddle-gpu on GPU trainers).
         "paddle": ["paddlepaddle==3.3.1"],
         # sglang-router: the registry's router in front of two servers (tests/entrypoints/test_sglang_router.py)
-        "test": ["pytest", "pytest-timeout", "openai", "httpx", "ruff", "triton", "matplotlib",
-                 "sglang-router==0.3.2"],
+        # pytest-xdist: `make test` runs the files on TEST_WORKERS processes (most tests wait on servers)
+        "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.5,<4", "openai", "httpx", "ruff", "triton",
+                 "matplotlib", "sglang-router==0.3.2"],
     },
     entry_points={"console_scripts": ["fastdeploy-r3=fastdeploy_r3.entrypoints.cli:main"]},
 )

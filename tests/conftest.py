@@ -1,11 +1,27 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 from fake_model import make_fake_model
 from mooncake_server import MooncakeMissing, mooncake_holder, mooncake_master, mooncake_url
 from redis_server import RedisServerMissing, redis_server
+
+# The directories whose files take longest (servers, several processes, tool runs), run first: under
+# `make test` (pytest-xdist, whole files per worker, handed out in collection order) a long file started
+# last keeps one worker busy alone at the end. The order inside each file is kept (a stable sort).
+_LONG_FIRST = ("tools", "worker", "reliability", "pd", "examples")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+
+    def rank(item: pytest.Item) -> int:
+        top = os.path.relpath(str(item.path), tests_dir).split(os.sep)[0]
+        return _LONG_FIRST.index(top) if top in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")
