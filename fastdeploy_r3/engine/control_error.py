@@ -1,5 +1,5 @@
-"""The one error of the control plane (control.py, memory_control.py), in a module of its own so that
-both raise it without importing each other."""
+"""The errors of the control plane (control.py, memory_control.py), in a module of their own so that
+both raise them without importing each other, and the engine process maps them without importing either."""
 
 from __future__ import annotations
 
@@ -13,3 +13,8 @@ class EngineControlError(RuntimeError):
         super().__init__(message)
         self.invalid = invalid
         self.status = status  # 409: the engine's state forbids it now (requests in flight, memory released)
+
+
+class WeightVersionError(RuntimeError):
+    """A request names the weight version it must run on (a decode server's request, computed by its prefill
+    server with those weights), and this engine holds another: refused before it is queued."""

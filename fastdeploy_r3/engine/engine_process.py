@@ -181,11 +181,14 @@ class _EngineLoop:
         send_while_parent_lives(self.output_sock, msg, self.parent_pid)
 
     def handle(self, msg: object) -> None:
-        from fastdeploy_r3.engine.control import EngineControlError
+        from fastdeploy_r3.engine.control_error import EngineControlError, WeightVersionError
 
         if isinstance(msg, AddRequest):
             try:
-                self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt)
+                self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt,
+                                     weight_version=msg.weight_version)
+            except WeightVersionError as e:
+                self.send(RequestRejected(msg.request_id, str(e), ErrorKind.WEIGHT_VERSION))
             except InvalidRequestError as e:
                 self.send(RequestRejected(msg.request_id, str(e), ErrorKind.INVALID))
             except QueueFullError as e:

@@ -27,6 +27,7 @@ from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segm
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.builder import EngineParts, build_engine
 from fastdeploy_r3.engine.control import EngineControl
+from fastdeploy_r3.engine.control_error import WeightVersionError
 from fastdeploy_r3.engine.overlap import OverlapCounters, overlap_enabled, schedule_ahead
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.request_groups import RequestGroups, validate_prompt
@@ -90,10 +91,15 @@ class EngineService:
     # -- requests -----------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        weight_version: str | None = None,
     ) -> None:
+        """Queue a request; weight_version: refuse it (WeightVersionError) unless these are the weights held."""
         self._check_alive()
         self.control.check_weights_usable()
+        if weight_version is not None and weight_version != self.weight_version:
+            raise WeightVersionError(f"the request must run on weight_version {weight_version!r}, this engine "
+                                     f"holds {self.weight_version!r}")
         validate_prompt(prompt_token_ids, params, self.parts.max_model_len, self.config.model_config.vocab_size)
         if not self.scheduler.can_accept(params.n):
             raise QueueFullError(

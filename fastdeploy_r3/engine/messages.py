@@ -44,6 +44,9 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    # refused unless the engine holds exactly this version when the request arrives: PD's decode server
+    # runs a prompt its prefill server computed (entrypoints/pd/roles.py); rows of two versions never mix
+    weight_version: str | None = None
 
 
 @dataclass
@@ -212,6 +215,7 @@ class ErrorKind(enum.Enum):
     OVERLOADED = "overloaded"  # the waiting queue is full: retry later (HTTP 429)
     FAILED = "failed"  # the engine failed taking it (HTTP 500)
     UNAVAILABLE = "unavailable"  # the engine cannot serve now (weights broken, memory released): HTTP 503
+    WEIGHT_VERSION = "weight_version"  # the request named other weights than the engine holds (PD: HTTP 502)
 
 
 @dataclass

@@ -77,12 +77,17 @@ class EngineOverloadedError(RuntimeError):
     """The engine's waiting queue is full; retry the request later (HTTP 429)."""
 
 
+class EngineWeightVersionError(EngineRequestError):
+    """The request named the weight version it must run on, and the engine holds another."""
+
+
 # what a RequestRejected of each kind raises in the caller of generate()
 _REJECTIONS: dict[ErrorKind, type[Exception]] = {
     ErrorKind.INVALID: InvalidRequestError,
     ErrorKind.OVERLOADED: EngineOverloadedError,
     ErrorKind.FAILED: EngineRequestError,
     ErrorKind.UNAVAILABLE: EngineUnavailableError,
+    ErrorKind.WEIGHT_VERSION: EngineWeightVersionError,
 }
 
 
@@ -299,12 +304,14 @@ class AsyncEngineClient:
         params: SamplingParams,
         prompt: str | None = None,
         rewrite: Callable[[RequestDelta], RequestDelta] | None = None,
+        weight_version: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Yield the RequestDelta of each step that advanced the request (what is new: assemble
         with outputs.OutputAssembler), ending with the finished one. Raises InvalidRequestError
         (bad input), EngineRequestError or EngineDeadError. Leaving the iteration early aborts the
         request in the engine. `rewrite` sees each delta before it is detokenized (a decode server puts
-        the first token a prefill server sampled in front: entrypoints/pd/roles.py)."""
+        the first token a prefill server sampled in front: entrypoints/pd/roles.py). `weight_version`: the
+        engine refuses the request (EngineWeightVersionError) unless it holds these weights."""
         self._check_alive()
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -314,7 +321,7 @@ class AsyncEngineClient:
         detok = DeltaDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         finished = False
         try:
-            await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt))
+            await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt, weight_version))
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -1,5 +1,6 @@
 """What the engine refuses at admission (issue 11): a waiting queue past its bound (the server's 429),
-a routed_experts_start past the prompt (never clamped), and, offline, a rollout id given twice or
+a routed_experts_start past the prompt (never clamped), a request that must run on weights the engine does
+not hold (a decode server's, computed by its prefill server), and, offline, a rollout id given twice or
 already stored (the server's 409)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import pytest
 
 from fastdeploy_r3 import LLM, SamplingParams
+from fastdeploy_r3.engine.control_error import WeightVersionError
 from fastdeploy_r3.engine.scheduler import QueueFullError
 from fastdeploy_r3.r3.rollout_id import RolloutIdConflictError
 from fastdeploy_r3.sampling_params import InvalidRequestError
@@ -34,6 +36,19 @@ def test_the_waiting_queue_is_bounded_but_an_empty_queue_takes_any_n(llm: LLM) -
     eng.add_request("wide", [5, 6, 7], SamplingParams(n=3, temperature=0.0, max_tokens=2))  # 3 > 2, queue empty
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_a_request_naming_other_weights_is_refused_before_it_is_queued(llm: LLM) -> None:
+    eng = llm.engine
+    held = eng.weight_version
+    with pytest.raises(WeightVersionError, match=f"must run on weight_version 'v-next', this engine holds '{held}'"):
+        eng.add_request("other", [5, 6, 7], ONE, weight_version="v-next")
+    assert not eng.has_unfinished_requests()
+    eng.add_request("same", [5, 6, 7], ONE, weight_version=held)  # the held version runs as any request
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.request_id for o in outs if o.finished] == ["same"]
 
 
 def test_routed_experts_start_past_the_last_prompt_row_is_refused(llm: LLM) -> None:

@@ -281,7 +281,7 @@ def test_p_and_d_on_different_weight_versions_fail_the_request_instead_of_mixing
         d_r, p_r = d.result(), p.result()
     assert p_r.status_code == 200
     assert d_r.status_code == 502
-    assert "weight_version 'pd-other', this decode server has '0'" in d_r.json()["error"]["message"]
+    assert "must run on weight_version 'pd-other', this engine holds '0'" in d_r.json()["error"]["message"]
 
 
 def test_p_killed_while_its_blocks_are_written_fails_d_with_502_and_leaves_d_clean(pd: Deployment) -> None:

@@ -21,6 +21,9 @@ from fastdeploy_r3.sampling_params import InvalidRequestError
 MAX_ROOM = 2**64 - 1  # SGLang's router draws rooms as u64
 
 
+UPDATE_BOTH = "update both to the same weights before sending them requests (rows of two versions never mix)"
+
+
 class HandoffError(RuntimeError):
     """The prefill side could not hand this request over (unreachable, failed, another prompt, another
     weight version): the decode server answers 502 with this message and runs nothing."""
@@ -112,8 +115,9 @@ class Handoff:
             raise HandoffError(f"the prefill server sent a malformed handoff ({e}); are P and D the same "
                                "fastdeploy_r3 version?") from None
 
-    def check_for(self, room: int, prompt_token_ids: list[int], weight_version: str) -> None:
-        """HandoffError unless this hands over `prompt_token_ids` of `room`, computed by `weight_version`."""
+    def check_for(self, room: int, prompt_token_ids: list[int], weight_version: str | None = None) -> None:
+        """HandoffError unless this hands over `prompt_token_ids` of `room`, computed by `weight_version`
+        (None: the engine checks it, as the request arrives: roles.py)."""
         if self.error is not None:
             raise HandoffError(f"the prefill server failed room {room}: {self.error}")
         if self.room != room:
@@ -121,10 +125,9 @@ class Handoff:
         if (self.num_prompt_tokens, self.prompt_digest) != (len(prompt_token_ids), prompt_digest(prompt_token_ids)):
             raise HandoffError(f"room {room} on the prefill server holds another prompt ({self.num_prompt_tokens} "
                                f"tokens) than this request's ({len(prompt_token_ids)}); send each request's own room")
-        if self.weight_version != weight_version:
+        if weight_version is not None and self.weight_version != weight_version:
             raise HandoffError(f"the prefill server computed room {room} with weight_version "
-                               f"{self.weight_version!r}, this decode server has {weight_version!r}: update both to "
-                               "the same weights before sending them requests (rows of two versions never mix)")
+                               f"{self.weight_version!r}, this decode server has {weight_version!r}: {UPDATE_BOTH}")
 
 
 def _int(v: Any) -> int:

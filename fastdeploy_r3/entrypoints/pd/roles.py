@@ -30,10 +30,10 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from fastdeploy_r3.config import EngineConfig
-from fastdeploy_r3.engine.messages import AwaitWriteThrough, EngineStateQuery
-from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient
+from fastdeploy_r3.engine.messages import AwaitWriteThrough
+from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineWeightVersionError
 from fastdeploy_r3.entrypoints.pd.bootstrap import BootstrapServer, Rooms, fetch_handoff
-from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap, Handoff, HandoffError, prompt_digest
+from fastdeploy_r3.entrypoints.pd.handoff import UPDATE_BOTH, Bootstrap, Handoff, HandoffError, prompt_digest
 from fastdeploy_r3.entrypoints.pd.te_blocks import TeBlocks
 from fastdeploy_r3.entrypoints.pd.te_transfer import DEFAULT_ARENA_MB, Outbox, TeArena, TeSender
 from fastdeploy_r3.errors import ConfigError
@@ -169,10 +169,11 @@ class PdDecode:
                        prompt: str | None, boot: Bootstrap, deadline: float) -> AsyncIterator[RequestDelta]:
         _check_pd_params(params)
         handoff = await fetch_handoff(boot, deadline)
-        state = (await self.engine.control(EngineStateQuery(), timeout_s=_CONTROL_TIMEOUT_S)).state
-        handoff.check_for(boot.room, prompt_token_ids, state.weight_version)
+        # P's weight version is checked by the engine as the request arrives (no round trip before it, and
+        # no update can slip in between); blocks travel under P's version, which must be this engine's
+        handoff.check_for(boot.room, prompt_token_ids)
         if self.te is not None:  # P's blocks into this server's own store: its engine loads them as hits
-            await self.te.receive(boot, prompt_token_ids, state.weight_version, deadline)
+            await self.te.receive(boot, prompt_token_ids, handoff.weight_version, deadline)
         ends = handoff.finish_reason != "length" or params.max_tokens == 1
         if ends:  # D computes the prompt's rows; its own token is replaced by P's
             run_ids = list(prompt_token_ids)
@@ -182,8 +183,12 @@ class PdDecode:
             run = dataclasses.replace(params, max_tokens=params.max_tokens - 1,
                                       min_tokens=max(params.min_tokens - 1, 0))
         rewrite = _FirstToken(handoff, prompt_token_ids, replace=ends, keep_stop_text=params.include_stop_str_in_output)
-        async for delta in self.engine.generate(request_id, run_ids, run, prompt, rewrite=rewrite):
-            yield delta
+        try:
+            async for delta in self.engine.generate(request_id, run_ids, run, prompt, rewrite=rewrite,
+                                                    weight_version=handoff.weight_version):
+                yield delta
+        except EngineWeightVersionError as e:  # one of P and D was updated, not the other: nothing ran
+            raise HandoffError(f"room {boot.room} was computed by the prefill server: {e}; {UPDATE_BOTH}") from None
 
 
 class _FirstToken:
