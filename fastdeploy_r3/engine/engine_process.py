@@ -69,6 +69,7 @@ from fastdeploy_r3.lifecycle import (
     Shutdown,
     cleanup_begins,
     exit_with_parent,
+    exit_without_finalizing,
     freeze_startup_heap,
     name_this_process,
     new_ipc_dir,
@@ -334,15 +335,23 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
     # EngineService.shutdown() so no child or SHM segment outlives it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, unwind_on_sigterm)
+    code = 0
     try:
-        exit_with_parent(parent_pid)
-        name_this_process("fdr3-engine")
-        _serve(config, addresses, parent_pid, server_detokenizes)
-    finally:
-        # Terminated by a signal: the API server died (the parent-death signal may come before it has
-        # quite exited), or it is stopping this engine and removes the directory too (harmlessly twice).
-        if isinstance(sys.exc_info()[1], SystemExit) or parent_gone(parent_pid):
-            addresses.remove()  # its owner is gone and will not remove it
+        try:
+            exit_with_parent(parent_pid)
+            name_this_process("fdr3-engine")
+            _serve(config, addresses, parent_pid, server_detokenizes)
+        finally:
+            # Terminated by a signal: the API server died (the parent-death signal may come before it has
+            # quite exited), or it is stopping this engine and removes the directory too (harmlessly twice).
+            if isinstance(sys.exc_info()[1], SystemExit) or parent_gone(parent_pid):
+                addresses.remove()  # its owner is gone and will not remove it
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported to the API server already where it could be; exit 1 as Python would
+        traceback.print_exc()
+        code = 1
+    exit_without_finalizing(code)  # everything is shut down: skip the finalization of a frozen heap
 
 
 def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int, server_detokenizes: bool) -> None:

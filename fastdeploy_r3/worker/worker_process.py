@@ -34,6 +34,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import (
     exit_when_orphaned,
     exit_with_parent,
+    exit_without_finalizing,
     freeze_startup_heap,
     name_this_process,
     parent_gone,
@@ -105,7 +106,11 @@ def worker_main(
             state.runner.close()
         destroy_distributed()
 
-    run_then_clean_up(serve, clean_up)
+    try:
+        run_then_clean_up(serve, clean_up)
+    except SystemExit as e:  # the SIGTERM unwind, cleaned up: exit with its code
+        exit_without_finalizing(e.code if isinstance(e.code, int) else 1)
+    exit_without_finalizing(0)
 
 
 @dataclass
