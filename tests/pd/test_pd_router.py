@@ -124,6 +124,28 @@ def test_requests_in_flight_together_preempt_each_other_on_d_and_still_equal_col
     assert preempted > 0, "D never preempted: the test no longer covers preemption"
 
 
+def test_seeded_sampling_through_the_router_draws_the_colocated_tokens(pd: Deployment) -> None:
+    """A draw's noise is a function of (seed, position) (worker/sample/sampler.py): P draws position P, D the
+    ones after, as a colocated server does; the same seed gives the same tokens and rows."""
+    refs, answers = [], []
+    for i, prompt in enumerate(PROMPTS[1:4]):
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95,
+                                                         "sampling_seed": 1000 + i, "ignore_eos": True}}
+        refs.append(httpx.post(f"{pd.colocated.url}/generate", json=body, timeout=120).json())
+        answers.append(httpx.post(f"{pd.router}/generate", json=body, timeout=120))
+    for prompt, r, ref in zip(PROMPTS[1:4], answers, refs, strict=True):
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == ref["output_ids"]
+        num_rows = len(prompt) + 8 - 1
+        assert np.array_equal(_rows(r.json()["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
+    # not greedy in disguise: another seed draws other tokens for at least one of them
+    other = [httpx.post(f"{pd.colocated.url}/generate", timeout=120, json={
+        "input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95,
+                                            "sampling_seed": 7, "ignore_eos": True}}).json()["output_ids"]
+        for p in PROMPTS[1:4]]
+    assert other != [ref["output_ids"] for ref in refs]
+
+
 def test_streamed_generate_through_the_router_ends_with_the_colocated_tokens_and_r3(pd: Deployment) -> None:
     prompt = PROMPTS[2]
     chunks = []
