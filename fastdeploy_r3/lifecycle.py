@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -133,6 +134,20 @@ def exit_without_finalizing(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def exit_after(life: Callable[[], None]) -> NoReturn:
+    """A child's whole life, then exit_without_finalizing with the code Python would have exited with: 0,
+    a SystemExit's (the SIGTERM unwind: 143), or 1 after printing what escaped."""
+    code = 0
+    try:
+        life()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported where it could be; printed here, as Python would
+        traceback.print_exc()
+        code = 1
+    exit_without_finalizing(code)
 
 
 def pid_alive(pid: int) -> bool:

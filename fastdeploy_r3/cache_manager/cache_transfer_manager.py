@@ -54,9 +54,9 @@ from fastdeploy_r3.cache_manager.transfer import (
 )
 from fastdeploy_r3.lifecycle import (
     Shutdown,
+    exit_after,
     exit_when_orphaned,
     exit_with_parent,
-    exit_without_finalizing,
     freeze_startup_heap,
     name_this_process,
     parent_gone,
@@ -298,11 +298,8 @@ def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) ->
         if state.manager is not None:
             state.manager.close()
 
-    try:
-        run_then_clean_up(lambda: _serve(config, conn, ppid, state), clean_up)
-    except SystemExit as e:  # the SIGTERM unwind, cleaned up: exit with its code
-        exit_without_finalizing(e.code if isinstance(e.code, int) else 1)
-    exit_without_finalizing(0)  # a frozen heap (freeze_startup_heap) is not worth finalizing
+    # then leave without the finalization of a frozen heap (lifecycle.freeze_startup_heap)
+    exit_after(lambda: run_then_clean_up(lambda: _serve(config, conn, ppid, state), clean_up))
 
 
 @dataclasses.dataclass

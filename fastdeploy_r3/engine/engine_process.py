@@ -68,8 +68,8 @@ from fastdeploy_r3.lifecycle import (
     EngineDeadError,
     Shutdown,
     cleanup_begins,
+    exit_after,
     exit_with_parent,
-    exit_without_finalizing,
     freeze_startup_heap,
     name_this_process,
     new_ipc_dir,
@@ -186,8 +186,7 @@ class _EngineLoop:
 
         if isinstance(msg, AddRequest):
             try:
-                self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt,
-                                     weight_version=msg.weight_version)
+                self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.prompt, msg.weight_version)
             except WeightVersionError as e:
                 self.send(RequestRejected(msg.request_id, str(e), ErrorKind.WEIGHT_VERSION))
             except InvalidRequestError as e:
@@ -330,28 +329,23 @@ def run_engine_process(config: EngineConfig, addresses: EngineAddresses, parent_
                        server_detokenizes: bool = False) -> None:
     """Entry point of the spawned engine process. server_detokenizes: the API server turns the token ids
     of requests without stop strings into text (engine/detokenizer.py DeltaDetokenizer), off this loop."""
-    # The API server drives shutdown (Ctrl-C reaches the whole process group); SIGTERM sent to this
-    # process alone, or by the kernel when the API server dies (exit_with_parent), must still run
-    # EngineService.shutdown() so no child or SHM segment outlives it.
+    # The API server drives shutdown (Ctrl-C reaches the whole process group); SIGTERM sent to this process
+    # alone, or by the kernel when the API server dies (exit_with_parent), must still run shutdown().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, unwind_on_sigterm)
-    code = 0
-    try:
+
+    def life() -> None:
         try:
             exit_with_parent(parent_pid)
             name_this_process("fdr3-engine")
             _serve(config, addresses, parent_pid, server_detokenizes)
         finally:
-            # Terminated by a signal: the API server died (the parent-death signal may come before it has
-            # quite exited), or it is stopping this engine and removes the directory too (harmlessly twice).
+            # a signal: the API server died (its parent-death SIGTERM may come before it has quite exited),
+            # or it stops this engine and removes the directory too (harmlessly twice)
             if isinstance(sys.exc_info()[1], SystemExit) or parent_gone(parent_pid):
-                addresses.remove()  # its owner is gone and will not remove it
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - reported to the API server already where it could be; exit 1 as Python would
-        traceback.print_exc()
-        code = 1
-    exit_without_finalizing(code)  # everything is shut down: skip the finalization of a frozen heap
+                addresses.remove()
+
+    exit_after(life)  # all shut down by then: the finalization of a frozen heap is skipped
 
 
 def _serve(config: EngineConfig, addresses: EngineAddresses, parent_pid: int, server_detokenizes: bool) -> None:

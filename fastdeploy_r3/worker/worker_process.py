@@ -32,9 +32,9 @@ import torch
 from fastdeploy_r3.cache_manager.shm import unlink_all
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.lifecycle import (
+    exit_after,
     exit_when_orphaned,
     exit_with_parent,
-    exit_without_finalizing,
     freeze_startup_heap,
     name_this_process,
     parent_gone,
@@ -106,11 +106,7 @@ def worker_main(
             state.runner.close()
         destroy_distributed()
 
-    try:
-        run_then_clean_up(serve, clean_up)
-    except SystemExit as e:  # the SIGTERM unwind, cleaned up: exit with its code
-        exit_without_finalizing(e.code if isinstance(e.code, int) else 1)
-    exit_without_finalizing(0)
+    exit_after(lambda: run_then_clean_up(serve, clean_up))  # skips the finalization of a frozen heap
 
 
 @dataclass
