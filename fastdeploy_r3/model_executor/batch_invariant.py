@@ -44,9 +44,9 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.forward_context import AttentionMetadata
 from fastdeploy_r3.model_executor.layers.attention import Attention, AttentionBackend, paged_attention_loop
+from fastdeploy_r3.model_executor.ops.invariant_attention import packed_paged_attention
 from fastdeploy_r3.model_executor.ops.invariant_matmul import invariant_matmul
 from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
-from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
 ROW_TILE = 16  # rows of every batch-invariant GEMM call
@@ -153,12 +153,12 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 class BatchInvariantAttentionBackend(AttentionBackend):
     """A request's attention output independent of the batch, of its chunking and of prefix-cache hits.
 
-    Where Triton runs (CUDA, or the interpreter): the paged prefill kernel (ops/paged_prefill.py) for every
-    step, decode included, with one tile shape: it already walks the context in tiles at fixed absolute
-    positions and masks past each query, so only its batch-dependent BLOCK_M (and the decode kernel's
-    split count, picked by the batch's longest sequence) had to go. It has no host sync, so decode steps
-    still capture into CUDA graphs. Elsewhere: the torch paged backend's loop over requests
-    (layers/attention.py) with invariant_attention."""
+    Where Triton runs (CUDA, or the interpreter): ops/invariant_attention.py for every step, decode
+    included: the paged prefill kernel's walk over context tiles at fixed absolute positions, with one tile
+    shape whatever the batch (the default kernels pick BLOCK_M by the longest chunk and the decode split
+    count by the longest sequence), and a GQA group per program so that decode reads each K/V tile once per
+    kv head. It has no host sync, so decode steps still capture into CUDA graphs. Elsewhere: the torch
+    paged backend's loop over requests (layers/attention.py) with invariant_attention."""
 
     # on CUDA only the Triton path runs, which reads device metadata of fixed capacity (worker/cuda_graph_runner.py)
     cuda_graph_safe = True
@@ -185,9 +185,9 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q if q.stride(2) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
-        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
-                                       meta.query_start_loc_tensor, scale, out, max_query_len=meta.max_query_len,
-                                       block_m=ROW_TILE, block_n=TRITON_KV_TILE)  # fmt: skip
+        return packed_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
+                                      meta.query_start_loc_tensor, scale, out, max_query_len=meta.max_query_len,
+                                      block_n=TRITON_KV_TILE)  # fmt: skip
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
