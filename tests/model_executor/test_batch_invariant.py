@@ -138,13 +138,18 @@ def test_triton_invariant_matmul_gives_a_row_the_same_bits_in_any_call() -> None
     _run_interpreted("""
         import torch.nn.functional as F
         from fastdeploy_r3.model_executor.batch_invariant import invariant_linear
-        from fastdeploy_r3.model_executor.ops.invariant_matmul import invariant_matmul
+        from fastdeploy_r3.model_executor.ops.invariant_matmul import MatmulConfig, invariant_matmul
         torch.manual_seed(0)
+        # K = 96 in three fixed ranges of 32, summed by the second launch
+        split = MatmulConfig(block_k=32, split_k=3)
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
             x, w, b = torch.randn(70, 96).to(dtype), torch.randn(80, 96).to(dtype), torch.randn(80).to(dtype)
             whole = invariant_matmul(x, w, b)
+            whole_split = invariant_matmul(x, w, b, config=split)
             for m in (1, 5, 64, 65):
                 assert torch.equal(invariant_matmul(x[:m], w, b), whole[:m]), (dtype, m)
+                assert torch.equal(invariant_matmul(x[:m], w, b, config=split), whole_split[:m]), (dtype, m)
+            assert (whole_split.float() - whole.float()).abs().max().item() < tol * 10
             # rows 64.. start a tile in both calls: the interpreter's dot is numpy's matmul, and with an
             # AVX-512 BLAS a row's bits can depend on its place inside the tile (on the GPU a request's rows
             # land anywhere in a tile: tests/gpu/test_deterministic_gpu.py's engine test)
