@@ -10,9 +10,9 @@ Where the default kernels break that, and what this mode runs instead:
     expert GEMMs            CPU: one GEMM per expert over its rows;      CPU: the same fixed row tiles;
                             CUDA: grouped_mm or Triton tiles by T        CUDA: Triton, one tile config
     attention               CPU: einsums over a request's queries;       CPU: per query, KV tiles at fixed
-                            CUDA: decode split count set by the batch's  absolute positions; CUDA: the
-                            longest sequence, prefill BLOCK_M by its     prefill kernel for every step,
-                            longest chunk                                one tile shape
+                            CUDA: decode split count set by the batch's  absolute positions; CUDA:
+                            longest sequence, prefill BLOCK_M by its     ops/invariant_attention.py for
+                            longest chunk                                every step, one tile shape
     silu, sigmoid router,   CPU: a vectorized loop ends in a scalar      CPU: fixed [EW_TILE, N] tiles
     rotary cos / sin        tail placed by the tensor's size             (invariant_rows); CUDA: as is
     norms, softmax, top-k,  row-local already (one row's reduction       unchanged
@@ -30,8 +30,9 @@ fixed by its position: chunked prefill, a prefix-cache hit and a recompute give 
 scheduler's chunk boundaries need not be fixed.
 
 make_batch_invariant(model) switches a built model to these paths (the model loader calls it under
-ModelConfig.enable_deterministic_inference). Its cost: padding every GEMM to whole ROW_TILE rows, one
-GEMM launch per tile, and the per-request attention loop (docs/deterministic.md).
+ModelConfig.enable_deterministic_inference). Its cost on the CPU: padding every GEMM to whole ROW_TILE rows,
+one GEMM launch per tile, and the per-request attention loop; on CUDA: Triton GEMMs in place of cuBLAS's
+shape-tuned ones, and no split-KV decode (docs/deterministic.md has the H200 figures).
 """
 
 from __future__ import annotations
