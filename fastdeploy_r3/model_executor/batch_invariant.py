@@ -52,7 +52,7 @@ from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
 ROW_TILE = 16  # rows of every batch-invariant GEMM call
 KV_TILE = 16  # KV positions per attention step; tile j always covers positions [16 j, 16 j + 16)
-TRITON_KV_TILE = 64  # the same, in the Triton prefill kernel
+TRITON_KV_TILE = 64  # the same, in the Triton kernel (ops/invariant_attention.py)
 EW_TILE = 64  # rows of every batch-invariant elementwise call on the CPU (invariant_rows)
 
 

@@ -2,16 +2,18 @@
 
 cuBLAS picks its kernel (tile, split-K, reduction order) by M, N and K, so a row of x can come back with
 other bits when the batch around it grows. Here every program computes a [BLOCK_M, BLOCK_N] tile of y
-over the whole K in BLOCK_K steps, in order, with the same constants for every M: a row's result depends
-on its own values and W only (rows past M are masked loads, zeros that touch no other row).
+over its range of K in BLOCK_K steps, in order, with one config per weight (config_for: by the weight's
+shape, never by M): a row's result depends on its own values and W only (rows past M are masked loads,
+zeros that touch no other row).
 
     x [M, K] --- program (i, j, s): rows [i BM, (i + 1) BM), columns [j BN, (j + 1) BN) ---> y [M, N]
                  acc += x[rows, k0:k0+BK] @ W[cols, k0:k0+BK]^T   for k0 in K range s, in order
 
 With split_k > 1 the K ranges' float32 partial sums go to a workspace and a second launch adds them in
 range order: more programs for the few-row GEMMs of a decode step (one row tile, N / BN programs), and
-still an order fixed by K alone. No host sync: decode steps capture into CUDA graphs. The drop-in for F.linear where the
-model runs batch-invariant (model_executor/batch_invariant.py's invariant_linear picks it for Triton).
+still an order fixed by K alone. No host sync: decode steps capture into CUDA graphs. The drop-in for
+F.linear where the model runs batch-invariant (model_executor/batch_invariant.py's invariant_linear picks
+it for Triton).
 """
 
 from __future__ import annotations
