@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from api_server_process import free_port, stop_process
 
@@ -38,30 +38,75 @@ def _binary(name: str) -> str:
     return path
 
 
+def _log_tail(log: str) -> str:
+    with open(log, errors="replace") as f:
+        return f.read()[-2000:]
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself holds the socket listening on 127.0.0.1:port (Linux /proc). A free_port()
+    is free only until someone binds it: another test's process can take it first, and then a plain
+    connect() succeeds against the wrong listener."""
+    want = f"0100007F:{port:04X}"
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[1].upper() == want and fields[3] == "0A":  # local address, state LISTEN
+                    inodes.add(fields[9])
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
+                    return True
+    return False
+
+
 def _wait_listening(port: int, proc: subprocess.Popen, what: str, log: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            with open(log, errors="replace") as f:
-                tail = f.read()[-2000:]
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening:\n{tail}")
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening:\n{_log_tail(log)}")
+        if _listens(proc.pid, port):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s:\n{_log_tail(log)}")
+
+
+def _start(argv_for: Callable[[int], list[str]], what: str, timeout: float) -> tuple[subprocess.Popen, str, int]:
+    """Start argv_for(port) on a free port and wait until it listens there itself: (process, log, port). A
+    port taken by another process between free_port() and the bind is retried on a new one (twice)."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # listeners advertise loopback, not the first NIC
+    for attempt in range(3):
+        port = free_port()
+        fd, log = tempfile.mkstemp(prefix=f"fdr3_{what}_", suffix=".log")
+        with os.fdopen(fd, "wb") as out:
+            proc = subprocess.Popen(argv_for(port), stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s (log: {log})")
+            _wait_listening(port, proc, what, log, timeout)
+            return proc, log, port
+        except RuntimeError:
+            stop_process(proc, 5)
+            with contextlib.suppress(OSError):
+                os.unlink(log)
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], port: int, what: str, timeout: float) -> Iterator[None]:
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # listeners advertise loopback, not the first NIC
-    fd, log = tempfile.mkstemp(prefix=f"fdr3_{what}_", suffix=".log")
-    with os.fdopen(fd, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+def _process(argv_for: Callable[[int], list[str]], what: str, timeout: float) -> Iterator[int]:
+    """The started process (_start) until the context exits; yields its port."""
+    proc, log, port = _start(argv_for, what, timeout)
     try:
-        _wait_listening(port, proc, what, log, timeout)
-        yield
+        try:
+            yield port
+        except BaseException:
+            # what the process said is the first thing to read when a test using it fails
+            state = "running" if proc.poll() is None else f"exited with {proc.returncode}"
+            print(f"--- {what} on 127.0.0.1:{port} ({state}), its log's tail:\n{_log_tail(log)}", file=sys.stderr)
+            raise
     finally:
         stop_process(proc, 5)
         with contextlib.suppress(OSError):
@@ -71,20 +116,26 @@ def _process(argv: list[str], port: int, what: str, timeout: float) -> Iterator[
 @contextlib.contextmanager
 def mooncake_master(*flags: str, timeout: float = 15.0) -> Iterator[str]:
     """Start mooncake_master (extra `--flag=value`s) on free 127.0.0.1 ports; yield `127.0.0.1:PORT`."""
-    port, metrics_port = free_port(), free_port()
-    argv = [_binary("mooncake_master"), f"--rpc_port={port}", "--rpc_address=127.0.0.1",
-            f"--metrics_port={metrics_port}", "--metrics_host=127.0.0.1", "--rpc_thread_num=2", *flags]  # fmt: skip
-    with _process(argv, port, "mooncake_master", timeout):
+    binary = _binary("mooncake_master")
+
+    def argv(port: int) -> list[str]:
+        return [binary, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}",
+                "--metrics_host=127.0.0.1", "--rpc_thread_num=2", *flags]  # fmt: skip
+
+    with _process(argv, "mooncake_master", timeout) as port:
         yield f"127.0.0.1:{port}"
 
 
 @contextlib.contextmanager
 def mooncake_holder(master: str, segment: str = "256MB", timeout: float = 15.0) -> Iterator[None]:
     """A `mooncake_client` contributing `segment` of memory to `master` until the context exits."""
-    port = free_port()
-    argv = [_binary("mooncake_client"), f"--master_server_address={master}", "--metadata_server=P2PHANDSHAKE",
-            "--host=127.0.0.1", f"--port={port}", f"--global_segment_size={segment}", "--protocol=tcp"]  # fmt: skip
-    with _process(argv, port, "mooncake_client", timeout):
+    binary = _binary("mooncake_client")
+
+    def argv(port: int) -> list[str]:
+        return [binary, f"--master_server_address={master}", "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1",
+                f"--port={port}", f"--global_segment_size={segment}", "--protocol=tcp"]  # fmt: skip
+
+    with _process(argv, "mooncake_client", timeout):
         yield
 
 
