@@ -27,6 +27,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listens_itself(pid: int, port: int) -> bool:
+    """Whether process `pid` itself holds the socket listening on 127.0.0.1:port (Linux /proc). A free_port()
+    is free only until someone binds it: another test's process can take it first, and then a plain
+    connect() succeeds against the wrong listener."""
+    want = f"0100007F:{port:04X}"
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[1].upper() == want and fields[3] == "0A":  # local address, state LISTEN
+                    inodes.add(fields[9])
+    targets = {f"socket:[{i}]" for i in inodes}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd") if targets else ():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                    return True
+    return False
+
+
 def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM, up to `grace_s` to exit, then SIGKILL: how every server a test starts is stopped."""
     stop_processes([proc], grace_s)

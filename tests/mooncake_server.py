@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-from api_server_process import free_port, stop_process
+from api_server_process import free_port, listens_itself, stop_process
 
 
 class MooncakeMissing(RuntimeError):
@@ -43,32 +43,12 @@ def _log_tail(log: str) -> str:
         return f.read()[-2000:]
 
 
-def _listens(pid: int, port: int) -> bool:
-    """Whether process `pid` itself holds the socket listening on 127.0.0.1:port (Linux /proc). A free_port()
-    is free only until someone binds it: another test's process can take it first, and then a plain
-    connect() succeeds against the wrong listener."""
-    want = f"0100007F:{port:04X}"
-    inodes = set()
-    for name in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError), open(f"/proc/net/{name}") as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[1].upper() == want and fields[3] == "0A":  # local address, state LISTEN
-                    inodes.add(fields[9])
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
-                    return True
-    return False
-
-
 def _wait_listening(port: int, proc: subprocess.Popen, what: str, log: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before listening:\n{_log_tail(log)}")
-        if _listens(proc.pid, port):
+        if listens_itself(proc.pid, port):
             return
         time.sleep(0.05)
     raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s:\n{_log_tail(log)}")

@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from api_server_process import free_port, stop_process
+from api_server_process import free_port, listens_itself, stop_process
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
@@ -25,6 +25,9 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with code {proc.returncode} before accepting connections")
+        if not listens_itself(proc.pid, port):  # not yet, or another process holds the port: no PING there
+            time.sleep(0.02)
+            continue
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
