@@ -8,36 +8,26 @@ prefix hits, chunked prefill, decode rows, GQA, padded rows.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
+from triton_interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+PRELUDE = """
+import torch
+from fastdeploy_r3.model_executor.ops import triton_setup
+from paged_attention_cases import make_case, run_torch, run_triton
+assert triton_setup.INTERPRET  # really the interpreted kernels, not the references
+torch.manual_seed(0)
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+def max_err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+"""
 
 
 def _run_interpreted(body: str) -> None:
-    prelude = textwrap.dedent(f"""
-        import os, sys
-        os.environ["TRITON_INTERPRET"] = "1"
-        sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
-        import torch
-        from fastdeploy_r3.model_executor.ops import triton_setup
-        from paged_attention_cases import make_case, run_torch, run_triton
-        assert triton_setup.INTERPRET  # really the interpreted kernels, not the references
-        torch.manual_seed(0)
-        TOL = {{torch.float32: 2e-5, torch.bfloat16: 2e-2}}
-
-        def max_err(a, b):
-            return (a.float() - b.float()).abs().max().item()
-    """)
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n"],
-                          check=False, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    run_interpreted(body, PRELUDE)
 
 
 def test_prefill_kernel_matches_torch_on_ragged_batches_with_prefix_hits_and_padding() -> None:

@@ -3,15 +3,11 @@ of the call, and a query's attention output never depends on how the queries wer
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from batch_invariance_cases import attention_scenarios
+from triton_interpreted import run_interpreted
 
 from fastdeploy_r3.model_executor.batch_invariant import (
     BatchInvariantAttentionBackend,
@@ -25,7 +21,6 @@ from fastdeploy_r3.model_executor.layers.attention import Attention, TorchPagedA
 from fastdeploy_r3.model_executor.layers.moe import loop_experts
 
 ROW_COUNTS = (1, 2, 7, 16, 17, 33, 64)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _first_row(fn, x: torch.Tensor, w: torch.Tensor) -> dict[int, torch.Tensor]:  # noqa: ANN001
@@ -103,17 +98,11 @@ def test_paged_attention_of_a_request_is_the_same_alone_chunked_among_others_and
 def _run_interpreted(body: str) -> None:
     """body in a fresh process with TRITON_INTERPRET=1 (set before triton builds a kernel)."""
     pytest.importorskip("triton")
-    prelude = f"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
+    run_interpreted(body, """
 import torch
 from fastdeploy_r3.model_executor.ops import triton_setup
 assert triton_setup.INTERPRET  # really the interpreted kernels
-"""
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n"],
-                          check=False, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+""")
 
 
 def test_triton_attention_path_is_the_same_alone_chunked_among_others_and_decoded() -> None:

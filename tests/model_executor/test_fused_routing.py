@@ -9,21 +9,13 @@ interpreter process (one per test: the interpreter's import is the expensive par
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interpreted import run_interpreted
 
 from fastdeploy_r3.model_executor.layers.moe import grouped_sigmoid_topk, softmax_topk
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 PRELUDE = """
-import os
-os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 from fastdeploy_r3.model_executor.layers.moe import grouped_sigmoid_topk, softmax_topk
@@ -45,10 +37,7 @@ def reference(logits, spec, bias):
 
 
 def _run_interpreted(body: str) -> None:
-    code = PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n"
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    run_interpreted(body, PRELUDE)
 
 
 def test_reference_routers_rank_ties_by_lower_expert_id() -> None:

@@ -8,45 +8,35 @@ one token a program); and a request's rows get the same bits alone, chunked, and
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
+from triton_interpreted import run_interpreted
 
 from fastdeploy_r3.model_executor.ops.invariant_attention import PACKED_ROWS, packed_tokens
 
 pytest.importorskip("triton")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+PRELUDE = """
+import torch
+from fastdeploy_r3.model_executor.ops import triton_setup
+from fastdeploy_r3.model_executor.ops.invariant_attention import packed_paged_attention
+from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
+from paged_attention_cases import make_case, run_torch
+assert triton_setup.INTERPRET  # really the interpreted kernel
+
+def packed(case):
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    m = case.meta
+    write_kv_cache(case.k, case.v, k_cache, v_cache, m.slot_mapping)
+    out = torch.empty_like(case.q)
+    packed_paged_attention(case.q, k_cache, v_cache, m.block_tables, m.seq_lens_tensor,
+                           m.query_start_loc_tensor, case.scale, out, max_query_len=m.max_query_len,
+                           block_n=16)
+    return out
+"""
 
 
 def _run_interpreted(body: str) -> None:
-    prelude = textwrap.dedent(f"""
-        import os, sys
-        os.environ["TRITON_INTERPRET"] = "1"
-        sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
-        import torch
-        from fastdeploy_r3.model_executor.ops import triton_setup
-        from fastdeploy_r3.model_executor.ops.invariant_attention import packed_paged_attention
-        from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
-        from paged_attention_cases import make_case, run_torch
-        assert triton_setup.INTERPRET  # really the interpreted kernel
-
-        def packed(case):
-            k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-            m = case.meta
-            write_kv_cache(case.k, case.v, k_cache, v_cache, m.slot_mapping)
-            out = torch.empty_like(case.q)
-            packed_paged_attention(case.q, k_cache, v_cache, m.block_tables, m.seq_lens_tensor,
-                                   m.query_start_loc_tensor, case.scale, out, max_query_len=m.max_query_len,
-                                   block_n=16)
-            return out
-    """)
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n"],
-                          check=False, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    run_interpreted(body, PRELUDE)
 
 
 def test_tokens_per_program_fill_sixteen_rows_and_never_drop_below_one() -> None:

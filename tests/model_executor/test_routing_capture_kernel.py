@@ -6,34 +6,26 @@ interpreter process (the parent may already have imported triton for other tests
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
+from triton_interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+PRELUDE = """
+import numpy as np
+import torch
+from fastdeploy_r3.model_executor.ops import routing_capture_kernel as rck
+from triton.runtime.interpreter import InterpretedFunction
+# really the interpreter, not the torch reference behind the dispatcher
+assert rck.use_triton(torch.zeros(1)) and isinstance(rck._capture_topk_ids_kernel, InterpretedFunction)
+assert isinstance(rck._scatter_rows_to_host_kernel, InterpretedFunction)
+torch.manual_seed(0)
+"""
 
 
 def _run_interpreted(body: str) -> None:
-    prelude = textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
-        import numpy as np
-        import torch
-        from fastdeploy_r3.model_executor.ops import routing_capture_kernel as rck
-        from triton.runtime.interpreter import InterpretedFunction
-        # really the interpreter, not the torch reference behind the dispatcher
-        assert rck.use_triton(torch.zeros(1)) and isinstance(rck._capture_topk_ids_kernel, InterpretedFunction)
-        assert isinstance(rck._scatter_rows_to_host_kernel, InterpretedFunction)
-        torch.manual_seed(0)
-    """)
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n"],
-                          check=False, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    run_interpreted(body, PRELUDE, timeout=120)
 
 
 def test_capture_matches_reference_for_every_dtype_and_leaves_other_rows_alone() -> None:
