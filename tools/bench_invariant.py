@@ -22,6 +22,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from bench_moe import graphed, time_fn
 
 from fastdeploy_r3.model_executor.ops.invariant_attention import packed_paged_attention
 from fastdeploy_r3.model_executor.ops.invariant_matmul import CONFIG, MatmulConfig, invariant_matmul
@@ -50,24 +51,10 @@ CANDIDATES: dict[str, MatmulConfig | None] = {
 }
 
 
-def graph_time(fn, inner: int = 20, reps: int = 7) -> float:  # noqa: ANN001
-    """Median microseconds of one fn() call, from a CUDA graph of `inner` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
-    return sorted(times)[reps // 2]
+def graph_time(fn, inner: int = 20) -> float:  # noqa: ANN001
+    """Median microseconds of one fn() call, from a CUDA graph of `inner` calls (tools/bench_moe.py's
+    graphed and time_fn)."""
+    return time_fn(graphed(lambda: [fn() for _ in range(inner)])) * 1e6 / inner
 
 
 def bench_matmul(rows: list[int]) -> dict[str, dict[str, dict[int, float]]]:
