@@ -140,6 +140,8 @@ class DeadlineCaller:
         fut = self._pool.submit(self._run, started, probe, answers, fn, *args)
         try:
             return self._result(fut, started)
+        except concurrent.futures.CancelledError:  # close() cancelled it in the queue: not the store's failure
+            raise StoreUnavailableError(f"{self.health.name} is closed") from None
         except concurrent.futures.TimeoutError:
             self.health.failed(f"no answer within {self.timeout_s:g} s")
             if undo is not None:

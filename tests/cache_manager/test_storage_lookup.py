@@ -131,6 +131,38 @@ def test_a_call_queued_behind_a_stuck_one_gives_up_at_the_stuck_calls_deadline()
     caller.close()
 
 
+def test_a_call_queued_when_the_caller_closes_is_unavailable_not_cancelled():
+    """close() cancels the calls still queued (the R3 store's /health probe can be one of them): each gets
+    StoreUnavailableError like any call the store did not answer, never a bare CancelledError."""
+    store = HangingStore({"a"})
+    store.released.clear()
+    caller = DeadlineCaller(StoreHealth("r3 store", retry_after_s=60.0), timeout_s=5.0)
+    outcomes: list[str] = []
+
+    def call() -> None:
+        try:
+            caller.call(store.exists, ["a"])
+            outcomes.append("answered")
+        except StoreUnavailableError as e:
+            outcomes.append(f"unavailable: {e}")
+        except BaseException as e:  # noqa: BLE001 - what the test is about
+            outcomes.append(type(e).__name__)
+
+    first = threading.Thread(target=call)
+    first.start()
+    while store.calls == 0:  # the first call holds the store's thread
+        time.sleep(0.01)
+    queued = threading.Thread(target=call)
+    queued.start()
+    time.sleep(0.2)  # queued behind the stuck call
+    caller.close()
+    queued.join(timeout=3)
+    assert outcomes == ["unavailable: r3 store is closed"]
+    store.released.set()
+    first.join(timeout=3)
+    assert outcomes[1:] == ["answered"]
+
+
 def test_a_stopped_store_costs_one_deadline_not_one_per_queued_call():
     """Redis stopped: each call blocks until its socket timeout (here the deadline) and then raises. Six
     requests at once: the first takes the deadline and marks the store slow; the five queued behind it are
