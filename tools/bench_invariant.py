@@ -1,6 +1,7 @@
 """Deterministic mode's kernels against the default ones on one GPU, at Qwen3-30B-A3B shapes.
 
     python tools/bench_invariant.py [--rows 1,16,64,256,2048] [--batches 1,64,256] [--context 1024] [--out DIR]
+        [--only matmul|attention]
 
 Matmul: ops/invariant_matmul.py in candidate fixed configs (one config serves every M, so a config is
 judged by its whole row of M) against cuBLAS, for the dense GEMMs of a layer (q/k/v 2048 -> 5120, o
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from bench_moe import graphed, time_fn
 
-from fastdeploy_r3.model_executor.ops.invariant_attention import packed_paged_attention
+from fastdeploy_r3.model_executor.ops.invariant_attention import SPLIT_BELOW_PROGRAMS, packed_paged_attention
 from fastdeploy_r3.model_executor.ops.invariant_matmul import CONFIG, MatmulConfig, invariant_matmul
 from fastdeploy_r3.model_executor.ops.paged_decode import paged_decode_attention
 from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
@@ -89,8 +90,9 @@ def step_cost(t: dict[str, dict[int, float]], m: int) -> float:
 
 def bench_attention(batches: list[int], context: int) -> dict[str, dict[int, float]]:
     heads, kv_heads, dim, bs = 32, 4, 128, 16
-    packed = {"packed n64 w4 (det)": (64, 4), "packed n32 w4": (32, 4), "packed n128 w4": (128, 4),
-              "packed n128 w8": (128, 8), "packed n64 w8": (64, 8)}  # fmt: skip
+    # (block_n, num_warps, split): None = as deterministic mode runs it (split decode steps of few rows)
+    packed = {"packed det": (64, 4, None), "packed one pass": (64, 4, False), "packed n128 one pass": (128, 4, False),
+              "packed split n128": (128, 4, True)}  # fmt: skip
     got: dict[str, dict[int, float]] = {"default kernels": {}, "per-head (old det)": {}, **{n: {} for n in packed}}
     for b in [*batches, 0]:  # 0: one prefill of 2048 fresh tokens
         rows, q_len = (b, 1) if b else (1, 2048)
@@ -111,15 +113,23 @@ def bench_attention(batches: list[int], context: int) -> dict[str, dict[int, flo
             got["default kernels"][key] = graph_time(lambda a=args: paged_prefill_attention(*a, max_query_len=2048))
         got["per-head (old det)"][key] = graph_time(
             lambda a=args, ql=q_len: paged_prefill_attention(*a, max_query_len=ql, block_m=16, block_n=64))
-        for name, (bn, warps) in packed.items():
+        for name, (bn, warps, split) in packed.items():
+            if split and not b:
+                got[name][key] = float("nan")  # a prefill is never split
+                continue
             got[name][key] = graph_time(
-                lambda a=args, ql=q_len, bn=bn, w=warps: packed_paged_attention(*a, max_query_len=ql, block_n=bn,
-                                                                                num_warps=w))  # fmt: skip
+                lambda a=args, ql=q_len, s=seq, bn=bn, w=warps, sp=split: packed_paged_attention(
+                    *a, max_query_len=ql, max_seq_len=s, split=sp, block_n=bn, num_warps=w))  # fmt: skip
         ref = out.clone()
         paged_prefill_attention(*args, max_query_len=q_len, block_m=16, block_n=64)
         ref.copy_(out)
-        packed_paged_attention(*args, max_query_len=q_len)
+        packed_paged_attention(*args, max_query_len=q_len, max_seq_len=seq)
         print(f"attention {key}: packed vs per-head max |diff| {(out.float() - ref.float()).abs().max().item():.2e}")
+        if b:
+            ref.copy_(out)
+            auto_split = b * kv_heads < SPLIT_BELOW_PROGRAMS
+            packed_paged_attention(*args, max_query_len=1, max_seq_len=seq, split=not auto_split)
+            print(f"attention {key}: split and one pass bit-equal: {torch.equal(out, ref)}")
     keys = [*batches, "prefill 2048"]
     print(f"\nattention us a layer (context {context})  " + " ".join(f"{str(k):>14s}" for k in keys))
     for name, t in got.items():
@@ -133,16 +143,17 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--only", choices=("matmul", "attention"), help="run one half")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    mm = bench_matmul(rows)
+    mm = bench_matmul(rows) if args.only != "attention" else {}
     print("\ndense GEMMs of a decode step, ms (48 layers of qkv + o + gate, one lm_head)")
     print(f"{'config':20s} " + " ".join(f"{'B=' + str(b):>10s}" for b in batches) + "   prefill M=" + str(max(rows)))
     for name, t in mm.items():
         print(f"{name:20s} " + " ".join(f"{step_cost(t, b):>10.3f}" for b in batches if b in rows)
               + f"   {step_cost(t, max(rows)):10.3f}")  # fmt: skip
-    att = bench_attention(batches, args.context)
+    att = bench_attention(batches, args.context) if args.only != "matmul" else {}
 
     import matplotlib
 

@@ -12,7 +12,8 @@ Where the default kernels break that, and what this mode runs instead:
     attention               CPU: einsums over a request's queries;       CPU: per query, KV tiles at fixed
                             CUDA: decode split count set by the batch's  absolute positions; CUDA:
                             longest sequence, prefill BLOCK_M by its     ops/invariant_attention.py for
-                            longest chunk                                every step, one tile shape
+                            longest chunk                                every step, partitions of fixed
+                                                                         positions, one tile shape
     silu, sigmoid router,   CPU: a vectorized loop ends in a scalar      CPU: fixed [EW_TILE, N] tiles
     rotary cos / sin        tail placed by the tensor's size             (invariant_rows); CUDA: as is
     norms, softmax, top-k,  row-local already (one row's reduction       unchanged
@@ -32,7 +33,7 @@ scheduler's chunk boundaries need not be fixed.
 make_batch_invariant(model) switches a built model to these paths (the model loader calls it under
 ModelConfig.enable_deterministic_inference). Its cost on the CPU: padding every GEMM to whole ROW_TILE rows,
 one GEMM launch per tile, and the per-request attention loop; on CUDA: Triton GEMMs in place of cuBLAS's
-shape-tuned ones, and no split-KV decode (docs/deterministic.md has the H200 figures).
+shape-tuned ones (docs/deterministic.md has the H200 figures).
 """
 
 from __future__ import annotations
@@ -157,8 +158,10 @@ class BatchInvariantAttentionBackend(AttentionBackend):
     Where Triton runs (CUDA, or the interpreter): ops/invariant_attention.py for every step, decode
     included: the paged prefill kernel's walk over context tiles at fixed absolute positions, with one tile
     shape whatever the batch (the default kernels pick BLOCK_M by the longest chunk and the decode split
-    count by the longest sequence), and a GQA group per program so that decode reads each K/V tile once per
-    kv head. It has no host sync, so decode steps still capture into CUDA graphs. Elsewhere: the torch
+    count by the longest sequence), a GQA group per program so that decode reads each K/V tile once per
+    kv head, and the context cut into partitions at fixed positions, so that a decode step of few rows
+    splits over them and a recompute of the same token gets the same bits. It has no host sync, so decode
+    steps still capture into CUDA graphs. Elsewhere: the torch
     paged backend's loop over requests (layers/attention.py) with invariant_attention."""
 
     # on CUDA only the Triton path runs, which reads device metadata of fixed capacity (worker/cuda_graph_runner.py)
@@ -188,7 +191,7 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         return packed_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
                                       meta.query_start_loc_tensor, scale, out, max_query_len=meta.max_query_len,
-                                      block_n=TRITON_KV_TILE)  # fmt: skip
+                                      max_seq_len=meta.max_seq_len, block_n=TRITON_KV_TILE)  # fmt: skip
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:

@@ -139,10 +139,14 @@ def expert_distribution(runner: ModelRunner, msg: ExpertDistribution) -> ExpertD
     recorder = getattr(runner.model, "expert_load", None)
     if recorder is None:
         return ExpertDistributionResult(runner.rank, error=f"rank {runner.rank} has no model loaded")
-    if msg.action == "start":
-        recorder.start()
-    elif msg.action == "stop":
-        recorder.stop()
+    if msg.action in ("start", "stop"):
+        was = recorder.recording
+        if msg.action == "start":
+            recorder.start()
+        else:
+            recorder.stop()
+        if runner.decode_graphs is not None and recorder.recording != was:
+            runner.capture_decode_graphs()  # graphs bake in whether their MoE layers count (expert_load.py)
     elif msg.action == "dump":
         return ExpertDistributionResult(runner.rank, counts=recorder.dump(), recording=recorder.recording)
     else:

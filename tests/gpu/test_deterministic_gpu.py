@@ -61,6 +61,37 @@ def test_attention_alone_chunked_among_others_and_decoded_is_the_same() -> None:
     assert all(torch.equal(out, got["alone"]) for out in got.values())
 
 
+def test_packed_attention_split_decode_gives_the_bits_of_a_one_pass_prefill_across_partitions() -> None:
+    """Qwen3-30B-A3B heads (32:4 of 128), blocks of 16, bf16: decode rows of 1 .. 3000 positions (partition
+    boundaries on both sides) split over partitions equal the one-pass kernel; and a 700-token prompt's
+    last token, prefilled in one pass with the rest, gets the same bits decoded alone (split)."""
+    from paged_attention_cases import make_case
+
+    from fastdeploy_r3.model_executor.ops.invariant_attention import packed_paged_attention
+    from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
+
+    def run(case, q, qsl, seq_lens, tables, max_query_len, split):  # noqa: ANN001, ANN202
+        out = torch.empty_like(q)
+        packed_paged_attention(q, case.k_cache, case.v_cache, tables, seq_lens, qsl, case.scale, out,
+                               max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), split=split)
+        return out
+
+    kw = dict(num_heads=32, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+    case = make_case([(n - 1, 1) for n in (1, 255, 256, 257, 1000, 3000)], padded_rows=2, **kw)
+    m = case.meta
+    write_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
+    args = (case, case.q, m.query_start_loc_tensor, m.seq_lens_tensor, m.block_tables, 1)
+    assert torch.equal(run(*args, split=True), run(*args, split=False))
+
+    prompt = make_case([(0, 700)], **kw)
+    m = prompt.meta
+    write_kv_cache(prompt.k, prompt.v, prompt.k_cache, prompt.v_cache, m.slot_mapping)
+    whole = run(prompt, prompt.q, m.query_start_loc_tensor, m.seq_lens_tensor, m.block_tables, 700, split=False)
+    one = torch.tensor([0, 1], device="cuda", dtype=m.query_start_loc_tensor.dtype)
+    last = run(prompt, prompt.q[-1:], one, m.seq_lens_tensor, m.block_tables, 1, split=True)
+    assert torch.equal(last, whole[-1:])
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     model_dir = make_fake_model("qwen3_moe", str(tmp_path_factory.mktemp("qwen3-small")), preset="small")

@@ -149,6 +149,27 @@ def test_triton_invariant_matmul_gives_a_row_the_same_bits_in_any_call() -> None
     """)
 
 
+def test_the_slot_sum_kernel_adds_the_k_experts_in_slot_order_as_a_loop_would() -> None:
+    """The batch-invariant fused MoE's last launch: part [T, K, H] float32 summed over K in slot order, bit
+    for bit what a Python loop of adds gives (H not a multiple of the block), then cast once. (The
+    interpreter casts float32 to bf16 by truncation where the GPU rounds to nearest: bf16 within one ulp.)"""
+    _run_interpreted("""
+        from fastdeploy_r3.model_executor.ops.fused_moe_triton import _sum_slots_kernel
+        torch.manual_seed(0)
+        part = torch.randn(5, 8, 1500) * 1e3
+        for dtype in (torch.bfloat16, torch.float32):
+            want = part[:, 0]
+            for k in range(1, 8):
+                want = want + part[:, k]
+            out = torch.empty(5, 1500, dtype=dtype)
+            _sum_slots_kernel[(8,)](part, out, 5, 1500, TOP_K=8, BLOCK=1024)
+            if dtype == torch.float32:
+                assert torch.equal(out, want)
+            else:
+                assert ((out.float() - want).abs() <= want.abs() * 2**-7).all()
+    """)
+
+
 def test_triton_experts_in_batch_invariant_mode_give_a_token_the_same_bits_in_any_batch() -> None:
     """The fused MoE under the interpreter, one tile config: token 0 (experts 1 and 3) alone, and among 40
     tokens (the default configs would switch tiles at that many rows per expert)."""

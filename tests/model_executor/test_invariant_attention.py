@@ -1,9 +1,11 @@
 """ops/invariant_attention.py, the GQA-packed batch-invariant attention kernel, under the Triton interpreter.
 
-A program holds packed_tokens(G) query tokens times the G heads of one kv head. The stories: the kernel
-equals the torch oracle on ragged batches (prefix hits, decode rows, padded rows) for groups that fill its
-16 rows exactly (2, 8), leave some empty (3: 5 tokens x 3 heads = 15 rows) and need more than 16 rows (32:
-one token a program); and a request's rows get the same bits alone, chunked, and decoded among others.
+A program holds packed_tokens(G) query tokens times the G heads of one kv head, and folds the context's
+partitions of PARTITION (256) positions in order. The stories: the kernel equals the torch oracle on ragged
+batches (prefix hits, decode rows, padded rows) for groups that fill its 16 rows exactly (2, 8), leave some
+empty (3: 5 tokens x 3 heads = 15 rows) and need more than 16 rows (32: one token a program); a decode step
+split over the partitions gives the one-pass kernel's bits; and a request's rows get the same bits alone,
+chunked, and decoded among others, also across a partition boundary.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
 from paged_attention_cases import make_case, run_torch
 assert triton_setup.INTERPRET  # really the interpreted kernel
 
-def packed(case):
+def packed(case, split=None):
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     m = case.meta
     write_kv_cache(case.k, case.v, k_cache, v_cache, m.slot_mapping)
     out = torch.empty_like(case.q)
     packed_paged_attention(case.q, k_cache, v_cache, m.block_tables, m.seq_lens_tensor,
                            m.query_start_loc_tensor, case.scale, out, max_query_len=m.max_query_len,
-                           block_n=16)
+                           max_seq_len=m.max_seq_len, split=split, block_n=16)
     return out
 """
 
@@ -59,6 +61,28 @@ def test_packed_kernel_matches_torch_on_ragged_batches_for_every_group_shape() -
                 err = (got[:real].float() - want[:real].float()).abs().max().item()
                 assert err < tol[dtype], (heads, kv_heads, dtype, err)
                 assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    """)
+
+
+def test_a_decode_step_split_over_partitions_gives_the_one_pass_bits() -> None:
+    """Decode rows with contexts of 1, 200, 256, 257 and 700 positions (one, two and three partitions, the
+    boundaries on both sides) and a padded row: the split path (a program per partition, a second launch
+    folding them) and the one-pass path give the same bits, and the oracle's numbers."""
+    _run_interpreted("""
+        from fastdeploy_r3.model_executor.ops.invariant_attention import PARTITION
+        assert PARTITION == 256
+        rows = [(0, 1), (199, 1), (255, 1), (256, 1), (699, 1)]
+        for heads, kv_heads in ((6, 2), (8, 1)):
+            for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+                case = make_case(rows, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype, padded_rows=1,
+                                 block_size=16, seed=heads)
+                split, one_pass = packed(case, split=True), packed(case, split=False)
+                assert torch.equal(split, one_pass), (heads, dtype)
+                want, _, _ = run_torch(case)
+                real = case.real_tokens
+                assert (split[:real].float() - want[:real].float()).abs().max().item() < tol, (heads, dtype)
+                assert torch.equal(split[real:], torch.zeros_like(split[real:]))
+                assert torch.equal(packed(case), split)  # few rows, several partitions: split by default
     """)
 
 

@@ -141,6 +141,19 @@ class TritonMoeConfig:
 
 # deterministic mode: one config for every batch, so a row's reduction order (BLOCK_K steps of one MMA
 # shape) never changes with the number of rows an expert receives (model_executor/batch_invariant.py)
+@jit
+def _sum_slots_kernel(part_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, h] = ((part[t, 0, h] + part[t, 1, h]) + part[t, 2, h]) + ... in float32, cast once: the K - 1
+    adds and the cast of a loop over the slots, in one launch. part [T, K, H] contiguous."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # flat index into out [T, H]
+    ok = i < num_tokens * hidden
+    src = (i // hidden) * TOP_K * hidden + i % hidden  # part[t, 0, h]
+    acc = tl.load(part_ptr + src, mask=ok, other=0.0)
+    for k in tl.static_range(1, TOP_K):
+        acc = acc + tl.load(part_ptr + src + k * hidden, mask=ok, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 BATCH_INVARIANT_CONFIG = TritonMoeConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
@@ -215,7 +228,6 @@ def triton_experts(
     part = part.view(num_tokens, top_k, hidden)  # [T, K, H]
     if not batch_invariant:
         return part.sum(dim=1).to(x.dtype)  # [T, H]
-    out = part[:, 0]  # [T, H]
-    for k in range(1, top_k):
-        out = out + part[:, k]
-    return out.to(x.dtype)  # [T, H]
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
+    _sum_slots_kernel[(triton.cdiv(num_tokens * hidden, 1024),)](part, out, num_tokens, hidden, TOP_K=top_k, BLOCK=1024)
+    return out
