@@ -2,6 +2,11 @@
 
     python tools/bench_moe.py [--layers 48] [--batches 1,16,64,256] [--dtype bfloat16] [--out DIR]
     python tools/bench_moe.py --routing [--router softmax|sigmoid] [--batches 1,16,64,256,4096]
+    python tools/bench_moe.py --expert-sweep [--batches 1,4,16]
+
+--expert-sweep times the two expert GEMM launches alone (ids drawn uniformly, as dummy weights route,
+already aligned), all layers in one CUDA graph, for a grid of block configs, against the bytes of the
+experts touched: which config pick_config should give decode and verify batches.
 
 --routing times the routing alone instead (router logits -> ids, weights, R3 capture write, alignment),
 per MoE layer: the unfused sequence the layers ran before ops/fused_routing.py (softmax, torch.topk,
@@ -139,6 +144,46 @@ def routing_times(bs: int, spec: RouterSpec, bias: torch.Tensor | None, num_laye
     return us
 
 
+def expert_sweep(args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    bw = copy_bandwidth(dev)
+    w13 = [(torch.randn(E, 2 * INTER, H, device=dev) * 0.02).to(dtype) for _ in range(args.layers)]
+    w2 = [(torch.randn(E, H, INTER, device=dev) * 0.02).to(dtype) for _ in range(args.layers)]
+    per_expert = 3 * H * INTER * w13[0].element_size()
+    grid = [TritonMoeConfig(16, bn, bk, w, s) for bn in (32, 64, 128) for bk in (64, 128, 256)
+            for w, s in ((4, 3), (4, 4), (4, 5), (2, 4), (8, 4)) if bn * bk <= 16384]
+    grid += [TritonMoeConfig(16, 16, bk, w, 4) for bk in (128, 256) for w in (2, 4)]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {len(grid)} configs", flush=True)
+    for bs in (int(b) for b in args.batches.split(",")):
+        x = torch.randn(bs, H, device=dev, dtype=dtype)
+        ids = [torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(bs)]) for _ in range(args.layers)]
+        weights = torch.full((bs, K), 1.0 / K, device=dev)
+        touched = sum(int(torch.unique(i).numel()) for i in ids)
+        roof = touched * per_expert / bw
+        timed = []
+        for cfg in [pick_config(bs, K, E), *grid]:
+            blocks = [align_to_blocks(i, E, cfg.block_m) for i in ids]
+
+            def run(cfg: TritonMoeConfig = cfg, blocks: list = blocks, x: torch.Tensor = x,
+                    ids: list = ids, weights: torch.Tensor = weights) -> None:
+                for layer in range(args.layers):
+                    triton_experts(x, w13[layer], w2[layer], weights, ids[layer], cfg, blocks[layer])
+
+            try:
+                with torch.inference_mode():
+                    ms = time_fn(graphed(run), reps=20) * 1e3
+            except Exception as exc:  # noqa: BLE001 (a config that does not compile is reported, not fatal)
+                print(f"bs {bs} {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            timed.append((ms, cfg))
+        auto_ms = timed[0][0]
+        print(f"\nbatch {bs}: {touched / args.layers:.1f} experts/layer, roofline {roof * 1e3:.3f} ms, "
+              f"pick_config {timed[0][1]} {auto_ms:.3f} ms ({roof * 1e3 / auto_ms:.0%} of copy bandwidth)")
+        for ms, cfg in sorted(timed[1:], key=lambda t: t[0])[:8]:
+            print(f"  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: {ms:.3f} ms "
+                  f"({roof * 1e3 / ms:.0%}; {ms / auto_ms:.2f}x pick_config)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=48)
@@ -147,8 +192,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for moe_bench.json")
     ap.add_argument("--routing", action="store_true", help="time the routing (unfused vs fused) instead")
     ap.add_argument("--router", default="softmax", choices=("softmax", "sigmoid"))
+    ap.add_argument("--expert-sweep", action="store_true", help="time the expert GEMMs alone over block configs")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.expert_sweep:
+        expert_sweep(args, dev, getattr(torch, args.dtype))
+        return
     if args.routing:
         bench_routing(args, dev, getattr(torch, args.dtype))
         return
