@@ -16,7 +16,9 @@ log-normal with a long tail and capped at --max-tokens (`--output-len fixed`: ev
 TTFT p50/p99, TPOT p50/p99 and, when the engine exports its step counters on /metrics, the mean
 engine step beside the server TPOT. `--r3 both` runs R3 off and on alternately (--pairs times) on
 servers started here and prints their ratio (per concurrency with --concurrency-sweep, each server
-running the whole sweep). --png plots tokens/s and requests in flight over time.
+running the whole sweep). --png plots tokens/s and requests in flight over time. Each run also
+prints the host CPU per output token of the client (this process) and of the API server it started: a
+process near 100 % of the wall time is what the rollout waits on, not the engine.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class RunResult:
     step_ms: float | None
     timeline: list[tuple[float, int, int]]  # (t, tokens so far, in flight)
     step_split_ms: dict[str, float] = field(default_factory=dict)  # mean ms per step of each STEP_PARTS
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds of the run: "API server", "client"
 
     @property
     def output_tokens(self) -> int:
@@ -142,7 +145,20 @@ async def _step_counters(client: httpx.AsyncClient, url: str) -> dict[str, float
     return {}
 
 
-async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace, r3: bool, label: str) -> RunResult:
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of process pid so far (Linux /proc), None if unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields_ = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace, r3: bool, label: str,
+                      server_pid: int | None = None) -> RunResult:
     limit = args.concurrency or len(samples)
     sem = asyncio.Semaphore(limit)
     in_flight = 0
@@ -151,6 +167,7 @@ async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace,
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         before = await _step_counters(client, url)
+        cpu_before = (process_cpu_s(server_pid), time.process_time())
         start = time.monotonic()
 
         async def guarded(s: Sample) -> None:
@@ -172,6 +189,9 @@ async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace,
         wall = time.monotonic() - start
         watch.cancel()
         timeline.append((wall, sum(s.tokens for s in samples), 0))
+        cpu = {"client": time.process_time() - cpu_before[1]}
+        if (api := process_cpu_s(server_pid)) is not None and cpu_before[0] is not None:
+            cpu["API server"] = api - cpu_before[0]
         after = await _step_counters(client, url)
     step_ms = None
     if {"steps", "step_seconds"} <= before.keys() & after.keys() and after["steps"] > before["steps"]:
@@ -183,8 +203,8 @@ async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace,
         if decode > 0:  # the steps that fed one token per request, no prompt chunk (send excluded)
             split[f"decode-only step ({decode:.0f} steps)"] = 1e3 * (
                 after["decode_step_seconds"] - before["decode_step_seconds"]) / decode
-        return RunResult(label, wall, samples, step_ms, timeline, split)
-    return RunResult(label, wall, samples, step_ms, timeline)
+        return RunResult(label, wall, samples, step_ms, timeline, split, cpu)
+    return RunResult(label, wall, samples, step_ms, timeline, cpu_s=cpu)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -241,7 +261,7 @@ def vocab_size(model_dir: str | None) -> int:
 @contextlib.contextmanager
 def target(args: argparse.Namespace, r3_config: str, log_dir: str):
     if args.url:
-        yield args.url
+        yield args.url, None
         return
     # server_command says --device cpu; a later --device wins (argparse keeps the last value).
     extra = [*args.server_arg, "--device", args.device, "--routing-replay-config", r3_config,
@@ -250,7 +270,7 @@ def target(args: argparse.Namespace, r3_config: str, log_dir: str):
     with api_server(args.model, log_dir, *extra, timeout=args.start_timeout_s) as h:
         print(f"server ({'R3 off' if r3_config == R3_OFF else 'R3 on'}) up in {time.monotonic() - t0:.1f} s",
               flush=True)
-        yield h.url
+        yield h.url, h.proc.pid  # the API server process itself (its engine and workers are children)
 
 
 async def _main(args: argparse.Namespace) -> list[RunResult]:
@@ -261,7 +281,7 @@ async def _main(args: argparse.Namespace) -> list[RunResult]:
     with tempfile.TemporaryDirectory(prefix="fdr3_rollout_") as log_dir:
         for i, r3 in enumerate(modes):
             pair = f"R3 {'on' if r3 else 'off'}" + (f" #{i // 2 + 1}" if args.r3 == "both" else "")
-            with target(args, R3_ON if r3 else R3_OFF, log_dir) as url:
+            with target(args, R3_ON if r3 else R3_OFF, log_dir) as (url, pid):
                 await run_rollout(url, make_rollout(args, vocab, seed=99)[:4], args, False, "warm-up")
                 for c in sweep:
                     if c is None:
@@ -271,7 +291,7 @@ async def _main(args: argparse.Namespace) -> list[RunResult]:
                         one_each = argparse.Namespace(**{**vars(args), "prompts": c, "n": 1})
                         samples = make_rollout(one_each, vocab)
                         label = f"concurrency {c}" + (f", {pair}" if args.r3 == "both" else "")
-                    results.append(await run_rollout(url, samples, args, r3, label))
+                    results.append(await run_rollout(url, samples, args, r3, label, pid))
                     print(row(results[-1]), flush=True)
     return results
 
@@ -323,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.step_split_ms:
             print(f"engine step, {r.label}: " + ", ".join(f"{p} {ms:.2f} ms" for p, ms in r.step_split_ms.items()))
+    for r in results:  # a process near 100 % of the wall time is what the rollout waits on
+        print(f"host CPU, {r.label}: " + ", ".join(
+            f"{who} {1e6 * s / max(r.output_tokens, 1):.0f} us per output token ({s / r.wall_s:.0%} of the wall time)"
+            for who, s in r.cpu_s.items()))
     for c, ratios in r3_ratios(results).items():
         if ratios:
             at = f" at concurrency {c}" if c else ""
@@ -336,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "rollout.json"), "w") as f:
             json.dump([{"label": r.label, "wall_s": r.wall_s, "output_tokens": r.output_tokens, "tok_s": r.tok_s,
-                        "step_ms": r.step_ms, "failed": sum(s.error is not None for s in r.samples),
+                        "step_ms": r.step_ms, "cpu_s": r.cpu_s, "failed": sum(s.error is not None for s in r.samples),
                         "errors": sorted({s.error for s in r.samples if s.error})[:5]} for r in results], f, indent=1)
     return 1 if any(s.error for r in results for s in r.samples) else 0
 

@@ -337,6 +337,11 @@ class AsyncEngineClient:
             if not finished and self.is_alive:
                 self._abort_now(request_id)
 
+    def queued(self, request_id: str) -> int:
+        """Deltas of the request that arrived and were not yet taken by its generate() (0 if unknown)."""
+        q = self._queues.get(request_id)
+        return 0 if q is None else q.qsize()
+
     def _abort_now(self, request_id: str) -> None:
         """Send an abort without awaiting: the caller may be a task being cancelled (a client that
         disconnected), where any await would raise again before the message left. A zmq.asyncio

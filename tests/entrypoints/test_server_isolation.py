@@ -16,6 +16,7 @@ queue bound is reachable with three requests.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import shutil
 import time
@@ -176,6 +177,20 @@ def test_a_request_past_its_deadline_is_aborted_with_504(server: ServerHandle) -
     assert "deadline" in err["message"] and err["param"] == "timeout"
     assert wait_idle(server, within_s=8.0) < 8.0
     assert error_of(post(server, {"prompt": "x", "timeout": 0}), 400)["param"] == "timeout"
+
+
+def test_a_stream_past_its_deadline_ends_with_a_504_event_after_its_tokens(server: ServerHandle) -> None:
+    wait_idle(server, 60)
+    events = []
+    body = {"prompt": "slow", "timeout": 1.5, "stream": True, **LONG}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200  # the first token came in time: the status is sent
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    tokens = [e for e in events if '"choices"' in e]
+    errors = [json.loads(e)["error"] for e in events if '"error"' in e]
+    assert tokens and len(tokens) < LONG["max_tokens"]
+    assert len(errors) == 1 and errors[0]["code"] == 504 and "deadline" in errors[0]["message"], events[-2:]
+    assert wait_idle(server, within_s=8.0) < 8.0  # the engine request was aborted
 
 
 # -- F5 / F6: rollout ids -------------------------------------------------------------------------------

@@ -312,7 +312,10 @@ class NativeServing(OpenAIServing):
     async def _stream(self, body: GenerateRequest, item: _Item, first: RequestDelta,
                       gen: AsyncIterator[RequestDelta], started: float) -> AsyncIterator[str]:
         """SGLang's cumulative chunks: text, output_ids and logprobs so far, every stream_interval new
-        tokens; the last one is the whole answer (R3 included)."""
+        tokens; the last one is the whole answer (R3 included). A chunk is skipped while the request's
+        next delta is already waiting here: the next chunk holds all of it, so a client (or this
+        process) that falls behind the engine gets fewer, larger chunks instead of a growing backlog
+        of O(tokens) encodes (each chunk repeats everything so far)."""
         assembler = OutputAssembler(first.request_id)
         sent = 0
         try:
@@ -320,6 +323,8 @@ class NativeServing(OpenAIServing):
                 assembler.add(delta)
                 if delta.finished:
                     break
+                if self.ctx.engine.queued(delta.request_id):
+                    continue
                 so_far = assembler.output()
                 partial = so_far.outputs[0] if so_far.outputs else None  # one choice (n = 1)
                 if partial is None or len(partial.token_ids) - sent < item.stream_interval:

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -42,6 +41,7 @@ from fastdeploy_r3.engine.messages import EngineStateQuery
 from fastdeploy_r3.entrypoints.engine_client import AsyncEngineClient, EngineStartupError
 from fastdeploy_r3.entrypoints.native.api import add_native_routes
 from fastdeploy_r3.entrypoints.native.server_info import ServerAddress, add_info_routes, redacted, scrub_paths
+from fastdeploy_r3.entrypoints.openai.api_key import ApiKeyCheck
 from fastdeploy_r3.entrypoints.openai.connection_limits import (
     AnsweringServer,
     accept_backlog,
@@ -184,18 +184,10 @@ def build_app(
     # except those a probe or scraper that cannot send one is let into
     open_paths = (("/metrics",) if metrics_without_api_key else ()) + (("/health",) if health_without_api_key else ())
     # added first, so it sits innermost (next to the routes): its 413 raised from receive() reaches
-    # FastAPI as an HTTPException, not wrapped by the API-key middleware's task group
+    # FastAPI as an HTTPException
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path not in open_paths:
-            auth = request.headers.get("authorization", "")
-            if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
-                err = OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                                  "authentication_error")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key, open_paths=open_paths)
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
