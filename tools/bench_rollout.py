@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -157,39 +160,73 @@ def process_cpu_s(pid: int | None) -> float | None:
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace, r3: bool, label: str,
-                      server_pid: int | None = None) -> RunResult:
-    limit = args.concurrency or len(samples)
+async def _client(url: str, samples: list[Sample], args: argparse.Namespace, r3: bool, limit: int,
+                  on_change: Callable[[int], None] = lambda d: None) -> None:
+    """Send `samples`, at most `limit` in flight, filling in their timings."""
     sem = asyncio.Semaphore(limit)
-    in_flight = 0
-    timeline: list[tuple[float, int, int]] = []
     timeout = httpx.Timeout(args.request_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        before = await _step_counters(client, url)
-        cpu_before = (process_cpu_s(server_pid), time.process_time())
-        start = time.monotonic()
 
         async def guarded(s: Sample) -> None:
-            nonlocal in_flight
             async with sem:
-                in_flight += 1
+                on_change(1)
                 try:
                     await _one(client, url, s, args, r3)
                 finally:
-                    in_flight -= 1
+                    on_change(-1)
 
-        async def sampler() -> None:
-            while True:
-                timeline.append((time.monotonic() - start, sum(s.tokens for s in samples), in_flight))
-                await asyncio.sleep(0.25)
-
-        watch = asyncio.create_task(sampler())
         await asyncio.gather(*(guarded(s) for s in samples))
+
+
+def _client_process(url: str, samples: list[Sample], args: argparse.Namespace, r3: bool,
+                    limit: int) -> tuple[list[Sample], float]:
+    """One of --client-procs: its share of the samples, timed; returns them and its CPU seconds."""
+    cpu0 = time.process_time()  # its start-up (imports) left out
+    asyncio.run(_client(url, samples, args, r3, limit))
+    return samples, time.process_time() - cpu0
+
+
+def _timeline_of(samples: list[Sample], start: float, wall: float) -> list[tuple[float, int, int]]:
+    """(t, tokens so far, in flight) every 0.25 s, rebuilt from the samples' own times."""
+    arrivals = np.sort(np.array([t for s in samples for t in s.token_times]) - start)
+    sent = np.array([s.sent - start for s in samples])
+    ended = np.array([(s.token_times[-1] if s.token_times else s.sent) - start for s in samples])
+    out = []
+    for t in np.arange(0.0, wall, 0.25):
+        out.append((float(t), int(np.searchsorted(arrivals, t, side="right")), int(((sent <= t) & (ended > t)).sum())))
+    out.append((wall, len(arrivals), 0))
+    return out
+
+
+async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace, r3: bool, label: str,
+                      server_pid: int | None = None) -> RunResult:
+    limit = args.concurrency or len(samples)
+    procs = max(1, min(args.client_procs, len(samples)))
+    loop = asyncio.get_running_loop()
+    async with contextlib.AsyncExitStack() as stack, httpx.AsyncClient(timeout=30.0) as client:
+        pool = None
+        if procs > 1:  # started before the clock: a spawned client imports for ~0.5 s
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                procs, mp_context=multiprocessing.get_context("spawn")))
+            await asyncio.gather(*(loop.run_in_executor(pool, time.sleep, 0.5) for _ in range(procs)))
+        before = await _step_counters(client, url)
+        cpu_before = (process_cpu_s(server_pid), time.process_time())
+        start = time.monotonic()
+        if pool is None:
+            await _client(url, samples, args, r3, limit)
+            client_cpu = time.process_time() - cpu_before[1]
+        else:  # each process its share of the samples and of the concurrency (CLOCK_MONOTONIC is system-wide)
+            shares = [samples[i::procs] for i in range(procs)]
+            done = await asyncio.gather(*(loop.run_in_executor(
+                pool, _client_process, url, share, args, r3, max(1, limit // procs)) for share in shares))
+            for share, (filled, _) in zip(shares, done):
+                for mine, theirs in zip(share, filled):
+                    mine.__dict__.update(theirs.__dict__)
+            client_cpu = sum(cpu for _, cpu in done)
         wall = time.monotonic() - start
-        watch.cancel()
-        timeline.append((wall, sum(s.tokens for s in samples), 0))
-        cpu = {"client": time.process_time() - cpu_before[1]}
+        timeline = _timeline_of(samples, start, wall)
+        cpu = {"client": client_cpu}
         if (api := process_cpu_s(server_pid)) is not None and cpu_before[0] is not None:
             cpu["API server"] = api - cpu_before[0]
         after = await _step_counters(client, url)
@@ -323,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--r3", choices=("on", "off", "both"), default="on")
     ap.add_argument("--pairs", type=int, default=3, help="off/on pairs with --r3 both")
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight at most (0: all)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes sharing the samples (one Python client parses ~5k chunks/s at most)")
     ap.add_argument("--concurrency-sweep", default="", help="e.g. 1,64,256: one rollout per value")
     ap.add_argument("--request-timeout-s", type=float, default=3600.0)
     ap.add_argument("--start-timeout-s", type=float, default=900.0)

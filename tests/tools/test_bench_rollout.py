@@ -13,13 +13,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rollout_bench_streams_every_sample_and_writes_table_json_and_png(tmp_path: Path) -> None:
-    """2 prompts x 2 samples, outputs fixed at 6 tokens with ignore_eos: 24 output tokens, none failed."""
+    """2 prompts x 2 samples, outputs fixed at 6 tokens with ignore_eos: 24 output tokens, none failed,
+    sent by two client processes (their samples' times merged back into one table and plot)."""
     model = tmp_path / "model"
     make_fake_model("qwen3_moe", str(model))
     out = tmp_path / "out"
     cmd = [sys.executable, "tools/bench_rollout.py", "--model", str(model), "--prompts", "2", "--n", "2",
            "--prompt-len", "8:24", "--max-tokens", "6", "--output-len", "fixed", "--ignore-eos",
-           "--temperature", "0", "--out", str(out), "--png", str(out / "rollout.png")]  # fmt: skip
+           "--temperature", "0", "--client-procs", "2", "--out", str(out), "--png", str(out / "rollout.png")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "| run | samples | failed | wall s | output tokens |" in proc.stdout
@@ -29,6 +30,7 @@ def test_rollout_bench_streams_every_sample_and_writes_table_json_and_png(tmp_pa
     assert res["step_ms"] > 0
     assert "engine step, R3 on: schedule " in proc.stdout and " send " in proc.stdout
     assert (out / "rollout.png").stat().st_size > 0
+    assert "host CPU, R3 on: client " in proc.stdout and "API server " in proc.stdout
 
 
 def test_r3_ratios_pair_each_on_run_with_the_off_run_before_it_per_concurrency() -> None:
