@@ -59,14 +59,15 @@ class Sample:
     token_times: list[float] = field(default_factory=list)  # arrival time of each chunk's new tokens
     tokens: int = 0
     error: str | None = None
+    streamed: bool = True  # False (--no-stream): token_times holds the answer's arrival once per token
 
     @property
     def ttft(self) -> float | None:
-        return self.token_times[0] - self.sent if self.token_times else None
+        return self.token_times[0] - self.sent if self.token_times and self.streamed else None
 
     @property
     def tpot(self) -> float | None:
-        if self.tokens < 2:
+        if self.tokens < 2 or not self.streamed:
             return None
         return (self.token_times[-1] - self.token_times[0]) / (self.tokens - 1)
 
@@ -110,11 +111,19 @@ async def _one(client: httpx.AsyncClient, url: str, s: Sample, args: argparse.Na
         "input_ids": s.prompt_ids,
         "sampling_params": {"max_new_tokens": s.max_tokens, "temperature": args.temperature,
                             "ignore_eos": args.ignore_eos},
-        "stream": True,
+        "stream": not args.no_stream,
         "return_routed_experts": r3,
     }
     s.sent = time.monotonic()
     try:
+        if args.no_stream:  # slime's default: one answer per sample
+            resp = await client.post(f"{url}/generate", json=body)
+            if resp.status_code != 200:
+                s.error = f"{resp.status_code}: {resp.text[:200]!r}"
+                return
+            s.tokens, s.streamed = int(resp.json()["meta_info"]["completion_tokens"]), False
+            s.token_times = [time.monotonic()] * s.tokens
+            return
         async with client.stream("POST", f"{url}/generate", json=body) as resp:
             if resp.status_code != 200:
                 s.error = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -357,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", choices=("lognormal", "fixed"), default="lognormal")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--no-stream", action="store_true", help="one answer per sample (slime's default), no TTFT/TPOT")
     ap.add_argument("--r3", choices=("on", "off", "both"), default="on")
     ap.add_argument("--pairs", type=int, default=3, help="off/on pairs with --r3 both")
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight at most (0: all)")
