@@ -58,9 +58,47 @@ def decode_routed_experts(b64: str) -> np.ndarray:
 
 
 def encode_sglang_routed_experts(arr: np.ndarray) -> str:
-    """`[rows, num_hidden_layers, K]` (any integer dtype) -> base64 of its raw int32 bytes, C order."""
-    raw = np.ascontiguousarray(arr, dtype="<i4")  # one pass; base64 reads its buffer (no bytes copy)
-    return base64.b64encode(raw.reshape(-1).view(np.uint8)).decode("ascii")
+    """`[rows, num_hidden_layers, K]` (any integer dtype) -> base64 of its raw int32 bytes, C order.
+
+    Ids in [0, 65536) (every expert id and the uint8/uint16 sentinels) are encoded through lookup
+    tables: three little-endian int32 ids are 12 bytes, i.e. 4 base64 groups of 3 bytes, and each group
+    depends on one id only (a0 a1 0 | 0 b0 b1 | 0 0 c0 | c1 0 0), so the text is 4 table gathers, numpy
+    passes that let other threads run (binascii holds the GIL for the whole ~1.2 MB of a 30B model's
+    answer; the API server encodes the answers of a step's finished requests in threads at once)."""
+    flat = np.asarray(arr).reshape(-1)
+    whole = flat.size - flat.size % 3
+    if flat.size == 0 or flat.min() < 0 or flat.max() >= 1 << 16:
+        return base64.b64encode(np.ascontiguousarray(flat, dtype="<i4").view(np.uint8)).decode("ascii")
+    ids = flat[:whole].reshape(-1, 3)
+    t1, t2, t3, t4 = _b64_tables()
+    groups = np.empty((ids.shape[0], 4), dtype="<u4")  # 4 chars per uint32, the first in its lowest byte
+    np.take(t1, ids[:, 0], out=groups[:, 0])
+    np.take(t2, ids[:, 1], out=groups[:, 1])
+    np.take(t3, ids[:, 2], out=groups[:, 2])
+    np.take(t4, ids[:, 2], out=groups[:, 3])
+    tail = base64.b64encode(np.ascontiguousarray(flat[whole:], dtype="<i4").view(np.uint8))
+    return (groups.tobytes() + tail).decode("ascii")
+
+
+_TABLES: tuple[np.ndarray, ...] = ()
+
+
+def _b64_tables() -> tuple[np.ndarray, ...]:
+    """Four uint32 tables over 16-bit ids: the base64 group (4 chars) of bytes (v0, v1, 0), (0, v0, v1),
+    (0, 0, v0) and (v1, 0, 0), where v0, v1 are the id's low and high bytes."""
+    global _TABLES
+    if not _TABLES:
+        alphabet = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", dtype=np.uint8)
+        v = np.arange(1 << 16, dtype=np.uint32)
+        lo, hi, zero = v & 0xFF, v >> 8, np.zeros_like(v)
+
+        def group(b0: np.ndarray, b1: np.ndarray, b2: np.ndarray) -> np.ndarray:
+            n = (b0 << 16) | (b1 << 8) | b2
+            c = [alphabet[(n >> shift) & 63].astype(np.uint32) for shift in (18, 12, 6, 0)]
+            return (c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24)).astype("<u4")
+
+        _TABLES = (group(lo, hi, zero), group(zero, lo, hi), group(zero, zero, lo), group(hi, zero, zero))
+    return _TABLES
 
 
 def decode_sglang_routed_experts(b64: str, num_hidden_layers: int, top_k: int) -> np.ndarray:

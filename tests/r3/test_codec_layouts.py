@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 
@@ -67,3 +69,20 @@ def test_all_layers_fills_dense_layers_with_the_sentinel() -> None:
 def test_debug_rows_are_positions_mod_sentinel() -> None:
     got = debug_rows(np.array([0, 254, 255, 300]), num_layers=2, top_k=1, dtype=np.dtype(np.uint8))
     assert got[:, 0, 0].tolist() == [0, 254, 0, 45] and got.shape == (4, 2, 1)
+
+
+def test_sglang_payload_is_the_base64_of_the_int32_bytes_for_every_id_range_and_length() -> None:
+    """The table encoder (ids in [0, 65536)) and its fallback write exactly binascii's text of the raw
+    little-endian int32 bytes: lengths not divisible by 3 (the tail groups), uint8 / uint16 / int32 rows,
+    the largest 16-bit id, and ids outside the tables (negative, >= 65536)."""
+    rng = np.random.default_rng(7)
+    cases = [rng.integers(0, 128, size=(767, 48, 8)).astype(np.uint8),
+             rng.integers(0, 1 << 16, size=(5, 3, 7)).astype(np.uint16),
+             rng.integers(0, 1 << 16, size=(1, 1, 4)).astype(np.int32),
+             np.full((3, 4, 8), 65535, dtype=np.uint16),
+             np.array([[[7]]], dtype=np.uint8), np.array([[[7, 9]]], dtype=np.int64),
+             np.zeros((0, 48, 8), dtype=np.uint8),
+             np.array([[[-1, 3, 70000]]], dtype=np.int32)]  # fmt: skip
+    for rows in cases:
+        expected = base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
+        assert encode_sglang_routed_experts(rows) == expected, (rows.shape, rows.dtype)
