@@ -46,6 +46,7 @@ from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, tl, tr
 
 PACKED_ROWS = 16  # query rows a program holds: the smallest tile tl.dot takes on a GPU
 PARTITION = 256  # context positions per partition (a multiple of every BLOCK_N used)
+FOLD_HEADS = 4  # heads a fold program holds (a fold is per row: any grouping gives the same bits)
 SPLIT_BELOW_PROGRAMS = 132  # split a decode step of fewer (row, kv head) programs than the H200 has SMs
 
 
@@ -103,6 +104,7 @@ def _packed_kernel(
     out_ptr,  # one pass: [T, H, D]; split: the partials' acc [T, H, NP, D] float32
     ml_ptr,  # split: the partials' (m, l) [T, H, NP, 2] float32 (one pass: unused)
     # (split: stride_o_t / stride_o_h count partials, H * NP and NP)
+    seen_parts_ptr,  # split: [T] int32, the partitions token t sees (one pass: unused)
     scale_log2,
     stride_q_t,
     stride_q_h,
@@ -147,16 +149,20 @@ def _packed_kernel(
         if SPLIT:
             part = tl.program_id(2) % num_parts
             p_start = part * PARTITION
-            # a partition past hi walks no tile: (-inf, 0, 0), which the fold skips
-            m_p, l_p, acc_p = _partial(
-                q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kv_head, d, d_mask,
-                stride_c_block, stride_c_slot, stride_c_head, scale_log2, p_start,
-                tl.minimum(p_start + PARTITION, hi), BLOCK_R, BLOCK_D, BLOCK_N, BLOCK_SIZE, UPCAST,
-            )  # fmt: skip
-            slot = (q_start + tok) * stride_o_t + head * stride_o_h + part  # [BLOCK_R] partial (token, head, part)
-            tl.store(out_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc_p, mask=r_mask[:, None] & d_mask[None, :])
-            tl.store(ml_ptr + slot * 2, m_p, mask=r_mask)
-            tl.store(ml_ptr + slot * 2 + 1, l_p, mask=r_mask)
+            if (part == 0) & (kv_head == 0):  # the fold reads partitions [0, seen) of each token, no more
+                seen = (q_pos + PARTITION) // PARTITION  # ceil((q_pos + 1) / P); 0 for a padded row (q_pos -1)
+                tl.store(seen_parts_ptr + q_start + tok, seen.to(tl.int32), mask=r_mask)
+            if p_start < hi:  # a partition past every token here is neither computed nor read
+                m_p, l_p, acc_p = _partial(
+                    q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kv_head, d, d_mask,
+                    stride_c_block, stride_c_slot, stride_c_head, scale_log2, p_start,
+                    tl.minimum(p_start + PARTITION, hi), BLOCK_R, BLOCK_D, BLOCK_N, BLOCK_SIZE, UPCAST,
+                )  # fmt: skip
+                slot = (q_start + tok) * stride_o_t + head * stride_o_h + part  # [BLOCK_R] (token, head, part)
+                tl.store(out_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc_p,
+                         mask=r_mask[:, None] & d_mask[None, :])  # fmt: skip
+                tl.store(ml_ptr + slot * 2, m_p, mask=r_mask)
+                tl.store(ml_ptr + slot * 2 + 1, l_p, mask=r_mask)
         else:
             # one flat loop over the tiles (a loop per partition would restart the load pipeline every few
             # tiles): the partition's partial (m_p, l_p, acc_p) advances exactly as _partial's does, and is
@@ -193,6 +199,7 @@ def _packed_kernel(
 def _fold_parts_kernel(
     acc_ptr,  # [T, H, NP, D] float32
     ml_ptr,  # [T, H, NP, 2] float32
+    seen_parts_ptr,  # [T] int32
     out_ptr,  # [T, H, D]
     num_parts,
     stride_o_t,
@@ -202,16 +209,20 @@ def _fold_parts_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program t: every head of token t, its partitions folded in order (as the one-pass kernel folds them)."""
+    """Program (t, j): heads [j * BLOCK_H, (j + 1) * BLOCK_H) of token t, the partitions it sees folded in
+    order, as the one-pass kernel folds them (a partition past the token would be skipped there too: the
+    loop stops at it instead of reading the unwritten partials of a context that a CUDA graph sized for
+    the longest one)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     h_mask = h < NUM_HEADS
     d_mask = d < HEAD_DIM
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for part in range(0, num_parts):
+    seen = tl.load(seen_parts_ptr + t)
+    for part in range(0, seen):
         slot = (t * NUM_HEADS + h) * num_parts + part  # [BLOCK_H]
         m_p = tl.load(ml_ptr + slot * 2, mask=h_mask, other=float("-inf"))
         l_p = tl.load(ml_ptr + slot * 2 + 1, mask=h_mask, other=0.0)
@@ -264,14 +275,15 @@ def packed_paged_attention(
         dest = torch.empty(num_tokens, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(num_tokens, num_heads, num_parts, 2, dtype=torch.float32, device=q.device)
         strides = (num_heads * num_parts, num_parts)  # in partials: the kernel's stride_o_t / stride_o_h
+        seen_parts = torch.empty(num_tokens, dtype=torch.int32, device=q.device)
     else:
-        dest, ml, strides = out, out, (out.stride(0), out.stride(1))
+        dest, ml, seen_parts, strides = out, out, out, (out.stride(0), out.stride(1))
     # token groups on the first axis: a long chunk of one row may need more than the 65535 of the others
     grid = (triton.cdiv(max_query_len, tokens), num_rows, num_kv_heads * (num_parts if split else 1))
     # contraction off: the fold's multiply-adds stay two roundings in both paths, whatever the compiler fuses
     fp = {} if INTERPRET else {"enable_fp_fusion": False}
     _packed_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dest, ml, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dest, ml, seen_parts, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *strides, num_parts,
         GROUP=group, TOKENS=tokens, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -279,8 +291,9 @@ def packed_paged_attention(
         SPLIT=split, UPCAST=INTERPRET, num_warps=num_warps, **fp,
     )  # fmt: skip
     if split:
-        _fold_parts_kernel[(num_tokens,)](
-            dest, ml, out, num_parts, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=dot_block(head_dim), num_warps=4, **fp,
+        heads_per = min(FOLD_HEADS, triton.next_power_of_2(num_heads))
+        _fold_parts_kernel[(num_tokens, triton.cdiv(num_heads, heads_per))](
+            dest, ml, seen_parts, out, num_parts, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, BLOCK_H=heads_per, BLOCK_D=dot_block(head_dim), num_warps=2, **fp,
         )  # fmt: skip
     return out
