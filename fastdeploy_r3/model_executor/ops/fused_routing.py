@@ -187,7 +187,14 @@ def _route_and_store(
     return tl.sum(chosen.to(tl.int32), axis=0)  # [BE]
 
 
-@jit
+# Triton compiles one variant per class (== 1, multiple of 16, other) of every integer argument. Token
+# counts, the layer index and the alignment sizes take every class within one run, so each prefill chunk
+# size and layer met a compile of its own on the serving path (~4.5 s of the first rollout at 256 streams
+# on the H200, py-spy); they only bound loops and masks here, so they are not specialised on.
+_VARYING = ("num_tokens", "moe_index", "total_rows", "num_blocks")
+
+
+@jit(do_not_specialize=_VARYING)
 def _fused_routing_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, capture_ptr, slot_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, cursor_ptr,
@@ -224,7 +231,7 @@ def _fused_routing_kernel(
         tl.store(counts_ptr + pid * BLOCK_E + e, counts)
 
 
-@jit
+@jit(do_not_specialize=("num_programs", "num_rows", "total_rows", "num_blocks"))
 def _align_partials_kernel(
     partial_ptr, ids_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, cursor_ptr,
     num_programs, num_rows, num_experts, total_rows, num_blocks,

@@ -56,9 +56,12 @@ def require_triton(op: str) -> None:
         raise TritonUnavailableError(f"{op} needs triton; install fastdeploy_r3[triton] (or call the torch reference)")
 
 
-def jit(fn: Callable[..., Any]) -> Any:
-    """triton.jit (interpreted under INTERPRET), or the undecorated function where triton is missing."""
-    return fn if triton is None else triton.jit(fn)
+def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """triton.jit (interpreted under INTERPRET), or the undecorated function where triton is missing.
+    `@jit` or `@jit(do_not_specialize=[...])` (triton.jit's options)."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return fn if triton is None else triton.jit(fn, **options)
 
 
 def use_triton(x: torch.Tensor) -> bool:
