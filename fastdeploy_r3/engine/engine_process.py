@@ -5,10 +5,9 @@
                          EngineReady | EngineStartupFailed, then OutputBatch / RequestRejected /
                          MetricsReply / HealthReply / ControlReply
 
-Messages are the typed dataclasses of engine/messages.py, pickled. The loop blocks on the input socket while the
-engine is idle and steps while it has work, draining input between steps. The engine process exits
-when told to, when its parent dies, or after an unexpected error (reported first, so in-flight
-requests fail with that message rather than waiting for a timeout).
+Messages are the typed dataclasses of engine/messages.py, pickled (outputs: engine/zmq_frames.py). The loop
+blocks on the input socket while idle and steps while it has work, draining input between steps. It exits when
+told to, when its parent dies, or after an unexpected error (reported first: in-flight requests fail with it).
 """
 
 from __future__ import annotations
@@ -64,6 +63,7 @@ from fastdeploy_r3.engine.messages import (
 from fastdeploy_r3.engine.scheduler import QueueFullError
 from fastdeploy_r3.engine.step_counters import Stopwatch
 from fastdeploy_r3.engine.write_through import WriteThroughWaits
+from fastdeploy_r3.engine.zmq_frames import dumps_frames
 from fastdeploy_r3.lifecycle import (
     EngineDeadError,
     Shutdown,
@@ -97,10 +97,10 @@ class ParentGoneError(RuntimeError):
 
 
 def send_while_parent_lives(sock: zmq.Socket, msg: object, parent_pid: int) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    frames = dumps_frames(msg)  # large arrays (R3 rows) out of band, not copied (engine/zmq_frames.py)
     while True:
         try:
-            sock.send(data)  # SNDTIMEO bounds each attempt
+            sock.send_multipart(frames, copy=False)  # SNDTIMEO bounds each attempt; all parts or none
             return
         except zmq.Again:
             if os.getppid() != parent_pid:

@@ -48,6 +48,7 @@ from fastdeploy_r3.engine.messages import (
     RequestRejected,
     Shutdown,
 )
+from fastdeploy_r3.engine.zmq_frames import loads_frames
 from fastdeploy_r3.lifecycle import EngineDeadError, remove_stale_ipc_dirs
 from fastdeploy_r3.outputs import RequestDelta
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
@@ -145,7 +146,7 @@ class AsyncEngineClient:
         deadline = loop.time() + timeout_s
         while True:
             if await self._output.poll(200):
-                msg = pickle.loads(await self._output.recv())
+                msg = loads_frames(await self._output.recv_multipart(copy=False))
                 if isinstance(msg, EngineReady):
                     self.info = msg.info
                     break
@@ -268,7 +269,7 @@ class AsyncEngineClient:
     async def _read_outputs(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            msg = pickle.loads(await self._output.recv())
+            msg = loads_frames(await self._output.recv_multipart(copy=False))
             self._last_heard = loop.time()
             if isinstance(msg, OutputBatch):
                 for out in msg.unpack():

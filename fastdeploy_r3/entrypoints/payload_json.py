@@ -20,13 +20,14 @@ _NONCE = secrets.token_hex(16)
 
 
 class SplicedJson:
-    """Collects payloads while an answer is built; dumps() serialises the answer with them in place."""
+    """Collects payloads while an answer is built; dumps() serialises the answer with them in place
+    (as text), dumps_bytes() as bytes with the payloads' own buffers joined in once."""
 
     def __init__(self) -> None:
-        self._payloads: list[str] = []
+        self._payloads: list[str | bytes | memoryview] = []
 
-    def hold(self, payload: str) -> str:
-        """The placeholder to put in the answer where `payload` (base64 text only) goes."""
+    def hold(self, payload: str | bytes | memoryview) -> str:
+        """The placeholder to put in the answer where `payload` (base64 only, as text or ASCII bytes) goes."""
         self._payloads.append(payload)
         return self._placeholder(len(self._payloads) - 1)
 
@@ -34,21 +35,39 @@ class SplicedJson:
     def _placeholder(i: int) -> str:
         return f"fdr3-payload-{_NONCE}-{i}"
 
+    def _split(self, text: str) -> list[str]:
+        """text around the placeholders: len(payloads) + 1 pieces."""
+        pieces: list[str] = []
+        rest = text
+        for i in range(len(self._payloads)):
+            head, found, rest = rest.partition(self._placeholder(i))
+            if not found:
+                raise ValueError(f"payload {i} was held but its placeholder is not in the answer (out of order?)")
+            pieces.append(head)
+        pieces.append(rest)
+        return pieces
+
     def dumps(self, obj: Any, **json_kwargs: Any) -> str:
         """json.dumps(obj, **json_kwargs) with every held payload in its placeholder's place (each
         placeholder must occur in obj exactly once, as a string value)."""
         text = json.dumps(obj, **json_kwargs)
         if not self._payloads:
             return text
+        pieces = self._split(text)
         parts: list[str] = []
-        rest = text
-        for i, payload in enumerate(self._payloads):
-            head, found, rest = rest.partition(self._placeholder(i))
-            if not found:
-                raise ValueError(f"payload {i} was held but its placeholder is not in the answer (out of order?)")
-            parts += (head, payload)
-        parts.append(rest)
+        for head, payload in zip(pieces, self._payloads):
+            parts += (head, payload if isinstance(payload, str) else bytes(payload).decode("ascii"))
+        parts.append(pieces[-1])
         return "".join(parts)
+
+    def dumps_bytes(self, obj: Any, prefix: str = "", suffix: str = "", **json_kwargs: Any) -> bytes:
+        """(prefix + dumps(obj) + suffix) in UTF-8, the payloads copied once, straight from their buffers."""
+        pieces = self._split(prefix + json.dumps(obj, **json_kwargs) + suffix)
+        parts: list[bytes | memoryview] = []
+        for head, payload in zip(pieces, self._payloads):
+            parts += (head.encode("utf-8"), payload.encode("ascii") if isinstance(payload, str) else payload)
+        parts.append(pieces[-1].encode("utf-8"))
+        return b"".join(parts)
 
 
 def dumps_choices(obj: Any, **json_kwargs: Any) -> str:

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from fastdeploy_r3.entrypoints.payload_json import SplicedJson
-from fastdeploy_r3.r3.codec import decode_sglang_routed_experts, encode_sglang_routed_experts
+from fastdeploy_r3.r3.codec import (
+    decode_sglang_routed_experts,
+    encode_sglang_routed_experts,
+    sglang_routed_experts_b64,
+)
 
 
 def test_spliced_answers_equal_json_dumps_in_both_renderings() -> None:
@@ -31,11 +35,28 @@ def test_spliced_answers_equal_json_dumps_in_both_renderings() -> None:
         assert np.array_equal(decode_sglang_routed_experts(answer["meta_info"]["routed_experts"], 3, 4), r)
 
 
+def test_answer_bytes_splice_payload_buffers_and_equal_the_text_encoded() -> None:
+    """dumps_bytes (what /generate writes: the SSE event of a stream's last chunk, a whole answer) is the
+    UTF-8 of prefix + dumps + suffix, payloads held as text, bytes or the encoder's memoryview alike."""
+    rows = np.arange(3 * 48 * 8, dtype=np.uint8).reshape(3, 48, 8) % 128
+    text_payload = encode_sglang_routed_experts(rows)
+    for payload in (text_payload, text_payload.encode("ascii"), sglang_routed_experts_b64(rows)):
+        spliced = SplicedJson()
+        answer = {"text": "ünï \"q\"", "meta_info": {"routed_experts": spliced.hold(payload), "n": 1}}
+        expected = {"text": "ünï \"q\"", "meta_info": {"routed_experts": text_payload, "n": 1}}
+        for kwargs in ({"allow_nan": False}, {"ensure_ascii": False, "separators": (",", ":")}):
+            got = spliced.dumps_bytes(answer, prefix="data: ", suffix="\n\n", **kwargs)
+            assert got == f"data: {json.dumps(expected, **kwargs)}\n\n".encode()
+            assert spliced.dumps(answer, **kwargs) == json.dumps(expected, **kwargs)
+
+
 def test_a_held_payload_missing_from_the_answer_is_an_error_not_a_silent_drop() -> None:
     spliced = SplicedJson()
     spliced.hold("QUFB")
     with pytest.raises(ValueError, match="payload 0 was held but its placeholder is not in the answer"):
         spliced.dumps({"meta_info": {}})
+    with pytest.raises(ValueError, match="payload 0 was held but its placeholder is not in the answer"):
+        spliced.dumps_bytes({"meta_info": {}})
     assert SplicedJson().dumps({"a": [1, 2]}) == json.dumps({"a": [1, 2]})  # nothing held: plain json.dumps
 
 

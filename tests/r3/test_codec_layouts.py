@@ -13,6 +13,7 @@ from fastdeploy_r3.r3.codec import (
     decode_sglang_routed_experts,
     encode_routed_experts,
     encode_sglang_routed_experts,
+    sglang_routed_experts_b64,
 )
 from fastdeploy_r3.r3.errors import debug_rows, sentinel_of
 from fastdeploy_r3.r3.layouts import R3PayloadError, check_moe_rows, first_no_route, row_range, to_all_layers
@@ -86,3 +87,4 @@ def test_sglang_payload_is_the_base64_of_the_int32_bytes_for_every_id_range_and_
     for rows in cases:
         expected = base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
         assert encode_sglang_routed_experts(rows) == expected, (rows.shape, rows.dtype)
+        assert bytes(sglang_routed_experts_b64(rows)) == expected.encode("ascii"), (rows.shape, rows.dtype)

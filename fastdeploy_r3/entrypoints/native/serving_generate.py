@@ -45,7 +45,7 @@ from fastdeploy_r3.entrypoints.payload_json import SplicedJson
 from fastdeploy_r3.entrypoints.pd.handoff import pd_bootstrap
 from fastdeploy_r3.logprobs import MAX_LOGPROBS, TokenLogprob
 from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
-from fastdeploy_r3.r3.codec import encode_sglang_routed_experts
+from fastdeploy_r3.r3.codec import sglang_routed_experts_b64
 from fastdeploy_r3.r3.delivery import R3DeliveryError
 from fastdeploy_r3.r3.layouts import to_all_layers
 from fastdeploy_r3.sampling_params import InvalidRequestError, SamplingParams
@@ -65,12 +65,12 @@ _REFUSED = {
 }
 
 
-def sglang_routed_experts(moe_rows: np.ndarray, moe_layer_ids: list[int], num_hidden_layers: int) -> str:
-    """[R, L, K] MoE rows -> SGLang's payload: base64 of raw int32 [R, num_hidden_layers, K], dense
-    layers holding the rows' dtype's sentinel (r3/layouts.to_all_layers), built in one int32 pass."""
+def sglang_routed_experts(moe_rows: np.ndarray, moe_layer_ids: list[int], num_hidden_layers: int) -> memoryview:
+    """[R, L, K] MoE rows -> SGLang's payload as ASCII bytes: base64 of raw int32 [R, num_hidden_layers,
+    K], dense layers holding the rows' dtype's sentinel (r3/layouts.to_all_layers)."""
     if list(moe_layer_ids) == list(range(num_hidden_layers)):  # every layer is MoE (Qwen3-MoE, Mixtral)
-        return encode_sglang_routed_experts(moe_rows)
-    return encode_sglang_routed_experts(to_all_layers(moe_rows, moe_layer_ids, num_hidden_layers))
+        return sglang_routed_experts_b64(moe_rows)
+    return sglang_routed_experts_b64(to_all_layers(moe_rows, moe_layer_ids, num_hidden_layers))
 
 
 def b64_int32(values: list[int]) -> str:
@@ -249,7 +249,7 @@ class NativeServing(OpenAIServing):
         """SGLang's output_top_logprobs: per output token, [logprob, token_id, text] of the N most likely."""
         return [[[_finite(lp), tid, self._token_text(tid, with_text)] for tid, lp in r.top] for r in records]
 
-    async def routed_experts(self, item: _Item, out: RequestOutput) -> list[str | None]:
+    async def routed_experts(self, item: _Item, out: RequestOutput) -> list[memoryview | None]:
         """Per choice (index order): the SGLang payload, when R3 was asked for and the request finished
         normally. Every array passes the one fail-closed check (r3/delivery.py) first."""
         if not item.params.return_routed_experts or any(c.finish_reason in (None, "abort") for c in out.outputs):
@@ -299,9 +299,9 @@ class NativeServing(OpenAIServing):
                 results.append(self.result(item, final, c, started, None if p is None else spliced.hold(p)))
         self.count(body)
         # rendered as JSONResponse renders (compact, UTF-8, no NaN)
-        body_text = spliced.dumps(results[0] if single and len(results) == 1 else results, ensure_ascii=False,
-                                  allow_nan=False, separators=(",", ":"))
-        return Response(body_text, media_type="application/json")
+        body = spliced.dumps_bytes(results[0] if single and len(results) == 1 else results, ensure_ascii=False,
+                                   allow_nan=False, separators=(",", ":"))
+        return Response(body, media_type="application/json")
 
     async def _deltas(self, first: RequestDelta, gen: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
         yield first
@@ -310,7 +310,7 @@ class NativeServing(OpenAIServing):
                 yield delta
 
     async def _stream(self, body: GenerateRequest, item: _Item, first: RequestDelta,
-                      gen: AsyncIterator[RequestDelta], started: float) -> AsyncIterator[str]:
+                      gen: AsyncIterator[RequestDelta], started: float) -> AsyncIterator[str | bytes]:
         """SGLang's cumulative chunks: text, output_ids and logprobs so far, every stream_interval new
         tokens; the last one is the whole answer (R3 included). A chunk is skipped while the request's
         next delta is already waiting here: the next chunk holds all of it, so a client (or this
@@ -338,7 +338,7 @@ class NativeServing(OpenAIServing):
             answer = self.result(item, final, final.outputs[0], started,
                                  None if payload is None else spliced.hold(payload))
             self.count(body)
-            yield f"data: {spliced.dumps(answer, allow_nan=False)}\n\n"
+            yield spliced.dumps_bytes(answer, prefix="data: ", suffix="\n\n", allow_nan=False)
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
