@@ -10,8 +10,10 @@ with B alone waits on the CTM's pipe instead of spinning.
 
 from __future__ import annotations
 
+import glob
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from fastdeploy_r3.cache_manager.block_hash import hash_block_chain
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.engine_service import EngineService
 from fastdeploy_r3.engine.request import RequestStatus
@@ -239,4 +242,37 @@ def test_a_colocated_run_without_storage_serves_b_the_same(qwen3_dir, store) -> 
         assert run.done["b"].outputs[0].token_ids == ref.outputs[0].token_ids
         assert np.array_equal(rows(run.done["b"]), rows(ref))
     finally:
+        run.eng.shutdown()
+
+
+def test_a_load_failing_half_way_is_truncated_and_the_rest_computed_with_exact_rows(qwen3_dir, store, tmp_path) -> None:
+    """A copy of the store where B's block 3 is corrupt: the lookup finds all 6, the CTM loads blocks
+    0..2 and refuses 3 (4 and 5 arrive but are dropped after it), B computes tokens 12..26, and its
+    tokens and rows are the writer's."""
+    url, ref = store
+    copy = tmp_path / "kv"
+    shutil.copytree(url[len("file://"):], copy)
+    run = Run(engine(qwen3_dir, f"file://{copy}"))
+    pid = None
+    try:
+        key = hash_block_chain(run.eng.kv.root_hash, B_PROMPT, BS, 6)[3].hex()
+        (path,) = glob.glob(os.path.join(copy, "**", key), recursive=True)
+        blob = bytearray(open(path, "rb").read())
+        blob[-8 - 5] ^= 0x01  # a routing byte: the blob's checksum fails when the CTM reads it
+        with open(path, "wb") as f:
+            f.write(blob)
+        pid = load_b_while_a_decodes(run)
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        run.to_end()
+        m = run.eng.metrics()
+        assert (m["storage_load_blocks"], m["storage_load_failed_blocks"], m["r3_failures"]) == (3, 1, 0), m
+        out = run.done["b"]
+        assert out.num_cached_tokens == 3 * BS
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert np.array_equal(rows(out), rows(ref))
+        run.eng.kv.check_integrity()
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
         run.eng.shutdown()
