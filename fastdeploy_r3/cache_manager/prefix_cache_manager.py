@@ -26,7 +26,7 @@ from typing import Protocol
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
 from fastdeploy_r3.cache_manager.kv_connector import BlockKey, CacheCounters, CachedBlock, KVConnector, TierHit
-from fastdeploy_r3.cache_manager.tier_loads import PendingAdmission, advance, check_loading
+from fastdeploy_r3.cache_manager.tier_loads import PendingAdmission, advance, check_loading, hashes_in_flight
 
 
 class Request(Protocol):
@@ -120,7 +120,8 @@ class PrefixCacheManager:
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:
         """The longest run of leading full blocks found in some tier, capped so that at least the last
         token is computed (its logits sample the next token); None while a connector cannot say yet (a
-        storage lookup still running: the first call starts it; try again next step)."""
+        storage lookup still running: the first call starts it; try again next step), or while another
+        request loads the first block missing from the GPU pool (it will be a GPU hit then)."""
         hit = PrefixHit()
         if not self.enable_prefix_caching:
             return hit
@@ -133,6 +134,8 @@ class PrefixCacheManager:
             i += 1
         if i == len(hashes) or not self.connectors:
             return hit
+        if self._loading and hashes[i] in set().union(*(hashes_in_flight(a) for a in self._loading.values())):
+            return None
         keys = [BlockKey(h, self._block_tokens(tokens, j)) for j, h in enumerate(hashes)]
         for connector in self.connectors:
             tier_hit = connector.lookup(req.request_id, keys, i)

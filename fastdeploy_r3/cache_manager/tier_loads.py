@@ -71,6 +71,14 @@ def advance(adm: PendingAdmission, gpu: BlockPool, new_tag: Callable[[], int], b
     return True
 
 
+def hashes_in_flight(adm: PendingAdmission) -> set[bytes]:
+    """Hashes of the blocks the admission's running load writes and will cache once it answered: a
+    request after the same prefix hits them in the GPU pool then, instead of loading a second copy."""
+    if not adm.started or not adm.cache:
+        return set()
+    return {key.block_hash for key in adm.tiers[adm.tier].keys[: len(adm.dst)]}
+
+
 def check_loading(adm: PendingAdmission) -> None:
     """Raise AssertionError if a load in flight could be read: its blocks hold, uncached, tag-less."""
     assert adm.usable <= len(adm.blocks), adm

@@ -265,3 +265,19 @@ def test_waiting_for_a_load_that_never_answers_kills_the_ctm_before_the_blocks_g
     s.kv.poll_transfers(block=True)
     assert not ctm.alive and s.kv.gpu.num_free_blocks == 8 and not s.kv.has_loads_in_flight()
     s.kv.check_integrity()
+
+
+def test_a_request_whose_prefix_another_is_loading_waits_for_it_instead_of_loading_it_twice():
+    """b2 has b's prompt (as n > 1 samples do): while b loads blocks 3, 4, b2 keeps its place in the
+    queue; once they are in, b2 hits them in the GPU pool (one load, no second copy of the prefix)."""
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    b2 = req("b2", PROMPT)
+    s.add_request(b2)
+    for _ in range(2):
+        assert step(s) == [("a", 1)]
+    assert b2.status is RequestStatus.WAITING and len(ctm.loads) == 1
+    ctm.ack(task)
+    assert step(s) == [("a", 1), ("b", 1), ("b2", 1)]
+    assert s.kv.block_table("b2")[:2] == [3, 4] and b2.num_cached_tokens == 8
+    assert s.kv.counters.gpu_hit_blocks == 2 and s.kv.counters.storage_load_blocks == 2
