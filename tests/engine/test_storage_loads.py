@@ -141,7 +141,9 @@ def test_a_load_in_flight_stalls_nobody_and_the_loaded_request_equals_a_recomput
         pid = None
         t0 = time.monotonic()
         run.to_end()
-        assert time.monotonic() - t0 < 5
+        # the ack is taken as it arrives, not once the CTM counts as stuck (transfer_timeout_s, 30 s):
+        # ~15 ms alone, 6.7 s once on 2 cores shared with another test run, so the bound is 20 s
+        assert time.monotonic() - t0 < 20
         m = run.eng.metrics()
         assert (m["storage_load_blocks"], m["storage_load_failed_blocks"], m["r3_failures"]) == (6, 0, 0), m
         out = run.done["b"]
