@@ -137,6 +137,16 @@ class CacheTransferClient:
                 raise self._died()
         return self._arrived.pop(task_id)
 
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some ack is there to hand out (True) or `timeout` passed (False): an engine with
+        nothing to run but transfers in flight waits on the pipe, not in a sleep. Raises
+        CacheTransferError once the CTM is dead while tasks are pending."""
+        if self._arrived:
+            return True
+        if not self._drain(timeout) and not self._arrived and self._pending:
+            raise self._died()
+        return bool(self._arrived)
+
     def _drain(self, timeout: float) -> bool:
         """Read every ack that is there (waiting up to `timeout` for the first); False if the CTM is gone."""
         conn = self._require_conn()

@@ -24,9 +24,9 @@ How the prefill/decode transfer plugs in (the third implementation):
                (BlockCopier.read) and writes KV + rows into D's (BlockCopier.write with those tags)
                over Mooncake Transfer Engine;
   finish_load  block=False polls P's completion message: None while the bytes are on the wire, so
-               the scheduler keeps the request waiting for KV (as vLLM's WAITING_FOR_REMOTE_KVS)
-               instead of running a step on blocks not yet written; today's tiers are always
-               asked with block=True;
+               the scheduler keeps the request LOADING (as vLLM's WAITING_FOR_REMOTE_KVS) instead
+               of running a step on blocks not yet written; the storage tier already answers so
+               (its load is a submitted CTM task), the CPU tier answers at once whatever `block`;
   on_free      tells P the request is done with (P frees its blocks).
 On P the same class implements save (a finished prompt's blocks go to D) and nothing else.
 """
@@ -105,7 +105,9 @@ class KVConnector(abc.ABC):
                                    this very tier, which must not drop the hit's sources
       start_load(hit, dst, tags)   copy hit.keys into GPU blocks dst (a prefix of hit.keys: the
                                    manager may load fewer than were found)
-      finish_load(hit, block)      the result, once; releases what hold() kept
+      finish_load(hit, block)      the result, once; releases what hold() kept. block=False: None
+                                   while the bytes are moving (the manager asks again later; the
+                                   GPU blocks stay held, so nothing else is written into them)
     A failed or partial load costs recomputation, never the request.
     """
 
@@ -132,6 +134,14 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def finish_load(self, hit: TierHit, block: bool = True) -> LoadResult | None:
         """The started load's result; None only when block=False and it is still running."""
+
+    def loads_in_flight(self) -> bool:
+        """Some started load has not answered yet (finish_load(block=False) would say None)."""
+        return False
+
+    def wait_for_loads(self, timeout_s: float) -> None:  # noqa: B027 - a tier whose loads end at once never waits
+        """Block until a load in flight may have finished, or timeout_s passed (not a sleep: an engine
+        with nothing else to do waits here and must wake as soon as the bytes are in)."""
 
     # -- blocks leaving the GPU pool ----------------------------------------------------------------
 

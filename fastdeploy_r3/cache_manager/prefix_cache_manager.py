@@ -12,6 +12,9 @@ and waited for before the blocks it touches are used: evictions are copied out b
 block is rewritten, loads finish before the step that reads them, and a block saved in the
 background stays pinned (a reference) until its connector is done with it. A failed load costs
 recomputation from that block on, never the request.
+
+A load may also run in the background (admit(wait=False), tier_loads.py): the request is then
+LOADING, its blocks held and not yet usable, until finish_loads() reports its num_computed_tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Protocol
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
 from fastdeploy_r3.cache_manager.kv_connector import BlockKey, CacheCounters, CachedBlock, KVConnector, TierHit
+from fastdeploy_r3.cache_manager.tier_loads import PendingAdmission, advance, check_loading, hashes_in_flight
 
 
 class Request(Protocol):
@@ -76,6 +80,9 @@ class PrefixCacheManager:
         # mix two weight versions, so none of them is ever cached or stored
         self._stale: set[str] = set()
         self._next_tag = 1
+        self._loading: dict[str, PendingAdmission] = {}  # admitted, some tier's load still running
+        self._loaded: dict[str, int] = {}  # loads finished since finish_loads(): num_computed_tokens
+        self._abandoned: list[PendingAdmission] = []  # freed while loading: blocks held until it answers
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -113,7 +120,8 @@ class PrefixCacheManager:
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:
         """The longest run of leading full blocks found in some tier, capped so that at least the last
         token is computed (its logits sample the next token); None while a connector cannot say yet (a
-        storage lookup still running: the first call starts it; try again next step)."""
+        storage lookup still running: the first call starts it; try again next step), or while another
+        request loads the first block missing from the GPU pool (it will be a GPU hit then)."""
         hit = PrefixHit()
         if not self.enable_prefix_caching:
             return hit
@@ -126,6 +134,8 @@ class PrefixCacheManager:
             i += 1
         if i == len(hashes) or not self.connectors:
             return hit
+        if self._loading and hashes[i] in set().union(*(hashes_in_flight(a) for a in self._loading.values())):
+            return None
         keys = [BlockKey(h, self._block_tokens(tokens, j)) for j, h in enumerate(hashes)]
         for connector in self.connectors:
             tier_hit = connector.lookup(req.request_id, keys, i)
@@ -150,10 +160,22 @@ class PrefixCacheManager:
     def has_pending_lookups(self) -> bool:
         return any(c.pending() for c in self.connectors)
 
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self._loading
+
+    def has_loads_in_flight(self) -> bool:
+        """Some admission (live or abandoned) waits for a connector's load."""
+        return bool(self._loading or self._abandoned)
+
+    def is_stale(self, request_id: str) -> bool:
+        """The request's blocks predate the current weight root (reset_root)."""
+        return request_id in self._stale
+
     # -- mutations ----------------------------------------------------------------------------------
 
-    def admit(self, req: Request, hit: PrefixHit, num_new_tokens: int) -> int:
-        """Give a waiting request its block table; returns its num_computed_tokens (the usable hit).
+    def admit(self, req: Request, hit: PrefixHit, num_new_tokens: int, wait: bool = True) -> int | None:
+        """Give a waiting request its block table; returns its num_computed_tokens (the usable hit), or
+        None (only when not `wait`) while a tier's load runs: finish_loads() reports it later.
 
         A block that fails to load truncates the hit there (later tiers are not asked to load); the
         blocks from it on are computed instead, so the caller schedules from the returned cursor."""
@@ -163,28 +185,30 @@ class PrefixCacheManager:
             tier_hit.connector.hold(tier_hit)  # before allocating: its swap-outs may evict the sources
         n_load = hit.num_blocks - len(hit.gpu_blocks)
         n_new = self.blocks_needed(hit.num_blocks * self.block_size + num_new_tokens) - hit.num_blocks
-        fresh = self._allocate(n_load + n_new)
-        blocks = list(hit.gpu_blocks) + fresh
-        usable = len(hit.gpu_blocks)
+        blocks = list(hit.gpu_blocks) + self._allocate(n_load + n_new)
         self._counters.gpu_hit_blocks += len(hit.gpu_blocks)
-        loaded_ok = True
-        for tier_hit in hit.tiers:
-            dst = blocks[usable : usable + len(tier_hit.keys)] if loaded_ok else []
-            tier_hit.connector.start_load(tier_hit, [b.block_id for b in dst], [self._new_tag() for _ in dst])
-            result = tier_hit.connector.finish_load(tier_hit, block=True)
-            assert result is not None  # a blocking finish always answers
-            for b, key, tag in zip(dst, tier_hit.keys, result.tags):
-                b.routing_tag = tag
-                self.gpu.cache(b, key.block_hash, key.token_ids)
-            usable += result.num_loaded
-            loaded_ok = loaded_ok and result.num_loaded == len(tier_hit.keys)
-        for b in blocks[usable:]:
-            # computed here: blocks after a failed load lose whatever a partial load left behind
-            self.gpu.uncache(b)
-            b.routing_tag = self._new_tag()
         self._blocks[req.request_id] = blocks
-        self._num_cached[req.request_id] = usable
-        return usable * self.block_size
+        self._num_cached[req.request_id] = len(hit.gpu_blocks)
+        adm = PendingAdmission(req.request_id, blocks, list(hit.tiers), len(hit.gpu_blocks))
+        if not advance(adm, self.gpu, self._new_tag, block=wait):
+            self._loading[req.request_id] = adm
+            return None
+        return self._admitted(adm)
+
+    def finish_loads(self, block: bool = False) -> dict[str, int]:
+        """LOADING requests whose loads all answered since the last call: num_computed_tokens of each
+        (their block tables are usable from it on). block=True: every load, waiting for each."""
+        self._advance_loads(block)
+        done, self._loaded = self._loaded, {}
+        return done
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until a load in flight may have answered (its ack), or timeout_s: an engine with
+        nothing else to run waits here instead of spinning."""
+        for connector in self.connectors:
+            if connector.loads_in_flight():
+                connector.wait_for_loads(timeout_s)
+                return
 
     def append_slots(self, req: Request, num_new_tokens: int) -> None:
         """Grow a running request's block table to hold num_computed_tokens + num_new_tokens."""
@@ -236,6 +260,8 @@ class PrefixCacheManager:
     def flush(self) -> int:
         """Forget every cached prefix in the GPU pool and the connectors that keep any (SGLang's
         /flush_cache); blocks in use keep their owners. Returns the number of entries dropped."""
+        for adm in self._loading.values():
+            adm.cache = False  # what it loads from now on serves the request, not the flushed cache
         return self.gpu.uncache_all() + sum(c.flush() for c in self.connectors)
 
     def reset_root(self, root_hash: bytes) -> None:
@@ -250,22 +276,31 @@ class PrefixCacheManager:
         self._hashes.clear()
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first; cached ones stay cached."""
+        """Release the request's blocks, tail first; cached ones stay cached. A LOADING request's blocks
+        are released only once its load answered (the CTM may still write them)."""
         self._stale.discard(req.request_id)
+        self._loaded.pop(req.request_id, None)
         blocks = self._blocks.pop(req.request_id, [])
-        self.gpu.free(list(reversed(blocks)))
+        adm = self._loading.pop(req.request_id, None)
+        if adm is not None:
+            adm.abandoned, adm.cache = True, False
+            self._abandoned.append(adm)
+            self._advance_loads(block=False)  # maybe it answered already
+        else:
+            self.gpu.free(list(reversed(blocks)))
         self._num_cached.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
         for connector in self.connectors:
             connector.on_free(req.request_id)
 
     def poll_transfers(self, block: bool = False) -> None:
-        """Unpin blocks whose background save is done (all of them when block=True)."""
+        """Unpin blocks whose background save is done, move loads on (all of them when block=True)."""
         for index, connector in enumerate(self.connectors):
             for save_id in connector.poll(block):
                 pinned = self._pinned.pop((index, save_id), None)
                 if pinned is not None:
                     self.gpu.free(pinned)
+        self._advance_loads(block)  # load acks were taken with the saves'
 
     def saves_in_flight(self) -> frozenset[tuple[int, int]]:
         """(connector index, save id) of every background save not done yet; what engine/write_through.py
@@ -282,6 +317,30 @@ class PrefixCacheManager:
     def _new_tag(self) -> int:
         tag, self._next_tag = self._next_tag, self._next_tag + 1
         return tag
+
+    def _admitted(self, adm: PendingAdmission) -> int:
+        """Every load of the admission answered: blocks from the first one not in place are computed."""
+        for b in adm.blocks[adm.usable :]:
+            # computed here: blocks after a failed load lose whatever a partial load left behind
+            self.gpu.uncache(b)
+            b.routing_tag = self._new_tag()
+        self._num_cached[adm.request_id] = adm.usable
+        return adm.usable * self.block_size
+
+    def _advance_loads(self, block: bool) -> None:
+        for rid, adm in list(self._loading.items()):
+            if advance(adm, self.gpu, self._new_tag, block):
+                del self._loading[rid]
+                self._loaded[rid] = self._admitted(adm)
+        still = []
+        for adm in self._abandoned:
+            if advance(adm, self.gpu, self._new_tag, block):
+                for b in adm.blocks[adm.usable :]:
+                    self.gpu.uncache(b)  # a partial load's later blocks are no data
+                self.gpu.free(list(reversed(adm.blocks)))
+            else:
+                still.append(adm)
+        self._abandoned = still
 
     def _allocate(self, n: int) -> list[KVBlock]:
         """n GPU blocks; cached blocks evicted to make room are offered to the connectors first."""
@@ -300,8 +359,14 @@ class PrefixCacheManager:
         self.gpu.check_integrity()
         for connector in self.connectors:
             connector.check_integrity()
+        for rid, adm in self._loading.items():
+            assert self._blocks.get(rid) is adm.blocks, f"{rid} is loading into blocks it does not own"
+            check_loading(adm)
+        for adm in self._abandoned:
+            check_loading(adm)
+        held = [adm.blocks for adm in self._abandoned]  # freed while loading: held until the load answers
         owners: dict[int, int] = {}
-        for b in [b for blocks in [*self._blocks.values(), *self._pinned.values()] for b in blocks]:
+        for b in [b for blocks in [*self._blocks.values(), *self._pinned.values(), *held] for b in blocks]:
             owners[b.block_id] = owners.get(b.block_id, 0) + 1
         for b in self.gpu.blocks:
             owned = owners.get(b.block_id, 0)

@@ -3,7 +3,13 @@ under their hash, and a prefix found there is loaded into fresh GPU blocks.
 
     cache_computed_blocks ──save(blocks)──► GPU2STORAGE   blocks pinned until poll() returns the id
     find_cached_prefix ─────lookup()──────► StorageLookup (off the loop, deadline; storage_lookup.py)
-    admit ──────────────────start_load()──► STORAGE2GPU   rows stamped with the manager's fresh tags
+    admit ──────────────────start_load()──► STORAGE2GPU   rows stamped with the manager's fresh tags;
+    finish_load(block=False) → None until its ack       submitted, not waited for: the loop runs on
+
+A load's ack is told from a put's by its task id (both come back through the same acks()). A load
+ends as failed (its blocks are computed) when the CTM is lost, but only once that CTM can no longer
+write: it exited, or the supervisor killed it (tick(), or stop_lost() for a caller that must block); a
+load without an ack after the supervisor's timeout_s marks the CTM stuck (lost) the same way.
 
 Stored blobs carry no token ids: this tier trusts the 128-bit chain hash (block_hash.py), and keys
 are rooted at the weight version, so a flush leaves the store alone. The CacheTransferManager
@@ -14,6 +20,9 @@ the engine's lookup-only store connection and closes it in close().
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastdeploy_r3.cache_manager.kv_connector import (
     BlockKey,
@@ -25,7 +34,7 @@ from fastdeploy_r3.cache_manager.kv_connector import (
 )
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind
-from fastdeploy_r3.cache_manager.transfer_supervisor import TransferSupervisor
+from fastdeploy_r3.cache_manager.transfer_supervisor import TransferClient, TransferSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +42,17 @@ logger = logging.getLogger(__name__)
 class StorageTier(KVConnector):
     name = "storage"
 
-    def __init__(self, lookup: StorageLookup, transfers: TransferSupervisor) -> None:
+    def __init__(self, lookup: StorageLookup, transfers: TransferSupervisor,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.lookups = lookup
         self.transfers = transfers
         self.available = True  # False once the CTM is gone for good: nothing can load or store
         self.counters = CacheCounters()
+        self._clock = clock
         self._saves: dict[int, list[str]] = {}  # task id of a put in flight -> its keys
+        self._saved: list[int] = []  # puts acknowledged since the last poll()
         self._abandoned: list[int] = []  # puts of a lost CTM: their blocks can be unpinned
+        self._loads: dict[int, _Load] = {}  # task id of a load not finished yet -> its state
         transfers.subscribe(self)
 
     def lookup(self, request_id: str, keys: list[BlockKey], start: int) -> TierHit | None:
@@ -57,24 +70,49 @@ class StorageTier(KVConnector):
 
     def start_load(self, hit: TierHit, gpu_block_ids: list[int], fresh_tags: list[int]) -> None:
         n = len(gpu_block_ids)
-        ack = None
+        load = _Load(None, n, list(fresh_tags), self._clock(), self.transfers.client)
         if n:
-            ack = self.transfers.run(TransferKind.STORAGE2GPU, gpu=list(gpu_block_ids),
-                                     keys=_keys(hit.keys[:n]), tags=list(fresh_tags))  # fmt: skip
-        hit.pending = (n, ack, list(fresh_tags))
+            load.task_id = self.transfers.submit(TransferKind.STORAGE2GPU, gpu=list(gpu_block_ids),
+                                                 keys=_keys(hit.keys[:n]), tags=list(fresh_tags))  # fmt: skip
+        if load.task_id is None:
+            load.ack = self._failed_ack(n)  # nothing to load, or no CTM to load with
+        else:
+            self._loads[load.task_id] = load
+        hit.pending = load
 
-    def finish_load(self, hit: TierHit, block: bool = True) -> LoadResult:
-        n, ack, fresh_tags = hit.pending
+    def finish_load(self, hit: TierHit, block: bool = True) -> LoadResult | None:
+        load: _Load = hit.pending
+        if load.ack is None and not load.lost:
+            self._collect(wait_for=[load.task_id] if block else None)  # type: ignore[list-item]
+        if load.ack is None and not load.lost and self._clock() - load.started > self.transfers.timeout_s:
+            self.transfers.lose(f"no ack for storage load task {load.task_id} within {self.transfers.timeout_s:g} s")
+        if load.ack is None and (load.lost or block):
+            if block:
+                if not load.lost:  # acks() answered without it: treat the CTM as stuck
+                    self.transfers.lose(f"storage load task {load.task_id} got no ack")
+                self.transfers.stop_lost()  # the caller must have an answer now: no CTM may write later
+            if load.client is not self.transfers.client or load.client is None or not load.client.is_alive():
+                load.ack = self._failed_ack(load.n)  # the CTM that owed the bytes can write no more
+        if load.ack is None:
+            return None
         hit.pending = None
+        if load.task_id is not None:
+            self._loads.pop(load.task_id, None)
         tags = []
-        for j in range(n):
-            if j in ack.failed:
+        for j in range(load.n):
+            if j in load.ack.failed:
                 break
-            tags.append(fresh_tags[j])  # the CTM stamped the loaded rows with it
+            tags.append(load.fresh_tags[j])  # the CTM stamped the loaded rows with it
         self.counters.storage_load_blocks += len(tags)  # only blocks the request uses count
-        if ack is not None:
-            self.counters.storage_load_failed_blocks += len(ack.failed)
+        self.counters.storage_load_failed_blocks += len(load.ack.failed)
         return LoadResult(tags)
+
+    def loads_in_flight(self) -> bool:
+        return any(load.ack is None for load in self._loads.values())
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        if any(load.ack is None and not load.lost for load in self._loads.values()):
+            self.transfers.wait_any(timeout_s)
 
     def save(self, blocks: list[CachedBlock]) -> int | None:
         if not self.available:
@@ -87,13 +125,10 @@ class StorageTier(KVConnector):
         return task_id
 
     def poll(self, block: bool = False) -> list[int]:
-        done, self._abandoned = self._abandoned, []
-        if self._saves:
-            for ack in self.transfers.acks(wait_for=list(self._saves) if block else None):
-                if self._finish_save(ack):
-                    done.append(ack.task_id)
-        done += self._abandoned  # the CTM was lost while we waited
-        self._abandoned = []
+        if self._saves or self.loads_in_flight():
+            self._collect(wait_for=list(self._saves) if block else None)
+        done = self._saved + self._abandoned  # abandoned: the CTM was lost, maybe while we waited
+        self._saved, self._abandoned = [], []
         return done
 
     def pending(self) -> bool:
@@ -105,12 +140,29 @@ class StorageTier(KVConnector):
     def transfer_lost(self) -> None:
         self._abandoned += list(self._saves)
         self._saves.clear()
+        for load in self._loads.values():
+            load.lost = True  # failed once its CTM is gone (finish_load), unless its ack came first
 
     def transfer_replaced(self, available: bool) -> None:
         self.available = available
 
     def close(self) -> None:
         self.lookups.close()
+
+    def _collect(self, wait_for: list[int] | None = None) -> None:
+        """Take the acks that arrived (and wait for those of `wait_for`), each to its put or its load."""
+        for ack in self.transfers.acks(wait_for=wait_for):
+            load = self._loads.get(ack.task_id)
+            if load is not None:
+                load.ack = ack
+            elif self._finish_save(ack):
+                self._saved.append(ack.task_id)
+            else:
+                logger.warning("ack of unknown transfer task %d (%s) dropped", ack.task_id, ack.kind.value)
+
+    def _failed_ack(self, n: int) -> TransferAck:
+        why = self.transfers.lost or self.transfers.failed or "no cache transfer manager"
+        return TransferAck(-1, TransferKind.STORAGE2GPU, ok=not n, failed=list(range(n)), error=None if not n else why)
 
     def _finish_save(self, ack: TransferAck) -> bool:
         keys = self._saves.pop(ack.task_id, None)
@@ -122,6 +174,20 @@ class StorageTier(KVConnector):
         if not ack.ok:
             logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)
         return True
+
+
+@dataclass
+class _Load:
+    """One started load: its task (None: nothing was submitted), the tags its rows get, and the CTM
+    that owes its ack (a lost one must be gone before the load may end as failed)."""
+
+    task_id: int | None
+    n: int
+    fresh_tags: list[int]
+    started: float
+    client: TransferClient | None
+    ack: TransferAck | None = None
+    lost: bool = False
 
 
 def _keys(keys: list[BlockKey]) -> list[str]:

@@ -36,7 +36,8 @@ START_TIMEOUT_S = 300.0  # a replacement that is not up by then: serve without t
 
 class TransferClient(Protocol):
     """A running CTM (CacheTransferClient). A test's fake needs only what its scenario calls: submit,
-    poll and wait for the tiers; the rest for tick(), stop() and the metrics."""
+    poll and wait for the tiers (and wait_any, if it has one, for an engine waiting on loads); the rest for
+    tick(), stop() and the metrics."""
 
     pid: int | None
     stats: TransferStats
@@ -144,6 +145,17 @@ class TransferSupervisor:
             return []
         return got
 
+    def wait_any(self, timeout_s: float) -> None:
+        """Block until some ack arrived or timeout_s passed (returns at once without a usable CTM, or
+        with a client that cannot wait: a test's fake)."""
+        wait_any = getattr(self.client, "wait_any", None)
+        if not self.usable or wait_any is None:
+            return
+        try:
+            wait_any(timeout_s)
+        except CacheTransferError as e:
+            self.lose(str(e))
+
     def lose(self, reason: str) -> None:
         """The CTM is dead or stuck: its pending work is abandoned and the tiers skip it until tick()
         has replaced it."""
@@ -161,9 +173,14 @@ class TransferSupervisor:
         """Once per step: notice a dead CTM, replace a lost one, adopt a replacement that is ready."""
         if self.client is not None and self.lost is None and not self.client.is_alive():
             self.lose(f"the cache transfer manager (pid {self.client.pid}) exited")
+        self.stop_lost()
+        self._adopt()
+
+    def stop_lost(self) -> None:
+        """Kill a lost CTM now (tick() does at the next step) and launch its replacement: once it is gone,
+        nothing it was asked to do can still write a GPU block, so a load it owed can end as failed."""
         if self.lost is not None and self.client is not None:
             self._replace(self.lost)
-        self._adopt()
 
     def _replace(self, reason: str) -> None:
         old, self.client = self.client, None

@@ -32,6 +32,10 @@ from fastdeploy_r3.worker.messages import AttachRoutingBuffer, WorkerReady
 
 logger = logging.getLogger(__name__)
 
+# "1": admission waits for every storage-tier load, stalling the loop as before loads ran in the
+# background (a switch to compare against, or to fall back on)
+BLOCKING_LOADS_ENV = "FDR3_BLOCKING_STORAGE_LOADS"
+
 
 @dataclass
 class EngineResources:
@@ -190,7 +194,8 @@ def _build(cfg: EngineConfig, res: EngineResources, runner_cls: type | None) -> 
     )
     scheduler = Scheduler(kv, sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
                           max_waiting=sc.max_waiting_requests, num_lookahead_tokens=readies[0].num_lookahead_tokens,
-                          max_model_len=max_model_len)
+                          max_model_len=max_model_len,
+                          nonblocking_loads=os.environ.get(BLOCKING_LOADS_ENV, "0") != "1")
     routing = None
     if res.routing_host is not None:
         from fastdeploy_r3.cache_manager.routing_cache_manager import RoutingCacheManager

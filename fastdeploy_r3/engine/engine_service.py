@@ -43,6 +43,8 @@ from fastdeploy_r3.worker.messages import StepInput
 
 logger = logging.getLogger(__name__)
 
+_TIER_WAIT_S = 0.01  # an idle step waits this long at most for a load or lookup (new requests meanwhile wait)
+
 
 class EngineService:
     def __init__(self, config: EngineConfig, runner_cls: type | None = None) -> None:
@@ -155,8 +157,8 @@ class EngineService:
             if out is None:
                 # paused: nothing advances (in_place requests keep their blocks); aborts still go out
                 out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
-                if not out.chunks and res.lookup is not None and self.kv.has_pending_lookups():
-                    res.lookup.wait(0.01)  # nothing to run but lookups: do not spin
+                if not out.chunks:
+                    self._wait_for_tiers()
                 if out.chunks:
                     self.overlap_counters.sync_steps += 1
                     if self.speculation is not None:  # no overlap then: num_lookahead_tokens > 0
@@ -184,6 +186,15 @@ class EngineService:
             decode_only = all(c.num_new_tokens == 1 and c.samples for c in out.chunks)
             self.step_counters.add_step(schedule_s, input_s, worker_s, output_s, len(deltas), decode_only)
         return deltas
+
+    def _wait_for_tiers(self) -> None:
+        """Nothing to run: wait (briefly, so that new requests are taken) for what the next step waits
+        on, a load's ack or a lookup's answer, instead of spinning. Either wait ends when it arrives."""
+        lookup = self.parts.resources.lookup
+        if self.kv.has_loads_in_flight():
+            self.kv.wait_for_loads(_TIER_WAIT_S)
+        elif lookup is not None and self.kv.has_pending_lookups():
+            lookup.wait(_TIER_WAIT_S)
 
     def drain(self) -> None:
         """Collect the step in flight (overlap.py), its news kept for the next step's deltas."""
@@ -315,6 +326,7 @@ class EngineService:
             "num_free_gpu_blocks": self.kv.gpu.num_free_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_loading": len(self.scheduler.loading),
             "prefix_hit_blocks": c.gpu_hit_blocks,
             "swap_out_blocks": c.swap_out_blocks,
             "swap_in_blocks": c.swap_in_blocks,

@@ -2,8 +2,11 @@
 
 Fault tests ask the surviving server after killing its peer (tests/pd/): the free list, ref counts,
 hash map and block owners must agree, and with no request in flight no block may be referenced (one
-still referenced then was reserved and never freed). Saves in flight pin their blocks until stored, so
-an idle engine lets them land first (bounded by the store's call deadline).
+still referenced then was reserved and never freed). Saves in flight pin their blocks until stored, and
+a request freed while its storage load ran holds its blocks until the load answered (the CTM may still
+write them), so an idle engine lets both finish first (bounded by the store's call deadline and the
+transfer timeout, past which the CTM is killed). The books' own check covers LOADING requests: their
+blocks are owned, and the blocks a load writes are uncached and carry no tag.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ is synchronous (scheduled after the step in flight is collected), exactly the no
   - a running request not in the step in flight, or whose chunk there does not sample (chunked prefill)
   - a waiting request that could be admitted (its prefix lookup, loads from the cache tiers and any
     preemption must not race a step in flight)
+  - a LOADING request whose load answered (scheduler.poll_loads moves it to running): its first chunk
+    is scheduled like an admission's. Its load itself may run across steps in flight: it was started
+    at admission, in a synchronous step, into blocks the request holds and no step writes
   - blocks run out for a request's next slot (preemption)
   - multi-token steps (num_lookahead_tokens > 0): how many tokens they append is known only afterwards
   - tensor parallelism: only rank 0 samples, so the other ranks could not fill in the placeholder
@@ -55,7 +58,9 @@ def schedule_ahead(scheduler: Scheduler, in_flight: list[ScheduledChunk], max_mo
     None when that step must be scheduled synchronously (see the module docstring)."""
     if scheduler.num_lookahead_tokens:
         return None
-    if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+    if scheduler.waiting and len(scheduler.running) + len(scheduler.loading) < scheduler.max_num_seqs:
+        return None
+    if scheduler.poll_loads():
         return None
     by_id = {c.request.request_id: c for c in in_flight}
     planned: list[tuple[ScheduledChunk, int]] = []

@@ -19,6 +19,7 @@ from fastdeploy_r3.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, its blocks held while a cache tier loads its prefix into them
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -5,6 +5,16 @@ the budget left. Running requests go first (oldest first); when blocks run out t
 request is preempted (its blocks go back to the pool, cached ones stay cached) and recomputes later.
 Waiting requests are admitted in arrival order, each first looking up its prefix in the cache tiers.
 
+A request whose prefix hit must come from the storage tier is admitted LOADING (nonblocking_loads):
+its blocks are allocated and held while the cache transfer manager writes them, and every other
+request keeps stepping. It is not scheduled, not preempted (it is in no running list) and, when
+released, its blocks go back only once the load answered (prefix_cache_manager.free). When the load
+answers it joins `running` at num_computed_tokens (a failed block: computed from there):
+
+    waiting ──admit──► loading ──load answered──► running       (a weight update while it loaded:
+                │                   │                            back to waiting, recomputed)
+                └─ answered at once ┘  (GPU hits, CPU tier, blocking loads)
+
 A chunk that reaches the last token samples; its step may append several tokens (token_processor.py),
 the ones before the last having been fed in the same step at the positions after the chunk. Those
 `num_lookahead_tokens` slots are reserved with the chunk (0 while every step appends one token):
@@ -67,8 +77,12 @@ class Scheduler:
         max_waiting: int | None = None,
         num_lookahead_tokens: int = 0,
         max_model_len: int | None = None,
+        nonblocking_loads: bool = False,
     ) -> None:
+        """nonblocking_loads: storage-tier hits load while the engine steps (the engine's default, see
+        builder.py); False: admission waits for every load, as a scheduler built on its own does."""
         self.kv = kv
+        self.nonblocking_loads = nonblocking_loads
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_model_len = max_model_len  # no lookahead slot past it (None: unbounded)
         self.max_num_seqs = max_num_seqs
@@ -77,6 +91,7 @@ class Scheduler:
         self.max_waiting = max_waiting  # None: unbounded
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, their prefix still loading (oldest first)
         self.num_preemptions = 0
 
     def can_accept(self, num_requests: int) -> bool:
@@ -91,9 +106,37 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def poll_loads(self, block: bool = False) -> bool:
+        """Move LOADING requests whose loads answered to `running`, at the cursor the load left them
+        (block: wait for every load); whether any moved there."""
+        if not self.loading:
+            return False
+        moved = False
+        by_id = {r.request_id: r for r in self.loading}
+        for rid, num_computed in self.kv.finish_loads(block).items():
+            req = by_id.get(rid)
+            if req is None:
+                continue
+            self.loading.remove(req)
+            if self.kv.is_stale(rid):
+                # new weights came while it loaded: its prefix is the old weights' KV, which no event of
+                # the update recorded (it had computed nothing yet), so it recomputes under the new ones
+                self.kv.free(req)
+                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+                self.waiting.appendleft(req)
+                continue
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            moved = True
+        return moved
 
     def schedule(self) -> SchedulerOutput:
+        self.poll_loads()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -127,7 +170,7 @@ class Scheduler:
         # 2. waiting requests in order, unless this step had to preempt; one whose storage lookup is
         # still running keeps its place and lets the next ones go (a slow store delays only its own)
         for req in list(self.waiting):
-            if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if out.preempted or budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                 break
             # prompt logprobs need the logits of every prompt position: no prefix hit may skip one
             hit = PrefixHit() if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req)
@@ -143,7 +186,11 @@ class Scheduler:
             if not self.kv.can_admit(hit, num_new + look):
                 break
             self.waiting.remove(req)
-            num_computed = self.kv.admit(req, hit, num_new + look)
+            num_computed = self.kv.admit(req, hit, num_new + look, wait=not self.nonblocking_loads)
+            if num_computed is None:  # a load runs: scheduled once it answered (poll_loads)
+                req.status = RequestStatus.LOADING
+                self.loading.append(req)
+                continue
             # a failed load leaves fewer usable tokens; the allocated blocks bound what we compute now
             covered = hit_tokens + num_new
             req.num_computed_tokens = num_computed
@@ -182,20 +229,27 @@ class Scheduler:
         req.status = status
         if req in self.running:
             self.running.remove(req)
+        elif req in self.loading:
+            self.loading.remove(req)  # kv.free holds its blocks until the load answered
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
 
     def retract_running(self) -> int:
         """Every running request back to the front of the waiting queue, oldest first, its KV freed (cached
-        blocks stay cached): /pause_generation mode 'retract'. They recompute when scheduled again."""
-        running = list(self.running)
-        for req in reversed(running):
+        blocks stay cached): /pause_generation mode 'retract'. They recompute when scheduled again.
+        LOADING requests go back too (behind them): their loads are abandoned, their blocks freed once
+        the loads answered."""
+        retracted = list(self.running) + list(self.loading)
+        for req in reversed(retracted):
             self._preempt(req)
-        return len(running)
+        return len(retracted)
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        if req in self.loading:
+            self.loading.remove(req)
+        else:
+            self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

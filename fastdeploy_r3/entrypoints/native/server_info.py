@@ -144,8 +144,9 @@ def add_info_routes(app: FastAPI, ctx: ServingContext, address: ServerAddress) -
         block_size = ctx.engine.config.cache_config.block_size
         total = int(m["num_gpu_blocks"]) * block_size
         used = (int(m["num_gpu_blocks"]) - int(m["num_free_gpu_blocks"])) * block_size
+        waiting = int(m["num_waiting"]) + int(m.get("num_loading", 0))  # LOADING: admitted, its KV still arriving
         rank = {
-            "dp_rank": 0, "num_running_reqs": int(m["num_running"]), "num_waiting_reqs": int(m["num_waiting"]),
+            "dp_rank": 0, "num_running_reqs": int(m["num_running"]), "num_waiting_reqs": waiting,
             "num_used_tokens": used, "max_total_num_tokens": total, "token_usage": used / total if total else 0.0,
         }
         aggregate = {k: rank[k] for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")}

@@ -1,0 +1,283 @@
+"""Storage-tier loads that run while the engine steps, without processes: a fake cache transfer manager
+holds every load until the test acks it (puts land at the next poll), so each story asserts the exact
+blocks a LOADING request holds, when they are freed and the tags their rows carry.
+
+Blocks of 4 tokens. The store holds the chain of PROMPT's first two full blocks (tokens 0..7), as if
+another engine had written them; a request for PROMPT hits both in storage (its last token, 8, is
+always computed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdeploy_r3.blobstore.health import StoreHealth
+from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
+from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
+from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
+from fastdeploy_r3.cache_manager.storage_tier import StorageTier
+from fastdeploy_r3.cache_manager.transfer import (
+    CacheTransferError,
+    CacheTransferTimeout,
+    TransferAck,
+    TransferKind,
+    TransferTask,
+)
+from fastdeploy_r3.cache_manager.transfer_supervisor import TransferSupervisor
+from fastdeploy_r3.engine.overlap import schedule_ahead
+from fastdeploy_r3.engine.request import Request, RequestStatus
+from fastdeploy_r3.engine.scheduler import Scheduler
+from fastdeploy_r3.sampling_params import SamplingParams
+
+ROOT = root_hash("t", "0")
+PROMPT = list(range(9))
+
+
+class HeldCTM:
+    """A CTM whose loads wait for ack(task_id); puts are stored and acknowledged at the next poll."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.keys = {h.hex() for h in hash_block_chain(ROOT, PROMPT, 4, 2)}
+        self.loads: list[TransferTask] = []
+        self._puts: list[TransferTask] = []
+        self._acks: dict[int, TransferAck] = {}
+        self.alive = True
+        self.waits: list[float] = []
+
+    # the lookup's store
+    def exists(self, keys: list[str]) -> list[bool]:
+        return [k in self.keys for k in keys]
+
+    def close(self) -> None:
+        pass
+
+    # the transfer client
+    def submit(self, task: TransferTask) -> None:
+        if not self.alive:
+            raise CacheTransferError("cache transfer manager (pid 4242) exited with code -9")
+        (self._puts if task.kind is TransferKind.GPU2STORAGE else self.loads).append(task)
+
+    def ack(self, task: TransferTask, failed: tuple[int, ...] = ()) -> None:
+        self._acks[task.task_id] = TransferAck(task.task_id, task.kind, ok=not failed, failed=list(failed))
+
+    def poll(self) -> list[TransferAck]:
+        if not self.alive:
+            raise CacheTransferError("cache transfer manager (pid 4242) exited with code -9")
+        for task in self._puts:
+            self.keys.update(task.storage_keys)
+            self._acks[task.task_id] = TransferAck(task.task_id, task.kind, ok=True)
+        self._puts.clear()
+        acks, self._acks = list(self._acks.values()), {}
+        return acks
+
+    def wait(self, task_id: int, timeout: float | None = 60) -> TransferAck:
+        if task_id not in self._acks:
+            raise CacheTransferTimeout(f"no ack for task {task_id} within {timeout} s")
+        return self._acks.pop(task_id)
+
+    def wait_any(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return bool(self._acks)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def kill(self) -> None:
+        self.alive = False
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks: int = 8, max_seqs: int = 4) -> tuple[Scheduler, HeldCTM, Clock]:
+    ctm, clock = HeldCTM(), Clock()
+    transfers = TransferSupervisor(None, timeout_s=30.0, client=ctm)
+    lookup = StorageLookup(ctm, deadline_s=30.0, health=StoreHealth("kv storage"))
+    kv = PrefixCacheManager(num_blocks, block_size=4, enable_prefix_caching=True, root_hash=ROOT,
+                            connectors=[StorageTier(lookup, transfers, clock=clock)])
+    s = Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                  nonblocking_loads=True)
+    return s, ctm, clock
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 8) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def step(s: Scheduler, sampled: int = 99) -> list[tuple[str, int]]:
+    """One engine step without a model (the loop polls the transfers first, as the engine does), once
+    every storage lookup answered."""
+    while s.kv.has_pending_lookups():
+        s.kv.connectors[0].lookups.wait(0.05)
+    s.kv.poll_transfers()
+    out = s.schedule()
+    s.update_after_step(out)
+    for c in out.chunks:
+        if c.samples:
+            c.request.output_token_ids.append(sampled)
+    s.kv.check_integrity()
+    return [(c.request.request_id, c.num_new_tokens) for c in out.chunks]
+
+
+def loading(s: Scheduler, ctm: HeldCTM, rid: str = "b") -> tuple[Request, TransferTask]:
+    """a decodes (running, blocks 0..2 after its prompt); b (PROMPT) is admitted LOADING into 3, 4, 5."""
+    a = req("a", list(range(100, 109)), max_tokens=20)
+    s.add_request(a)
+    while not step(s):
+        pass
+    b = req(rid, PROMPT)
+    s.add_request(b)
+    while b.status is RequestStatus.WAITING:
+        assert step(s) == [("a", 1)]
+    assert b.status is RequestStatus.LOADING and s.loading == [b]
+    (task,) = ctm.loads
+    assert task.kind is TransferKind.STORAGE2GPU and task.gpu_block_ids == [3, 4]
+    assert s.kv.block_table(rid) == [3, 4, 5] and s.kv.is_loading(rid)
+    return b, task
+
+
+def test_a_running_request_keeps_decoding_while_another_loads_then_it_joins_at_the_loaded_cursor():
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    for _ in range(3):  # the load is in flight: a decodes, b holds 3 blocks and is not scheduled
+        assert step(s) == [("a", 1)]
+    assert s.kv.block_tags("b") == [0, 0, 0]  # no block of b is data yet
+    assert s.kv.gpu.cached_block(bytes.fromhex(task.storage_keys[0])) is None
+    ctm.ack(task)
+    assert step(s) == [("a", 1), ("b", 1)]  # b computes only its last prompt token
+    assert (b.status, b.num_cached_tokens, b.num_computed_tokens) == (RequestStatus.RUNNING, 8, 9)
+    assert s.kv.block_tags("b")[:2] == task.routing_tags  # the rows the CTM stamped
+    assert s.kv.gpu.cached_block(bytes.fromhex(task.storage_keys[1])).block_id == 4
+    assert s.kv.counters.storage_load_blocks == 2
+
+
+def test_a_load_failing_half_way_truncates_there_and_the_rest_is_computed_under_fresh_tags():
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    ctm.ack(task, failed=(1,))
+    assert step(s) == [("a", 1), ("b", 5)]  # tokens 4..8: block 4 is recomputed
+    assert b.num_cached_tokens == 4
+    tags = s.kv.block_tags("b")
+    assert tags[0] == task.routing_tags[0] and tags[1] not in task.routing_tags
+    # block 4 is cached as b computed it in that step, under its fresh tag, not the load's
+    assert s.kv.gpu.cached_block(bytes.fromhex(task.storage_keys[1])).routing_tag == tags[1]
+    c = s.kv.counters
+    assert (c.storage_load_blocks, c.storage_load_failed_blocks) == (1, 1)
+
+
+def test_abort_while_loading_frees_the_blocks_only_once_the_load_answered():
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    free = s.kv.gpu.num_free_blocks
+    s.release(b, RequestStatus.FINISHED_ABORTED)
+    assert s.loading == [] and s.kv.block_table("b") == []
+    assert [s.kv.gpu.blocks[i].ref_cnt for i in (3, 4, 5)] == [1, 1, 1]  # the CTM may still write 3, 4
+    assert s.kv.gpu.num_free_blocks == free and s.kv.has_loads_in_flight()
+    s.kv.check_integrity()
+    c = req("c", list(range(200, 215)))  # needs 4 blocks: only 2 are free, none of b's is handed out
+    s.add_request(c)
+    assert step(s) == [("a", 1)]
+    ctm.ack(task)
+    assert step(s) == [("a", 1), ("c", 15)]
+    assert not s.kv.has_loads_in_flight()
+    assert s.kv.gpu.cached_block(bytes.fromhex(task.storage_keys[0])) is None  # nobody's: not cached
+    for r in (s.running[0], c):
+        s.release(r, RequestStatus.FINISHED_ABORTED)
+    s.kv.poll_transfers()  # c's write-through lands
+    s.kv.check_integrity()
+    assert s.kv.gpu.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("fault", ["dies", "stuck"])
+def test_a_lost_ctm_ends_the_load_as_a_recompute_once_it_can_write_no_more(fault: str):
+    """dies: the next tick finds it gone. stuck: no ack within timeout_s marks it lost, but it may still
+    write, so b keeps its blocks until the tick has killed it; then b recomputes all 9 tokens."""
+    s, ctm, clock = make()
+    b, task = loading(s, ctm)
+    transfers = s.kv.connectors[0].transfers
+    if fault == "dies":
+        ctm.alive = False
+    else:
+        clock.now = 31.0
+        assert step(s) == [("a", 1)]
+        assert transfers.lost is not None and ctm.alive and b.status is RequestStatus.LOADING
+    transfers.tick()  # kills it; without a config nothing replaces it
+    assert not ctm.alive and transfers.failed is not None
+    assert step(s) == [("a", 1), ("b", 9)]
+    assert b.num_cached_tokens == 0 and not set(s.kv.block_tags("b")) & set(task.routing_tags)
+    assert s.kv.counters.storage_load_failed_blocks == 2
+
+
+def test_an_idle_loop_waits_on_the_ack_and_the_step_after_a_load_is_not_planned_ahead():
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    s.kv.wait_for_loads(0.01)
+    assert ctm.waits == [0.01]  # on the client's pipe, not in a sleep
+    out = s.schedule()
+    assert schedule_ahead(s, out.chunks, 100) is not None  # the load runs: decodes are planned ahead
+    ctm.ack(task)
+    assert schedule_ahead(s, out.chunks, 100) is None  # b joined: its first chunk is scheduled in sync
+    assert b.status is RequestStatus.RUNNING and s.running[-1] is b
+
+
+def test_new_weights_while_loading_send_the_request_back_to_recompute():
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    s.kv.reset_root(root_hash("t", "1"))
+    ctm.ack(task)
+    assert step(s) == [("a", 1)]  # b was requeued (its lookup under the new root runs)
+    assert b.status is RequestStatus.WAITING and s.kv.block_table("b") == []
+    assert s.kv.gpu.cached_block(bytes.fromhex(task.storage_keys[0])) is None
+    while b.status is RequestStatus.WAITING:
+        step(s)
+    assert b.num_computed_tokens == 9 and b.num_cached_tokens == 0
+
+
+def test_retract_takes_loading_requests_back_and_their_blocks_wait_for_the_load():
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    assert s.retract_running() == 2
+    assert [r.request_id for r in s.waiting] == ["a", "b"] and s.loading == []
+    assert [s.kv.gpu.blocks[i].ref_cnt for i in (3, 4, 5)] == [1, 1, 1]
+    s.kv.check_integrity()
+    ctm.ack(task)
+    s.kv.poll_transfers(block=True)  # what an idle engine's integrity check does
+    assert s.kv.gpu.num_free_blocks == 8
+    s.kv.check_integrity()
+
+
+def test_waiting_for_a_load_that_never_answers_kills_the_ctm_before_the_blocks_go_back():
+    """An idle engine's integrity check (poll_transfers(block=True)) with a load of a stuck CTM: the
+    wait times out, the CTM is killed, and only then are the abandoned blocks freed."""
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    s.release(s.running[0], RequestStatus.FINISHED_ABORTED)
+    s.release(b, RequestStatus.FINISHED_ABORTED)
+    s.kv.poll_transfers(block=True)
+    assert not ctm.alive and s.kv.gpu.num_free_blocks == 8 and not s.kv.has_loads_in_flight()
+    s.kv.check_integrity()
+
+
+def test_a_request_whose_prefix_another_is_loading_waits_for_it_instead_of_loading_it_twice():
+    """b2 has b's prompt (as n > 1 samples do): while b loads blocks 3, 4, b2 keeps its place in the
+    queue; once they are in, b2 hits them in the GPU pool (one load, no second copy of the prefix)."""
+    s, ctm, _ = make()
+    b, task = loading(s, ctm)
+    b2 = req("b2", PROMPT)
+    s.add_request(b2)
+    for _ in range(2):
+        assert step(s) == [("a", 1)]
+    assert b2.status is RequestStatus.WAITING and len(ctm.loads) == 1
+    ctm.ack(task)
+    assert step(s) == [("a", 1), ("b", 1), ("b2", 1)]
+    assert s.kv.block_table("b2")[:2] == [3, 4] and b2.num_cached_tokens == 8
+    assert s.kv.counters.gpu_hit_blocks == 2 and s.kv.counters.storage_load_blocks == 2
