@@ -10,10 +10,11 @@ requests decode together (ignore_eos). Per decode step it prints the engine's st
 packing the step's outputs for the wire (engine side: engine/output_wire.py + pickle) and unpacking
 them with the detokenization the engine left (server side), measured on the step's own outputs.
 `--stop` gives every request a stop string (the path that detokenizes in the engine), `--cprofile`
-the top functions of the output part. `--r3-payload ROWS,LAYERS,K` times what the API server does with
+the top functions of the output part. `--r3-payload ROWS,LAYERS,K` times what the engine and API server do with
 one finished request's R3 for /generate (SGLang's int32 base64, entrypoints/native/serving_generate.py):
-encoding it, and serialising the answer with json.dumps scanning the payload vs spliced in
-(entrypoints/payload_json.py).
+the engine's gather, encoding it, serialising the answer (json.dumps scanning the payload, spliced in as
+text, or the bytes /generate writes: entrypoints/payload_json.py), and a batch of such rows crossing the
+engine's ZMQ socket inside the pickle or as frames of their own (engine/zmq_frames.py).
 """
 
 from __future__ import annotations
@@ -127,12 +128,21 @@ def host_only(model_dir: str, running: int, steps: int, engine_detokenizes: bool
     return {"output": 1e3 * engine_s / steps, "pack": 1e3 * send_s / steps, "unpack": 1e3 * server_s / steps}
 
 
-def r3_payload(rows: int, layers: int, top_k: int, repeats: int = 30) -> dict[str, float]:
-    """ms per answer: encoding [rows, layers, top_k] uint8 rows, and the answer's JSON both ways."""
+def r3_payload(rows: int, layers: int, top_k: int, repeats: int = 30, batch: int = 64) -> dict[str, float]:
+    """ms per answer: the engine's gather, the API server's check and encoding of [rows, layers, top_k]
+    uint8 rows, the answer's JSON (json.dumps scanning the payload / spliced as text, str -> bytes / the
+    bytes /generate writes now), and a batch of `batch` finished answers' rows crossing a real ZMQ socket
+    in the pickle vs as frames of their own (engine/zmq_frames.py)."""
     import json
+    import pickle
 
+    import zmq
+
+    from fastdeploy_r3.engine.messages import OutputBatch
+    from fastdeploy_r3.engine.zmq_frames import dumps_frames, loads_frames
     from fastdeploy_r3.entrypoints.native.serving_generate import sglang_routed_experts
     from fastdeploy_r3.entrypoints.payload_json import SplicedJson
+    from fastdeploy_r3.outputs import CompletionDelta, RequestDelta
     from fastdeploy_r3.r3.layouts import check_moe_rows
 
     moe = np.random.default_rng(0).integers(0, 128, (rows, layers, top_k)).astype(np.uint8)
@@ -140,27 +150,52 @@ def r3_payload(rows: int, layers: int, top_k: int, repeats: int = 30) -> dict[st
     def answer(payload: str) -> dict:
         return {"text": "x" * 1000, "output_ids": list(range(256)), "meta_info": {"routed_experts": payload}}
 
-    def timed(fn) -> float:  # noqa: ANN001
+    def timed(fn, per: int = 1) -> float:  # noqa: ANN001
         t0 = time.perf_counter()
         for _ in range(repeats):
             fn()
-        return (time.perf_counter() - t0) / repeats * 1e3
+        return (time.perf_counter() - t0) / repeats / per * 1e3
 
-    payload = sglang_routed_experts(moe, list(range(layers)), layers)
+    buffer = sglang_routed_experts(moe, list(range(layers)), layers)
+    payload = bytes(buffer).decode("ascii")
     gather = _engine_gather(moe, num_experts=128)
 
-    def spliced() -> str:
+    def spliced_text() -> bytes:
         s = SplicedJson()
-        return s.dumps(answer(s.hold(payload)), allow_nan=False)
+        return f"data: {s.dumps(answer(s.hold(payload)), allow_nan=False)}\n\n".encode()
 
-    assert spliced() == json.dumps(answer(payload), allow_nan=False)
+    def spliced_bytes() -> bytes:
+        s = SplicedJson()
+        return s.dumps_bytes(answer(s.hold(buffer)), prefix="data: ", suffix="\n\n", allow_nan=False)
+
+    assert spliced_bytes() == spliced_text() == f"data: {json.dumps(answer(payload), allow_nan=False)}\n\n".encode()
+    finished = OutputBatch.of([  # distinct arrays: pickle would send one shared array once
+        RequestDelta(f"r{i}", [CompletionDelta(0, "x", [1], "length", routed_experts=moe.copy())], finished=True)
+        for i in range(batch)])
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    port = push.bind_to_random_port("tcp://127.0.0.1")
+    pull.connect(f"tcp://127.0.0.1:{port}")
+
+    def in_pickle() -> None:
+        push.send(pickle.dumps(finished, protocol=pickle.HIGHEST_PROTOCOL))
+        pickle.loads(pull.recv()).unpack()
+
+    def as_frames() -> None:
+        push.send_multipart(dumps_frames(finished), copy=False)
+        loads_frames(pull.recv_multipart(copy=False)).unpack()
+
     try:
         return {"gather": timed(gather), "check": timed(lambda: check_moe_rows(moe, list(range(layers)), rows, top_k)),
                 "encode": timed(lambda: sglang_routed_experts(moe, list(range(layers)), layers)),
-            "json_dumps": timed(lambda: json.dumps(answer(payload), allow_nan=False)),
-                "spliced": timed(spliced), "mib": len(payload) / 2**20}
+                "json_dumps": timed(lambda: json.dumps(answer(payload), allow_nan=False)),
+                "spliced": timed(spliced_text), "bytes": timed(spliced_bytes), "mib": len(payload) / 2**20,
+                "wire_pickle": timed(in_pickle, batch), "wire_frames": timed(as_frames, batch)}
     finally:
         gather.close()  # type: ignore[attr-defined]
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
 
 
 def _engine_gather(moe: np.ndarray, num_experts: int):  # noqa: ANN202
@@ -204,9 +239,11 @@ def main() -> None:
     if args.r3_payload:
         rows, layers, top_k = (int(x) for x in args.r3_payload.split(","))
         r = r3_payload(rows, layers, top_k)
-        print("rows x layers x K     engine_gather_ms  api_check_ms  payload_MiB  encode_ms  json.dumps_ms  spliced_ms")
+        print("rows x layers x K     engine_gather_ms  api_check_ms  payload_MiB  encode_ms  json.dumps_ms  "
+              "spliced_text_ms  answer_bytes_ms  socket_pickle_ms  socket_frames_ms")
         print(f"{args.r3_payload:20s}  {r['gather']:16.2f}  {r['check']:12.2f}  {r['mib']:11.2f}  {r['encode']:9.2f}  "
-              f"{r['json_dumps']:13.2f}  {r['spliced']:10.2f}")
+              f"{r['json_dumps']:13.2f}  {r['spliced']:15.2f}  {r['bytes']:15.2f}  {r['wire_pickle']:16.2f}  "
+              f"{r['wire_frames']:16.2f}")
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_fake_model("qwen3_moe", tmp)

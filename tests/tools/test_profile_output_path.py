@@ -1,5 +1,6 @@
 """tools/profile_output_path.py --r3-payload stays runnable: one answer's R3 gathered, checked, encoded and
-serialised both ways (no model)."""
+serialised three ways, and
+crossing a ZMQ socket two ways (no model)."""
 
 from __future__ import annotations
 
@@ -16,5 +17,6 @@ def test_r3_payload_mode_prints_its_table() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     header, row = proc.stdout.strip().splitlines()
     assert header.split() == ["rows", "x", "layers", "x", "K", "engine_gather_ms", "api_check_ms", "payload_MiB",
-                              "encode_ms", "json.dumps_ms", "spliced_ms"]
+                              "encode_ms", "json.dumps_ms", "spliced_text_ms", "answer_bytes_ms", "socket_pickle_ms",
+                              "socket_frames_ms"]
     assert row.split()[0] == "7,3,2" and all(float(x) >= 0 for x in row.split()[1:])
