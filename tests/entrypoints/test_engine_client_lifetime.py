@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import signal
 import time
 from collections.abc import Callable
@@ -31,15 +30,10 @@ def test_a_dead_reader_fails_in_flight_requests_and_reports_the_engine_lost(conf
         lost: list[str] = []
         client.on_dead = lost.append
 
-        class Poisoned:
-            dumps = staticmethod(pickle.dumps)
-            HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
+        def poisoned(frames: object) -> object:
+            raise ValueError("a message that does not unpickle")
 
-            @staticmethod
-            def loads(data: bytes) -> object:
-                raise ValueError("a message that does not unpickle")
-
-        monkeypatch.setattr(engine_client, "pickle", Poisoned)  # the reader's next message kills it
+        monkeypatch.setattr(engine_client, "loads_frames", poisoned)  # the reader's next message kills it
         t0 = time.monotonic()
         try:
             gen = client.generate("r1", [20, 21, 22], SamplingParams(max_tokens=50, ignore_eos=True))
