@@ -84,9 +84,10 @@ def test_a_decode_step_split_over_partitions_gives_the_one_pass_bits() -> None:
                 assert (split[:real].float() - want[:real].float()).abs().max().item() < tol, (heads, dtype)
                 assert torch.equal(split[real:], torch.zeros_like(split[real:]))
                 assert torch.equal(packed(case), split)  # few rows, several partitions: split by default
-                # a CUDA graph sizes the split for its longest context (16 partitions): the partials past a
-                # row's context are neither written nor folded, and the bits stay
-                assert torch.equal(packed(case, split=True, max_seq_len=4096), split)
+                if dtype == torch.float32:  # once per head layout: 16 partitions run slowly when interpreted
+                    # a CUDA graph sizes the split for its longest context (16 partitions): the partials past
+                    # a row's context are neither written nor folded, and the bits stay
+                    assert torch.equal(packed(case, split=True, max_seq_len=4096), split)
     """)
 
 
