@@ -329,13 +329,15 @@ async def _main(args: argparse.Namespace) -> list[RunResult]:
             pair = f"R3 {'on' if r3 else 'off'}" + (f" #{i // 2 + 1}" if args.r3 == "both" else "")
             with target(args, R3_ON if r3 else R3_OFF, log_dir) as (url, pid):
                 await run_rollout(url, make_rollout(args, vocab, seed=99)[:4], args, False, "warm-up")
-                for c in sweep:
+                for k, c in enumerate(sweep):
                     if c is None:
                         samples, label = make_rollout(args, vocab), pair
                     else:  # the concurrency table: c single-sample prompts, all in flight at once
                         args.concurrency = c
                         one_each = argparse.Namespace(**{**vars(args), "prompts": c, "n": 1})
-                        samples = make_rollout(one_each, vocab)
+                        # prompts of their own per run: a server's prefix cache must not serve one run's
+                        # prompts to the next (the same seed made a repeated value a decode-only run)
+                        samples = make_rollout(one_each, vocab, seed=1 + k)
                         label = f"concurrency {c}" + (f", {pair}" if args.r3 == "both" else "")
                     results.append(await run_rollout(url, samples, args, r3, label, pid))
                     print(row(results[-1]), flush=True)
