@@ -37,6 +37,7 @@ from fastdeploy_r3.client import decode_routed_experts
 
 NUM_LAYERS, TOP_K = 4, 4  # the fake glm4_moe
 BLOCK = 4
+D_BLOCKS = 12
 R3_ON = '{"enable_routing_replay": true}'
 PREFIX = [30 + i for i in range(8)]  # two full blocks shared, then tails of other lengths
 PROMPTS = [PREFIX + [60 + i for i in range(k)] for k in (0, 3, 5)]
@@ -49,9 +50,9 @@ def logs(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pd(fake_model_dir, logs) -> Iterator[Deployment]:
-    common = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "40",
+    common = ("--routing-replay-config", R3_ON, "--enable-return-routed-experts", "--max-model-len", "48",
               "--block-size", str(BLOCK), "--max-num-batched-tokens", "8")
-    with pd_deployment(fake_model_dir("glm4_moe"), logs, common, ("--num-gpu-blocks-override", "10"),
+    with pd_deployment(fake_model_dir("glm4_moe"), logs, common, ("--num-gpu-blocks-override", str(D_BLOCKS)),
                        backend="mooncake") as deployment:
         yield deployment
 
@@ -93,11 +94,15 @@ def test_generate_equals_colocated_and_d_computes_none_of_the_blocks_that_arrive
 
 
 def test_requests_in_flight_together_preempt_each_other_on_d_and_still_equal_colocated(pd: Deployment) -> None:
-    prompts = [[100 + 20 * i + j for j in range(10)] for i in range(3)]  # 3 x 3 blocks, then 3 x 6: D holds 10
+    # no shared prefix: 3 blocks each as D admits it, 10 once decoded (10 + 30 - 1 positions), and D holds
+    # 12, so any two of them running on D at once preempt one another. With 14 tokens (6 blocks each, D
+    # holding 10) only two arriving within a few steps of each other did, and a busy CI machine once
+    # handed them over further apart than that
+    prompts = [[100 + 20 * i + j for j in range(10)] for i in range(3)]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: _generate(pd.router, p, 14), prompts))
+        answers = list(pool.map(lambda p: _generate(pd.router, p, 30), prompts))
     for prompt, out in zip(prompts, answers, strict=True):
-        _same(out, _generate(pd.colocated.url, prompt, 14), prompt, 14)
+        _same(out, _generate(pd.colocated.url, prompt, 30), prompt, 30)
     metrics = httpx.get(f"{pd.decode.url}/metrics", timeout=30).text
     preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("fastdeploy_r3_engine_preemptions"))
