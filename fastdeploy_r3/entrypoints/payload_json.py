@@ -5,7 +5,8 @@ Base64 text (A-Z a-z 0-9 + / =) needs no JSON escaping, so the answer is seriali
 placeholder where each payload goes and the payloads are spliced in after: the same bytes json.dumps
 would write, at a memcpy's cost instead of the encoder's scan (~5 ms a request on the CPU, measured by
 tools/profile_output_path.py --r3-payload). A placeholder holds a per-process random nonce, so no
-text a client or the model wrote can be taken for one.
+text a client or the model wrote can be taken for one. hold_raw() splices JSON text the same way in
+place of a value (the cumulative lists of a /generate stream chunk: native/stream_chunks.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ class SplicedJson:
 
     def __init__(self) -> None:
         self._payloads: list[str | bytes | memoryview] = []
+        self._raw: list[bool] = []  # whether payload i is JSON text that replaces its quoted placeholder
 
     def hold(self, payload: str | bytes | memoryview) -> str:
         """The placeholder to put in the answer where `payload` (base64 only, as text or ASCII bytes) goes."""
         self._payloads.append(payload)
+        self._raw.append(False)
+        return self._placeholder(len(self._payloads) - 1)
+
+    def hold_raw(self, json_text: str) -> str:
+        """The placeholder to put in the answer where the value `json_text` (valid JSON, as the dump's
+        own options would write it) goes: the placeholder's quotes are replaced with it too."""
+        self._payloads.append(json_text)
+        self._raw.append(True)
         return self._placeholder(len(self._payloads) - 1)
 
     @staticmethod
@@ -39,8 +49,8 @@ class SplicedJson:
         """text around the placeholders: len(payloads) + 1 pieces."""
         pieces: list[str] = []
         rest = text
-        for i in range(len(self._payloads)):
-            head, found, rest = rest.partition(self._placeholder(i))
+        for i, raw in enumerate(self._raw):
+            head, found, rest = rest.partition(f'"{self._placeholder(i)}"' if raw else self._placeholder(i))
             if not found:
                 raise ValueError(f"payload {i} was held but its placeholder is not in the answer (out of order?)")
             pieces.append(head)
@@ -65,7 +75,7 @@ class SplicedJson:
         pieces = self._split(prefix + json.dumps(obj, **json_kwargs) + suffix)
         parts: list[bytes | memoryview] = []
         for head, payload in zip(pieces, self._payloads):
-            parts += (head.encode("utf-8"), payload.encode("ascii") if isinstance(payload, str) else payload)
+            parts += (head.encode("utf-8"), payload.encode("utf-8") if isinstance(payload, str) else payload)
         parts.append(pieces[-1].encode("utf-8"))
         return b"".join(parts)
 

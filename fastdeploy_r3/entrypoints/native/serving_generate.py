@@ -40,11 +40,12 @@ import numpy as np
 from fastapi.responses import Response, StreamingResponse
 
 from fastdeploy_r3.entrypoints.native.protocol import GenerateRequest, parse_sampling_params, sglang_sampling_params
+from fastdeploy_r3.entrypoints.native.stream_chunks import CumulativeJson
 from fastdeploy_r3.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, bad_request, engine_error
 from fastdeploy_r3.entrypoints.payload_json import SplicedJson
 from fastdeploy_r3.entrypoints.pd.handoff import pd_bootstrap
 from fastdeploy_r3.logprobs import MAX_LOGPROBS, TokenLogprob
-from fastdeploy_r3.outputs import CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
+from fastdeploy_r3.outputs import CompletionDelta, CompletionOutput, OutputAssembler, RequestDelta, RequestOutput
 from fastdeploy_r3.r3.codec import sglang_routed_experts_b64
 from fastdeploy_r3.r3.delivery import R3DeliveryError
 from fastdeploy_r3.r3.layouts import to_all_layers
@@ -197,13 +198,30 @@ class NativeServing(OpenAIServing):
 
     def result(self, item: _Item, out: RequestOutput, c: CompletionOutput, started: float,
                routed_experts: str | None) -> dict[str, Any]:
+        records = c.logprobs or []
+        lists: dict[str, Any] = {"text": c.text, "output_ids": list(c.token_ids)}
+        if item.return_logprob:
+            lists["output_token_logprobs"] = self._output_token_logprobs(c, item.return_text_in_logprobs)
+            if item.params.logprobs:
+                lists["output_top_logprobs"] = self._output_top_logprobs(records, item.return_text_in_logprobs)
+        if item.params.return_entropy:
+            lists["output_token_entropy"] = [r.entropy for r in records]
+        return self.answer(item, len(out.outputs), len(out.prompt_token_ids), out.num_cached_tokens, c,
+                           len(c.token_ids), started, lists, routed_experts)
+
+    def answer(self, item: _Item, num_choices: int, prompt_tokens: int, cached_tokens: int,
+               c: CompletionOutput | CompletionDelta, num_tokens: int, started: float, lists: dict[str, Any],
+               routed_experts: str | None) -> dict[str, Any]:
+        """One choice's answer (or stream chunk): c gives its state (finish, versions, spans; its token
+        list only once finished), `lists` the cumulative fields (values, or placeholders of their JSON
+        while streaming: stream_chunks.py), in the order SGLang writes them."""
         spans = [{"version": s.version, "start": s.start, "end": s.end} for s in c.weight_versions]
         meta: dict[str, Any] = {
-            "id": item.rid if len(out.outputs) == 1 else f"{item.rid}#{c.index}",
+            "id": item.rid if num_choices == 1 else f"{item.rid}#{c.index}",
             "finish_reason": finish_reason(c),
-            "prompt_tokens": len(out.prompt_token_ids),
-            "completion_tokens": len(c.token_ids),
-            "cached_tokens": out.num_cached_tokens,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": num_tokens,
+            "cached_tokens": cached_tokens,
             "e2e_latency": time.monotonic() - started,
             "weight_version": spans[-1]["version"] if spans else None,
             "weight_versions": spans,
@@ -213,25 +231,21 @@ class NativeServing(OpenAIServing):
             meta.update(spec_verify_ct=c.spec.verify_ct, spec_draft_token_num=c.spec.draft_tokens,
                         spec_accept_token_num=c.spec.accepted_tokens,
                         spec_accept_rate=c.spec.accepted_tokens / c.spec.draft_tokens if c.spec.draft_tokens else 0.0,
-                        spec_accept_length=len(c.token_ids) / c.spec.verify_ct)
-        records = c.logprobs or []
-        if item.return_logprob:
-            meta["output_token_logprobs"] = self._output_token_logprobs(c, item.return_text_in_logprobs)
-            if item.params.logprobs:
-                meta["output_top_logprobs"] = self._output_top_logprobs(records, item.return_text_in_logprobs)
-        if item.params.return_entropy:
-            meta["output_token_entropy"] = [r.entropy for r in records]
+                        spec_accept_length=num_tokens / c.spec.verify_ct)
+        for name in ("output_token_logprobs", "output_top_logprobs", "output_token_entropy"):
+            if name in lists:
+                meta[name] = lists[name]
         if item.params.return_top_p_token_ids and c.finish_reason is not None:
             kept: list[int] = []
             offsets = [0]
-            for r in records:
+            for r in c.logprobs or []:
                 kept.extend(r.kept_ids or [])
                 offsets.append(len(kept))
             meta["top_p_token_ids"], meta["top_p_token_offsets"] = b64_int32(kept), b64_int32(offsets)
         if routed_experts is not None:
             meta["routed_experts"] = routed_experts
             meta["routed_experts_start_len"] = item.params.routed_experts_start
-        return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+        return {"text": lists["text"], "output_ids": lists["output_ids"], "meta_info": meta}
 
     def _token_text(self, token_id: int, wanted: bool) -> str | None:
         tokenizer = self.ctx.engine.tokenizer
@@ -243,11 +257,24 @@ class NativeServing(OpenAIServing):
         records = c.logprobs or []
         if len(records) != len(c.token_ids):
             raise engine_error(f"the engine sent {len(records)} logprobs for {len(c.token_ids)} tokens")
-        return [[_finite(r.logprob), t, self._token_text(t, with_text)] for r, t in zip(records, c.token_ids)]
+        return [self._logprob_entry(t, r, with_text) for r, t in zip(records, c.token_ids)]
+
+    def _logprob_entry(self, token_id: int, r: TokenLogprob, with_text: bool) -> list[Any]:
+        return [_finite(r.logprob), token_id, self._token_text(token_id, with_text)]
 
     def _output_top_logprobs(self, records: list[TokenLogprob], with_text: bool) -> list[list[list[Any]]]:
         """SGLang's output_top_logprobs: per output token, [logprob, token_id, text] of the N most likely."""
-        return [[[_finite(lp), tid, self._token_text(tid, with_text)] for tid, lp in r.top] for r in records]
+        return [self._top_entries(r, with_text) for r in records]
+
+    def _top_entries(self, r: TokenLogprob, with_text: bool) -> list[list[Any]]:
+        return [[_finite(lp), tid, self._token_text(tid, with_text)] for tid, lp in r.top]
+
+    def cumulative_json(self, item: _Item) -> CumulativeJson:
+        """The JSON of a stream's cumulative fields, grown delta by delta (stream_chunks.py)."""
+        with_text = item.return_text_in_logprobs
+        entry = (lambda t, r: self._logprob_entry(t, r, with_text)) if item.return_logprob else None
+        tops = (lambda r: self._top_entries(r, with_text)) if item.return_logprob and item.params.logprobs else None
+        return CumulativeJson(entry, tops, item.params.return_entropy)
 
     async def routed_experts(self, item: _Item, out: RequestOutput) -> list[memoryview | None]:
         """Per choice (index order): the SGLang payload, when R3 was asked for and the request finished
@@ -315,22 +342,27 @@ class NativeServing(OpenAIServing):
         tokens; the last one is the whole answer (R3 included). A chunk is skipped while the request's
         next delta is already waiting here: the next chunk holds all of it, so a client (or this
         process) that falls behind the engine gets fewer, larger chunks instead of a growing backlog
-        of O(tokens) encodes (each chunk repeats everything so far)."""
+        of chunks that each repeat everything so far. The repeated lists are encoded once per delta,
+        not once per chunk (stream_chunks.py)."""
         assembler = OutputAssembler(first.request_id)
+        so_far = self.cumulative_json(item)
         sent = 0
         try:
             async for delta in self._deltas(first, gen):
                 assembler.add(delta)
+                for c in delta.outputs:  # one choice (n = 1)
+                    so_far.add(c, engine_error)
                 if delta.finished:
                     break
                 if self.ctx.engine.queued(delta.request_id):
                     continue
-                so_far = assembler.output()
-                partial = so_far.outputs[0] if so_far.outputs else None  # one choice (n = 1)
-                if partial is None or len(partial.token_ids) - sent < item.stream_interval:
+                if so_far.last is None or so_far.num_tokens - sent < item.stream_interval:
                     continue
-                sent = len(partial.token_ids)
-                yield f"data: {json.dumps(self.result(item, so_far, partial, started, None), allow_nan=False)}\n\n"
+                sent = so_far.num_tokens
+                spliced = SplicedJson()
+                chunk = self.answer(item, 1, len(assembler.prompt_token_ids), assembler.num_cached_tokens,
+                                    so_far.last, so_far.num_tokens, started, so_far.fields(spliced), None)
+                yield spliced.dumps_bytes(chunk, prefix="data: ", suffix="\n\n", allow_nan=False)
             final = assembler.output()
             self.check_finished_ok(final)
             (payload,) = await self.routed_experts(item, final)
