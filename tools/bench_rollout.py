@@ -8,17 +8,18 @@ trainer sees it (wall time of the whole rollout, output tokens/s, TTFT and TPOT 
     python tools/bench_rollout.py --model DIR --concurrency-sweep 1,64,256 --prompt-len 512 \
         --max-tokens 256 --output-len fixed --ignore-eos                    # the concurrency table
 
-A rollout is P prompts x n samples. Prompt lengths are uniform in --prompt-len (random token ids, so
-no two prompts share a prefix; the n samples of one prompt do); output lengths are drawn from a
-log-normal with a long tail and capped at --max-tokens (`--output-len fixed`: every sample asks for
---max-tokens). Each sample is one streamed `/generate` request (the way slime drives SGLang), at most
---concurrency in flight (0: all at once). Per run it prints the rollout wall time, output tokens/s,
-TTFT p50/p99, TPOT p50/p99 and, when the engine exports its step counters on /metrics, the mean
-engine step beside the server TPOT. `--r3 both` runs R3 off and on alternately (--pairs times) on
+A rollout is P prompts x n samples. Prompt lengths are uniform in --prompt-len (random token ids, so no
+two prompts share a prefix; the n samples of one prompt do); output lengths are drawn from a log-normal
+with a long tail and capped at --max-tokens (`--output-len fixed`: every sample asks for --max-tokens).
+Each sample is one streamed `/generate` request (slime's streaming rollout; its default is one answer
+per sample: --no-stream), at most --concurrency in flight (0: all at once); --return-logprob asks for
+every token's logprob, as slime's and miles' bodies do. Per run it prints the rollout wall time, output
+tokens/s, TTFT p50/p99, TPOT p50/p99 and, when the engine exports its step counters on /metrics, the
+mean engine step beside the server TPOT. `--r3 both` runs R3 off and on alternately (--pairs times) on
 servers started here and prints their ratio (per concurrency with --concurrency-sweep, each server
-running the whole sweep). --png plots tokens/s and requests in flight over time. Each run also
-prints the host CPU per output token of the client (this process) and of the API server it started: a
-process near 100 % of the wall time is what the rollout waits on, not the engine.
+running the whole sweep). --png plots tokens/s and requests in flight over time. Each run also prints
+the host CPU per output token of the client (this process) and of the API server it started: a process
+near 100 % of the wall time is what the rollout waits on, not the engine.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ async def _one(client: httpx.AsyncClient, url: str, s: Sample, args: argparse.Na
         "stream": not args.no_stream,
         "return_routed_experts": r3,
     }
+    if args.return_logprob:  # as slime's and miles' bodies ask (tests/fixtures/rl_frameworks)
+        body["return_logprob"] = True
     s.sent = time.monotonic()
     try:
         if args.no_stream:  # slime's default: one answer per sample
@@ -369,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--no-stream", action="store_true", help="one answer per sample (slime's default), no TTFT/TPOT")
+    ap.add_argument("--return-logprob", action="store_true",
+                    help="ask for each token's logprob, as slime's and miles' bodies do")
     ap.add_argument("--r3", choices=("on", "off", "both"), default="on")
     ap.add_argument("--pairs", type=int, default=3, help="off/on pairs with --r3 both")
     ap.add_argument("--concurrency", type=int, default=0, help="requests in flight at most (0: all)")

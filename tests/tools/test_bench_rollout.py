@@ -20,7 +20,7 @@ def test_rollout_bench_streams_every_sample_and_writes_table_json_and_png(tmp_pa
     out = tmp_path / "out"
     cmd = [sys.executable, "tools/bench_rollout.py", "--model", str(model), "--prompts", "2", "--n", "2",
            "--prompt-len", "8:24", "--max-tokens", "6", "--output-len", "fixed", "--ignore-eos",
-           "--temperature", "0", "--client-procs", "2",
+           "--temperature", "0", "--client-procs", "2", "--return-logprob",
            "--out", str(out), "--png", str(out / "rollout.png")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
