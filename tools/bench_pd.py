@@ -12,9 +12,10 @@ own file store, blocks moving P -> D over Mooncake Transfer Engine):
   handoff    per fresh prompt sent to P alone: P's prefill until its handoff is published (the
              write-through of its blocks included), then D's first token once the handoff is there
              (fetch, the transfer, storage loads, the partial block and the first token computed on D);
-             mooncake: also the transfer itself (D's manifest, P's writes into D's arena, checks)
+             mooncake: also the transfer itself (P's writes into the blocks a CPU D's engine reserved
+             and D's checks; on CUDA into D's arena, then D's store)
   bytes      per prompt token moved: KV and R3 rows (rows: the blob's bytes beyond the KV, header and
-             checksum included), from the blobs that arrived (store: P wrote; mooncake: D received)
+             checksum included), from the blobs P stored for the transfer
   load       TTFT and TPOT p50 / p99 of a mixed load (random prompt lengths, shared prefixes across
              half of the prompts), streamed /generate, through the router vs the colocated server
 On one GPU P, D and the colocated server share the device: pass --server-arg=--gpu-memory-utilization=0.25.
@@ -141,11 +142,11 @@ def main() -> None:
             hand = asyncio.run(handoffs(dep.prefill.url, dep.decode.url, dep.bootstrap_port, fresh))
             blobs = [store.strlen(k) for k in set(store.keys("*")) - keys_before if store.type(k) == b"string"]
         else:
-            d_store = os.path.join(logs, "d_store")
-            files_before = _files(d_store)
+            p_store = os.path.join(logs, "p_store")  # what P stored is what it sends (D's engine or store)
+            files_before = _files(p_store)
             log_at = os.path.getsize(dep.decode.log_path)
             hand = asyncio.run(handoffs(dep.prefill.url, dep.decode.url, dep.bootstrap_port, fresh))
-            blobs = [os.path.getsize(f) for f in _files(d_store) - files_before]
+            blobs = [os.path.getsize(f) for f in _files(p_store) - files_before]
             with open(dep.decode.log_path) as f:
                 f.seek(log_at)
                 moved = [(int(n), int(b), float(s)) for n, b, s in re.findall(
@@ -160,7 +161,7 @@ def main() -> None:
     print("backend store (redis)" if args.backend == "store" else "backend mooncake (transfer engine, tcp)")
     if args.backend == "mooncake" and moved:
         ms, blocks, nbytes = (statistics.median(m[i] for m in moved) for i in (2, 0, 1))
-        print(f"transfer  D pulls a room over the transfer engine: p50 {ms * 1e3:.1f} ms for {blocks:.0f} blocks "
+        print(f"transfer  a room over the transfer engine: p50 {ms * 1e3:.1f} ms for {blocks:.0f} blocks "
               f"({nbytes:.0f} bytes; {len(moved)} rooms)")
     print(f"handoff   P prefill until published: p50 {statistics.median(h[0] for h in hand) * 1e3:.1f} ms; "
           f"D first token after it: p50 {statistics.median(h[1] for h in hand) * 1e3:.1f} ms "

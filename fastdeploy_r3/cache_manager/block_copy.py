@@ -8,10 +8,10 @@ tiers goes through BlockCopier, which moves the block's R3 rows and provenance t
 
 Callers: the CacheTransferManager's four task kinds (cache_transfer_manager.py: SWAP2CPU, SWAP2GPU,
 GPU2STORAGE, STORAGE2GPU), and nothing else touches KVTiers or the routing buffers there. A
-prefill/decode transfer is the fifth path and goes through the same two calls: the prefill engine
-`read`s the blocks it sends, the decode engine `write`s them into the blocks it reserved, under
-the tags it reserved them with (kv_connector.py). With R3 off the routing buffers are None and only
-KV moves.
+prefill/decode transfer is the one path around it: the prefill server's transfer engine writes a
+stored blob's KV slices and rows into the decode engine's blocks in one batch, and the CTM stamps the
+tags (pd_receive.py), so rows still arrive with their KV. With R3 off the routing buffers are None and
+only KV moves.
 """
 
 from __future__ import annotations

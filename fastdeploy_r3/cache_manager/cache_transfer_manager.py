@@ -5,6 +5,7 @@
     GPU tier  (per rank KV, routing_host_buffer)   created by engine/workers, CTM attaches
     CPU tier  (per rank KV, routing_swap_buffer)   created and owned by the CTM
     storage   (file:// or redis://)                one blob per block: KV of all ranks + its rows
+    PD        a prefill server's transfer engine   writes blocks into the GPU tier (pd_receive.py)
 
 Every copy goes through BlockCopier (block_copy.py), which moves a block's KV (the device's KVTiers:
 CpuKVTiers over SHM, CudaKVTiers over CUDA IPC and pinned memory) together with its routing rows;
@@ -34,6 +35,7 @@ from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError, validate_key
 from fastdeploy_r3.cache_manager.block_copy import BlockCopier, BlockData
 from fastdeploy_r3.cache_manager.kv_tiers import CpuKVTiers, KVTiers
+from fastdeploy_r3.cache_manager.pd_receive import PdReceiver, PeerWriteUnknown
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
 from fastdeploy_r3.cache_manager.shm import pid_alive, unlink_all, unlink_quietly
 from fastdeploy_r3.cache_manager.storage import (
@@ -77,6 +79,7 @@ class CacheTransferManager:
         self.block_size = config.block_size
         self.copier: BlockCopier | None = None
         self.storage: KVStorageBackend | None = None
+        self.pd: PdReceiver | None = None  # started by the first PD2GPU task
         try:
             self._setup()
         except BaseException:
@@ -140,8 +143,11 @@ class CacheTransferManager:
                 TransferKind.SWAP2GPU: self._swap_to_gpu,
                 TransferKind.GPU2STORAGE: self._gpu_to_storage,
                 TransferKind.STORAGE2GPU: self._storage_to_gpu,
+                TransferKind.PD2GPU: self._pd_to_gpu,
             }[task.kind]
             nbytes, failed, error = run(task)
+        except PeerWriteUnknown:
+            raise  # the CTM must end before any ack: a late write could land in reused blocks (pd_receive.py)
         except Exception as e:  # a bad task must not take the CTM (and every other transfer) down
             logger.exception("CTM: task %s (%s) failed", task.task_id, task.kind)
             n = len(task.gpu_block_ids)
@@ -170,6 +176,10 @@ class CacheTransferManager:
             if len(task.cpu_block_ids) != n:
                 raise ValueError(f"task {task.task_id}: {n} gpu_block_ids but {len(task.cpu_block_ids)} cpu_block_ids")
             _check_ids("cpu_block_ids", task.cpu_block_ids, self.num_cpu_blocks, unique=True)
+            return
+        if task.kind == TransferKind.PD2GPU:
+            if task.remote is None or (self.copier.routing_host is not None and len(task.routing_tags) != n):
+                raise ValueError(f"task {task.task_id}: a PD2GPU task needs its room and one routing tag per block")
             return
         if self.storage is None:
             raise CacheTransferError(f"{task.kind.value} task but no storage backend is configured (storage_url)")
@@ -215,6 +225,15 @@ class CacheTransferManager:
             nbytes += len(blob)
         return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "not stored", reasons)
 
+    def _pd_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
+        assert self.copier is not None and task.remote is not None
+        if self.pd is None:
+            if not isinstance(self.copier.kv, CpuKVTiers):
+                raise CacheTransferError("PD writes into device memory are not built; the decode server moves "
+                                         "blocks through its store on CUDA")
+            self.pd = PdReceiver(self.copier.kv.gpu_kv, self.copier.routing_host, self.layout, self.block_size)
+        return self.pd.receive(task.gpu_block_ids, task.routing_tags, task.remote, task.first_block)
+
     def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         assert self.storage is not None and self.copier is not None
         nbytes, failed, reasons = 0, [], []
@@ -246,6 +265,9 @@ class CacheTransferManager:
         return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "missing or corrupt in storage", reasons)
 
     def close(self) -> None:
+        if self.pd is not None:  # before the copier: its memory is what the transfer engine registered
+            self.pd.close()
+            self.pd = None
         if self.copier is not None:
             self.copier.close()
             self.copier = None

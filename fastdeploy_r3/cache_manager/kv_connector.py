@@ -6,35 +6,35 @@ or saved to from it, other than the GPU pool itself.
         │ save / evicted / poll                         computed blocks, evictions, finished saves
         │ on_free / flush / close
         ├── CpuTier      (cpu_tier.py)       swap out on eviction, swap in on a hit     ┐ through the
-        ├── StorageTier  (storage_tier.py)   write-through, lookups off the loop, loads ┘ CTM
-        └── (next) PdTransfer                KV + routing rows + tags pushed by a prefill engine
+        └── StorageTier  (storage_tier.py)   write-through, lookups off the loop, loads ┘ CTM;
+                                             and a prefill server's room (PD), written in place
 
 The manager owns the GPU blocks and their routing tags; a connector owns what lies behind it (the
 CPU pool, the store's index, a peer). It sees GPU blocks only as ids handed to it, and it never
 decides a tag: a load is told the fresh tag of each destination block and answers which tag the
 rows it put there carry (the CPU tier's rows keep the tag they were swapped out with; rows from a
 store or a peer are data only under the fresh tag). The bytes themselves (KV with its rows, always
-together) move through cache_manager/block_copy.py in whichever process does the copy.
+together) move through cache_manager/block_copy.py in whichever process does the copy, or, from a
+prefill server, land in place over the transfer engine, KV and rows in the same transfer.
 
-How the prefill/decode transfer plugs in (the third implementation):
-  lookup       on D, a request that carries bootstrap_host/port/room: every full prompt block is
-               "found" (P computes them), None until P's bootstrap server answered;
-  hold         nothing to pin (P keeps its own blocks until told);
-  start_load   sends P the GPU block ids D reserved and the fresh tag of each; P reads its blocks
-               (BlockCopier.read) and writes KV + rows into D's (BlockCopier.write with those tags)
-               over Mooncake Transfer Engine;
-  finish_load  block=False polls P's completion message: None while the bytes are on the wire, so
-               the scheduler keeps the request LOADING (as vLLM's WAITING_FOR_REMOTE_KVS) instead
-               of running a step on blocks not yet written; the storage tier already answers so
-               (its load is a submitted CTM task), the CPU tier answers at once whatever `block`;
-  on_free      tells P the request is done with (P frees its blocks).
-On P the same class implements save (a finished prompt's blocks go to D) and nothing else.
+How the prefill/decode transfer plugs in (built into the storage tier, whose loads it shares):
+  expect_remote on D, the request P handed over: the room, and each of its blocks' blob digest
+  lookup       every full prompt block of the room is "found" (P computed it)
+  start_load   a PD2GPU task: the CTM asks P to write the blocks' pieces (KV of every rank and layer,
+               the rows) straight into the GPU blocks D reserved; it checks each block's digest and
+               stamps the good leading ones with their fresh tags (cache_manager/pd_receive.py)
+  finish_load  block=False: None while the bytes are on the wire, so the scheduler keeps the request
+               LOADING (as vLLM's WAITING_FOR_REMOTE_KVS) instead of running a step on blocks not yet
+               written; a failed or partial transfer costs recomputation from the first bad block
+  on_free      forgets the room.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field, fields
+
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,10 @@ class KVConnector(abc.ABC):
         return []
 
     # -- life ---------------------------------------------------------------------------------------
+
+    def expect_remote(self, request_id: str, remote: RemoteBlocks) -> bool:
+        """A prefill server will write the request's prompt blocks (PD): whether this tier loads them."""
+        return False
 
     def on_free(self, request_id: str) -> None:  # noqa: B027 - stateless tiers keep nothing per request
         """The request released its blocks: forget what the tier kept for it (a lookup's answer)."""

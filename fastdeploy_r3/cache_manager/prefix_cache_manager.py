@@ -27,6 +27,7 @@ from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
 from fastdeploy_r3.cache_manager.kv_connector import BlockKey, CacheCounters, CachedBlock, KVConnector, TierHit
 from fastdeploy_r3.cache_manager.tier_loads import PendingAdmission, advance, check_loading, hashes_in_flight
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 
 
 class Request(Protocol):
@@ -116,6 +117,11 @@ class PrefixCacheManager:
     def _block_tokens(self, tokens: list[int], i: int) -> tuple[int, ...]:
         """Token ids of full block i of a request's tokens: what a cached block must hold to be a hit."""
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+
+    def expect_remote(self, request_id: str, remote: RemoteBlocks) -> bool:
+        """A prefill server will write the request's prompt blocks (PD); False: no tier can take them
+        (prefix caching or the storage tier off), and the request computes its prompt."""
+        return any(c.expect_remote(request_id, remote) for c in self.connectors)
 
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:
         """The longest run of leading full blocks found in some tier, capped so that at least the last

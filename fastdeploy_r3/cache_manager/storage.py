@@ -33,6 +33,7 @@ _VERSION = 1
 # magic, version, num_ranks, kv dtype, kv ndim, kv shape (<= 6 dims), rows dtype ("" = no rows),
 # rows shape, kv bytes per rank, rows bytes
 _HEADER = struct.Struct("<8sHH16sB6I8s3IQQ")
+HEADER_NBYTES = _HEADER.size  # a blob's KV of rank 0 starts here (PD writes blobs' pieces in place)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class BlockLayout:
     @property
     def blob_nbytes(self) -> int:
         return _HEADER.size + self.num_ranks * self.kv_nbytes + self.rows_nbytes + CHECKSUM_NBYTES
+
+    def header(self) -> bytes:
+        """The header every blob of this layout starts with (its checksum covers it)."""
+        return self._header()
 
     def _header(self) -> bytes:
         kv_shape = tuple(self.kv_shape) + (0,) * (6 - len(self.kv_shape))

@@ -6,6 +6,10 @@ under their hash, and a prefix found there is loaded into fresh GPU blocks.
     admit ──────────────────start_load()──► STORAGE2GPU   rows stamped with the manager's fresh tags;
     finish_load(block=False) → None until its ack       submitted, not waited for: the loop runs on
 
+A request a prefill server handed over (PD, expect_remote) finds its prompt blocks here too: the
+room's blocks count as present, and their load is a PD2GPU task, P writing them straight into the
+blocks (cache_manager/pd_receive.py); everything after start_load is a storage load's.
+
 A load's ack is told from a put's by its task id (both come back through the same acks()). A load
 ends as failed (its blocks are computed) when the CTM is lost, but only once that CTM can no longer
 write: it exited, or the supervisor killed it (tick(), or stop_lost() for a caller that must block); a
@@ -33,7 +37,7 @@ from fastdeploy_r3.cache_manager.kv_connector import (
     TierHit,
 )
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
-from fastdeploy_r3.cache_manager.transfer import TransferAck, TransferKind
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks, TransferAck, TransferKind
 from fastdeploy_r3.cache_manager.transfer_supervisor import TransferClient, TransferSupervisor
 
 logger = logging.getLogger(__name__)
@@ -53,11 +57,21 @@ class StorageTier(KVConnector):
         self._saved: list[int] = []  # puts acknowledged since the last poll()
         self._abandoned: list[int] = []  # puts of a lost CTM: their blocks can be unpinned
         self._loads: dict[int, _Load] = {}  # task id of a load not finished yet -> its state
+        self._remote: dict[str, RemoteBlocks] = {}  # request id -> the room P writes its blocks from
         transfers.subscribe(self)
+
+    def expect_remote(self, request_id: str, remote: RemoteBlocks) -> bool:
+        self._remote[request_id] = remote
+        return True
 
     def lookup(self, request_id: str, keys: list[BlockKey], start: int) -> TierHit | None:
         hit = TierHit(self)
         if start >= len(keys) or not self.available or not self.transfers.usable:
+            return hit
+        remote = self._remote.get(request_id)
+        if remote is not None:  # block i of the request is block i of P's prompt: the same chain hash
+            hit.keys = keys[start:min(len(keys), len(remote.block_digests))]
+            hit.sources = [_FromPeer(remote, start)]
             return hit
         found = self.lookups.found(request_id, _keys(keys))  # asked for all, so that the answer is kept whole
         if found is None:
@@ -71,7 +85,11 @@ class StorageTier(KVConnector):
     def start_load(self, hit: TierHit, gpu_block_ids: list[int], fresh_tags: list[int]) -> None:
         n = len(gpu_block_ids)
         load = _Load(None, n, list(fresh_tags), self._clock(), self.transfers.client)
-        if n:
+        peer = hit.sources[0] if hit.sources and isinstance(hit.sources[0], _FromPeer) else None
+        if n and peer is not None:
+            load.task_id = self.transfers.submit(TransferKind.PD2GPU, gpu=list(gpu_block_ids), tags=list(fresh_tags),
+                                                 remote=peer.remote, first_block=peer.first)  # fmt: skip
+        elif n:
             load.task_id = self.transfers.submit(TransferKind.STORAGE2GPU, gpu=list(gpu_block_ids),
                                                  keys=_keys(hit.keys[:n]), tags=list(fresh_tags))  # fmt: skip
         if load.task_id is None:
@@ -136,6 +154,7 @@ class StorageTier(KVConnector):
 
     def on_free(self, request_id: str) -> None:
         self.lookups.forget(request_id)
+        self._remote.pop(request_id, None)  # what it loaded is in the GPU pool now; a rerun computes the rest
 
     def transfer_lost(self) -> None:
         self._abandoned += list(self._saves)
@@ -174,6 +193,14 @@ class StorageTier(KVConnector):
         if not ack.ok:
             logger.warning("write-through of %d blocks failed: %s", len(ack.failed), ack.error)
         return True
+
+
+@dataclass(frozen=True)
+class _FromPeer:
+    """A hit on a prefill server's room: its keys are the room's blocks from `first` on."""
+
+    remote: RemoteBlocks
+    first: int
 
 
 @dataclass

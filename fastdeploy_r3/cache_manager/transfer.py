@@ -44,6 +44,20 @@ class TransferKind(enum.Enum):
     SWAP2GPU = "swap2gpu"  # cpu_block_ids[i] -> gpu_block_ids[i]
     GPU2STORAGE = "gpu2storage"  # gpu_block_ids[i] -> storage_keys[i]
     STORAGE2GPU = "storage2gpu"  # storage_keys[i] -> gpu_block_ids[i], rows stamped with routing_tags[i]
+    PD2GPU = "pd2gpu"  # block first_block + i of a prefill server's room -> gpu_block_ids[i], as STORAGE2GPU
+
+
+@dataclass(frozen=True)
+class RemoteBlocks:
+    """A prefill server's room whose full prompt blocks it writes straight into the GPU blocks this
+    engine reserved (PD, docs/pd.md): where to ask, and what each block must hash to once it landed."""
+
+    host: str  # P's bootstrap server
+    port: int
+    room: int
+    blob_nbytes: int  # one stored block blob (cache_manager/storage.py): this engine's layout or nothing
+    block_digests: tuple[int, ...]  # per prompt block, the xxh3_64 trailer of its blob (header, KV, rows)
+    timeout_s: float = 30.0  # the whole transfer; past it the outcome is unknown (pd_receive.py)
 
 
 @dataclass
@@ -54,6 +68,8 @@ class TransferTask:
     cpu_block_ids: list[int] = field(default_factory=list)
     storage_keys: list[str] = field(default_factory=list)
     routing_tags: list[int] = field(default_factory=list)
+    remote: RemoteBlocks | None = None  # PD2GPU: the room, its blocks from first_block on
+    first_block: int = 0
 
 
 @dataclass

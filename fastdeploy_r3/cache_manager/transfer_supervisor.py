@@ -24,6 +24,7 @@ from fastdeploy_r3.cache_manager.cache_transfer_client import CacheTransferClien
 from fastdeploy_r3.cache_manager.transfer import (
     CacheTransferConfig,
     CacheTransferError,
+    RemoteBlocks,
     TransferAck,
     TransferKind,
     TransferTask,
@@ -100,14 +101,15 @@ class TransferSupervisor:
     # -- tasks --------------------------------------------------------------------------------------
 
     def submit(self, kind: TransferKind, gpu: list[int], cpu: list[int] | None = None,
-               keys: list[str] | None = None, tags: list[int] | None = None) -> int | None:  # fmt: skip
+               keys: list[str] | None = None, tags: list[int] | None = None,
+               remote: RemoteBlocks | None = None, first_block: int = 0) -> int | None:  # fmt: skip
         """Queue a task; its id, or None when there is no usable CTM (now marked lost if it just went)."""
         if not self.usable:
             return None
         assert self.client is not None
         task_id, self._next_task_id = self._next_task_id, self._next_task_id + 1
         try:
-            self.client.submit(TransferTask(task_id, kind, gpu, cpu or [], keys or [], tags or []))
+            self.client.submit(TransferTask(task_id, kind, gpu, cpu or [], keys or [], tags or [], remote, first_block))
         except CacheTransferError as e:
             self.lose(str(e))
             return None

@@ -186,11 +186,11 @@ class _EngineLoop:
 
         if isinstance(msg, AddRequest):
             try:
-                self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.prompt, msg.weight_version)
-            except WeightVersionError as e:
-                self.send(RequestRejected(msg.request_id, str(e), ErrorKind.WEIGHT_VERSION))
-            except InvalidRequestError as e:
-                self.send(RequestRejected(msg.request_id, str(e), ErrorKind.INVALID))
+                self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.prompt, msg.weight_version,
+                                     msg.remote_blocks)
+            except (WeightVersionError, InvalidRequestError) as e:
+                kind = ErrorKind.WEIGHT_VERSION if isinstance(e, WeightVersionError) else ErrorKind.INVALID
+                self.send(RequestRejected(msg.request_id, str(e), kind))
             except QueueFullError as e:
                 self.send(RequestRejected(msg.request_id, str(e), ErrorKind.OVERLOADED))
             except EngineControlError as e:  # weights broken or memory released: 503 with the reason

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fastdeploy_r3.cache_manager.shm import new_engine_suffix, remove_stale_segments
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.builder import EngineParts, build_engine
 from fastdeploy_r3.engine.control import EngineControl
@@ -94,9 +95,10 @@ class EngineService:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        weight_version: str | None = None,
+        weight_version: str | None = None, remote_blocks: RemoteBlocks | None = None,
     ) -> None:
-        """Queue a request; weight_version: refuse it (WeightVersionError) unless these are the weights held."""
+        """Queue a request; weight_version: refuse it (WeightVersionError) unless these are the weights held;
+        remote_blocks: a prefill server writes its prompt blocks (PD), a KV tier loads them."""
         self._check_alive()
         self.control.check_weights_usable()
         if weight_version is not None and weight_version != self.weight_version:
@@ -104,12 +106,12 @@ class EngineService:
                                      f"holds {self.weight_version!r}")
         validate_prompt(prompt_token_ids, params, self.parts.max_model_len, self.config.model_config.vocab_size)
         if not self.scheduler.can_accept(params.n):
-            raise QueueFullError(
-                f"{len(self.scheduler.waiting)} requests are waiting, the bound is "
-                f"{self.scheduler.max_waiting}; retry later"
-            )
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting, the bound is "
+                                 f"{self.scheduler.max_waiting}; retry later")
         group = self.groups.fan_out(request_id, prompt_token_ids, params, prompt, self.weight_version)
         for req in group.children:
+            if remote_blocks is not None:
+                self.kv.expect_remote(req.request_id, remote_blocks)
             self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str, message: str | None = None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.engine.output_wire import PackedDeltas, pack_deltas, unpack_deltas
 from fastdeploy_r3.lifecycle import Shutdown
 from fastdeploy_r3.outputs import RequestDelta
@@ -47,6 +48,8 @@ class AddRequest:
     # refused unless the engine holds exactly this version when the request arrives: PD's decode server
     # runs a prompt its prefill server computed (entrypoints/pd/roles.py); rows of two versions never mix
     weight_version: str | None = None
+    # PD: the prefill server's room that writes the prompt's full blocks into this engine's (pd_receive.py)
+    remote_blocks: RemoteBlocks | None = None
 
 
 @dataclass

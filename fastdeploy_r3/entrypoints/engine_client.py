@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from fastdeploy_r3.cache_manager.shm import remove_stale_segments
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.detokenizer import DeltaDetokenizer
 from fastdeploy_r3.engine.engine_process import EngineAddresses, run_engine_process
@@ -306,13 +307,15 @@ class AsyncEngineClient:
         prompt: str | None = None,
         rewrite: Callable[[RequestDelta], RequestDelta] | None = None,
         weight_version: str | None = None,
+        remote_blocks: RemoteBlocks | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Yield the RequestDelta of each step that advanced the request (what is new: assemble
         with outputs.OutputAssembler), ending with the finished one. Raises InvalidRequestError
         (bad input), EngineRequestError or EngineDeadError. Leaving the iteration early aborts the
         request in the engine. `rewrite` sees each delta before it is detokenized (a decode server puts
         the first token a prefill server sampled in front: entrypoints/pd/roles.py). `weight_version`: the
-        engine refuses the request (EngineWeightVersionError) unless it holds these weights."""
+        engine refuses the request (EngineWeightVersionError) unless it holds these weights; `remote_blocks`: a
+        prefill server writes the prompt's blocks into the engine's (PD)."""
         self._check_alive()
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -322,7 +325,8 @@ class AsyncEngineClient:
         detok = DeltaDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         finished = False
         try:
-            await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt, weight_version))
+            await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt, weight_version,
+                                        remote_blocks))
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

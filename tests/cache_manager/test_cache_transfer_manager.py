@@ -268,3 +268,38 @@ def test_ctm_exits_and_unlinks_its_shm_when_the_engine_dies() -> None:
         assert left == []
     finally:
         unlink_all(suffix)  # the dead engine's own "GPU" segments
+
+
+def test_a_pd_transfer_refused_cleanly_is_a_failed_ack_and_one_of_unknown_end_ends_the_ctm() -> None:
+    """PD2GPU (cache_manager/pd_receive.py): a prefill server nobody listens for is a failed load and the
+    CTM serves on; one that took the request and never answered might still write into blocks the engine
+    will give to others, so the CTM exits without an ack (its tasks lost, its own segments unlinked)."""
+    import socket
+    import threading
+
+    from fastdeploy_r3.cache_manager.storage import BlockLayout
+    from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
+
+    blob = BlockLayout(TP, (LAYERS, 2, BS, HEADS, HEAD_DIM), "float32", 4, (BS, L, K), "uint8").blob_nbytes
+    e = _start_engine(None)
+    listener = socket.socket()
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        room = RemoteBlocks("127.0.0.1", closed, 5, blob, (1,))
+        ack = e.run(TransferKind.PD2GPU, [2], routing_tags=[7], remote=room)
+        assert ack.failed == [0] and "unreachable" in ack.error and e.client.is_alive()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        held: list[socket.socket] = []
+        threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True).start()
+        silent = RemoteBlocks("127.0.0.1", listener.getsockname()[1], 6, blob, (1,), timeout_s=0.5)
+        e.client.submit(TransferTask(99, TransferKind.PD2GPU, [2], routing_tags=[7], remote=silent))
+        with pytest.raises(CacheTransferError, match=r"tasks \[99\] are lost"):
+            e.client.wait(99, timeout=20)
+        assert not e.client.is_alive()
+        assert [n for n in list_segments(e.suffix) if "kv_cpu" in n or "routing_swap" in n] == []
+    finally:
+        listener.close()
+        _stop_engine(e)

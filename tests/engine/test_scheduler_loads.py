@@ -12,12 +12,14 @@ import pytest
 
 from fastdeploy_r3.blobstore.health import StoreHealth
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
+from fastdeploy_r3.cache_manager.kv_connector import BlockKey
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
 from fastdeploy_r3.cache_manager.storage_tier import StorageTier
 from fastdeploy_r3.cache_manager.transfer import (
     CacheTransferError,
     CacheTransferTimeout,
+    RemoteBlocks,
     TransferAck,
     TransferKind,
     TransferTask,
@@ -281,3 +283,44 @@ def test_a_request_whose_prefix_another_is_loading_waits_for_it_instead_of_loadi
     assert step(s) == [("a", 1), ("b", 1), ("b2", 1)]
     assert s.kv.block_table("b2")[:2] == [3, 4] and b2.num_cached_tokens == 8
     assert s.kv.counters.gpu_hit_blocks == 2 and s.kv.counters.storage_load_blocks == 2
+
+
+def test_a_prefill_servers_room_loads_as_pd2gpu_from_the_first_block_the_gpu_pool_lacks():
+    """PD: the store holds none of ROOM_PROMPT's blocks, but a prefill server's room does (expect_remote):
+    both full blocks are found, the load is one PD2GPU task naming the room from block 0, and the request
+    joins at the loaded cursor. A second request of the same first block finds it in the GPU pool and
+    asks the room for block 1 only. A freed request's room is forgotten."""
+    s, ctm, _ = make()
+    room_prompt = list(range(50, 59))
+    room = RemoteBlocks("127.0.0.1", 8998, 31, 4096, (11, 12))
+    assert s.kv.expect_remote("r", room)
+    r = req("r", room_prompt)
+    s.add_request(r)
+    while r.status is RequestStatus.WAITING:
+        step(s)
+    (task,) = ctm.loads
+    assert (task.kind, task.gpu_block_ids, task.remote, task.first_block) == (TransferKind.PD2GPU, [0, 1], room, 0)
+    assert task.storage_keys == [] and len(task.routing_tags) == 2
+    ctm.ack(task)
+    assert step(s) == [("r", 1)]  # only the last prompt token is computed
+    assert (r.num_cached_tokens, s.kv.block_tags("r")[:2]) == (8, task.routing_tags)
+
+    other = room_prompt[:4] + [70, 71, 72, 73, 74]
+    assert s.kv.expect_remote("r2", RemoteBlocks("127.0.0.1", 8998, 32, 4096, (21, 22)))
+    r2 = req("r2", other)
+    s.add_request(r2)
+    while r2.status is RequestStatus.WAITING:
+        step(s)
+    task2 = ctm.loads[-1]
+    assert (task2.kind, task2.first_block, len(task2.gpu_block_ids)) == (TransferKind.PD2GPU, 1, 1)
+    assert s.kv.block_table("r2")[0] == s.kv.block_table("r")[0]  # block 0: the GPU pool's
+    ctm.ack(task2, failed=(0,))  # P's block 1 did not arrive whole: computed here
+    step(s)
+    assert r2.num_cached_tokens == 4 and len(ctm.loads) == 2
+
+    tier = s.kv.connectors[0]
+    keys = [BlockKey(h, ()) for h in hash_block_chain(ROOT, list(range(80, 89)), 4, 2)]
+    tier.expect_remote("r3", RemoteBlocks("127.0.0.1", 8998, 33, 4096, (31, 32)))
+    assert len(tier.lookup("r3", keys, 0).keys) == 2  # the room answers at once, without the store
+    tier.on_free("r3")  # the request released its blocks (finished, aborted, preempted): the room is forgotten
+    assert tier.lookup("r3", keys, 0) is None  # the store is asked now (its lookup runs off the loop)

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from fastdeploy_r3.entrypoints.pd.handoff import MAX_ROOM, Bootstrap, Handoff, HandoffError
+from fastdeploy_r3.entrypoints.pd.te_in_place import add_in_place_route
 from fastdeploy_r3.entrypoints.pd.te_transfer import TeSender, add_te_routes
 
 ROOM_TTL_S = 600.0
@@ -87,6 +88,7 @@ def bootstrap_app(rooms: Rooms, te: TeSender | None = None) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     if te is not None:
         add_te_routes(app, te)
+        add_in_place_route(app, te)
 
     @app.get("/health")
     async def health() -> JSONResponse:

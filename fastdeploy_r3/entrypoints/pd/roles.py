@@ -12,8 +12,10 @@
               the first token is put back in front of the output (with P's logprob and text)
 
 With --disaggregation-transfer-backend mooncake each server has its own store: P also keeps the blocks
-it stored in an outbox, and D pulls them over Mooncake Transfer Engine into its store before running
-(te_blocks.py, te_transfer.py).
+it stored in an outbox. A CPU D hands the room to its engine with the request: as the engine admits it,
+its cache transfer manager has P write the blocks straight into the blocks it reserved (te_in_place.py,
+cache_manager/pd_receive.py). A CUDA D pulls them over Mooncake Transfer Engine into its store before
+running (te_blocks.py, te_transfer.py).
 
 R3 across the boundary: D's engine holds prompt + first token as its prompt, so its rows are
 [0, P + 1) for that prompt plus one per further token: P + 1 + (N - 1) - 1 = P + N - 1 rows, the
@@ -172,7 +174,10 @@ class PdDecode:
         # P's weight version is checked by the engine as the request arrives (no round trip before it, and
         # no update can slip in between); blocks travel under P's version, which must be this engine's
         handoff.check_for(boot.room, prompt_token_ids)
-        if self.te is not None:  # P's blocks into this server's own store: its engine loads them as hits
+        remote = None
+        if self.te is not None and self.te.in_place:  # P writes its blocks into the engine's, as it admits it
+            remote = await self.te.remote(boot, deadline)
+        elif self.te is not None:  # P's blocks into this server's own store: its engine loads them as hits
             await self.te.receive(boot, prompt_token_ids, handoff.weight_version, deadline)
         ends = handoff.finish_reason != "length" or params.max_tokens == 1
         if ends:  # D computes the prompt's rows; its own token is replaced by P's
@@ -185,7 +190,7 @@ class PdDecode:
         rewrite = _FirstToken(handoff, prompt_token_ids, replace=ends, keep_stop_text=params.include_stop_str_in_output)
         try:
             async for delta in self.engine.generate(request_id, run_ids, run, prompt, rewrite=rewrite,
-                                                    weight_version=handoff.weight_version):
+                                                    weight_version=handoff.weight_version, remote_blocks=remote):
                 yield delta
         except EngineWeightVersionError as e:  # one of P and D was updated, not the other: nothing ran
             raise HandoffError(f"room {boot.room} was computed by the prefill server: {e}; {UPDATE_BOTH}") from None

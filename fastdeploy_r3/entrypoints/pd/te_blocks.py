@@ -17,9 +17,10 @@ import time
 from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap
-from fastdeploy_r3.entrypoints.pd.te_transfer import TeArena, TeError, pull_room
+from fastdeploy_r3.entrypoints.pd.te_transfer import Manifest, TeArena, TeError, pull_room
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ class TeBlocks:
     def __init__(self, config: EngineConfig, arena: TeArena, store: KVStorageBackend | None = None) -> None:
         mc, cc = config.model_config, config.cache_config
         self.model_identity, self.block_size = mc.model_identity, cc.block_size
+        self.in_place = config.device == "cpu"  # the engine's blocks are host memory P can write into
+        self.transfer_timeout_s = cc.transfer_timeout_s
         self.arena = arena
         if store is None:
             assert cc.kv_storage is not None  # check_pd_flags
@@ -90,6 +93,27 @@ class TeBlocks:
         logger.info("room %d: %d blocks (%d bytes) over the transfer engine in %.4f s, stored in %.4f s", boot.room,
                     n, self.last["bytes"], self.last["transfer_s"], self.last["store_s"])
         return n
+
+    async def remote(self, boot: Bootstrap, deadline: float) -> RemoteBlocks | None:
+        """D, CPU engines: the room as the engine's remote source, P writing its blocks straight into the
+        engine's (cache_manager/pd_receive.py); None when P holds none or cannot say (the engine then
+        computes the prompt). Its transfer is bounded well inside the CTM's own timeout."""
+        import httpx
+
+        remaining = max(deadline - asyncio.get_running_loop().time(), 0.1)
+        try:
+            async with httpx.AsyncClient(timeout=remaining) as client:
+                r = await client.get(f"http://{boot.host}:{boot.port}/pd/rooms/{boot.room}/manifest")
+            if r.status_code != 200:
+                raise TeError(f"the prefill server answered {r.status_code}: {r.text[:200]}")
+            m = Manifest.from_json(r.json())
+        except (httpx.HTTPError, ValueError, TeError) as e:
+            logger.warning("room %d: no blocks from the prefill server (%s); computing the prompt here", boot.room, e)
+            return None
+        if not m.block_digests or len(m.block_digests) != len(m.checksums):
+            return None
+        return RemoteBlocks(boot.host, boot.port, boot.room, m.blob_nbytes, tuple(m.block_digests),
+                            timeout_s=min(remaining, self.transfer_timeout_s / 2))
 
     def close(self) -> None:
         self.arena.close()

@@ -34,6 +34,8 @@ import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from fastdeploy_r3.blobstore.base import CHECKSUM_NBYTES
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_ARENA_MB = 64
@@ -55,6 +57,9 @@ class Manifest:
     room: int
     blob_nbytes: int
     checksums: list[str] = field(default_factory=list)
+    # per blob, the xxh3_64 it ends with (over its header, KV and rows): what a block written in place at D
+    # must hash to (cache_manager/pd_receive.py)
+    block_digests: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +68,8 @@ class Manifest:
     def from_json(cls, raw: Any) -> Manifest:
         try:
             m = cls(room=int(raw["room"]), blob_nbytes=int(raw["blob_nbytes"]),
-                    checksums=[str(c) for c in raw["checksums"]])
+                    checksums=[str(c) for c in raw["checksums"]],
+                    block_digests=[int(d) for d in raw.get("block_digests", [])])
         except (KeyError, TypeError, ValueError) as e:
             raise TeError(f"the prefill server sent a malformed manifest ({e})") from None
         if m.blob_nbytes < 0 or (m.checksums and m.blob_nbytes == 0):
@@ -210,7 +216,8 @@ class Outbox:
         if entry is None:
             return None
         blobs = entry[1]
-        return Manifest(room, len(blobs[0]) if blobs else 0, [blob_checksum(b) for b in blobs])
+        return Manifest(room, len(blobs[0]) if blobs else 0, [blob_checksum(b) for b in blobs],
+                        [int.from_bytes(b[-CHECKSUM_NBYTES:], "little") for b in blobs])
 
     def take(self, room: int) -> list[bytes] | None:
         entry = self._rooms.pop(room, None)

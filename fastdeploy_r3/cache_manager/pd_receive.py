@@ -1,0 +1,172 @@
+"""PD's mooncake transfer on the decode side, in the CTM: the prefill server (P) writes a room's blocks
+straight into the GPU blocks this engine reserved for them (docs/pd.md).
+
+    engine  StorageTier.lookup: the room's prompt blocks are found; start_load -> PD2GPU task
+    CTM     PdReceiver.receive: POST P:bootstrap/pd/rooms/R/kv  KvTarget (this CTM's transfer engine
+            segment; per block, (offset in the blob, bytes, address here) of every piece: the KV slice
+            of each rank, layer and K|V, then the routing rows)
+    P       writes each blob's pieces to their addresses over Mooncake Transfer Engine, answers KvWritten
+    CTM     recomputes each block's blob checksum over this layout's header and what landed; the good
+            leading blocks get the engine's fresh routing tags; acks as a storage load does
+
+Only this process's transfer engine can land P's writes. When the end of a transfer is unknown (the
+request timed out, or the connection was cut after it went out), a write could still land in blocks
+the engine has since given to another request, KV and R3 rows alike: PeerWriteUnknown then ends the
+CTM (cache_transfer_manager.py lets it through), the engine's supervisor fails every load in flight
+(the requests compute those blocks) and starts a new CTM. A clean refusal (P unreachable before the
+request, a room P does not hold, a failed write P reports) is an ordinary failed load.
+
+CPU devices only: on CUDA the blocks are device memory, which this engine does not register with the
+transfer engine (the API process then moves the blocks through its store, entrypoints/pd/te_blocks.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer
+from fastdeploy_r3.cache_manager.storage import HEADER_NBYTES, BlockLayout
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
+
+logger = logging.getLogger(__name__)
+
+
+class PeerWriteUnknown(Exception):  # noqa: N818 - a state, not an error the CTM may absorb
+    """A prefill server may still write into this engine's blocks: the CTM must exit before any ack."""
+
+
+@dataclass(frozen=True)
+class KvTarget:
+    """D -> P: write blocks first, first + 1, ... of the room; blocks[i] lists (offset in the blob,
+    bytes, address in D's segment) of each of block i's pieces."""
+
+    room: int
+    segment: str
+    first: int
+    blocks: list[list[list[int]]]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Any) -> KvTarget:
+        try:
+            blocks = [[[int(x) for x in piece] for piece in b] for b in raw["blocks"]]
+            if any(len(piece) != 3 for b in blocks for piece in b):
+                raise ValueError("a piece is [offset, nbytes, address]")
+            return cls(room=int(raw["room"]), segment=str(raw["segment"]), first=int(raw["first"]), blocks=blocks)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed block target ({e})") from None
+
+
+@dataclass(frozen=True)
+class KvWritten:
+    """P -> D: the leading blocks written in place, and why the rest were not."""
+
+    room: int
+    num_written: int
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Any) -> KvWritten:
+        try:
+            err = raw["error"]
+            return cls(room=int(raw["room"]), num_written=int(raw["num_written"]),
+                       error=None if err is None else str(err))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"the prefill server sent a malformed completion ({e})") from None
+
+
+class PdReceiver:
+    """One transfer engine with the workers' KV caches and the routing rows registered (once)."""
+
+    def __init__(self, gpu_kv: list[np.ndarray], routing: RoutingBuffer | None, layout: BlockLayout,
+                 block_size: int, host: str = "127.0.0.1") -> None:  # fmt: skip
+        from mooncake.engine import TransferEngine
+
+        self.gpu_kv, self.routing, self.layout, self.block_size = gpu_kv, routing, layout, block_size
+        self.engine = TransferEngine()
+        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError(f"Mooncake Transfer Engine did not start on {host} (tcp, P2P handshake)")
+        self._regions = [a for a in gpu_kv] + ([routing.rows] if routing is not None else [])
+        for a in self._regions:
+            if self.engine.register_memory(int(a.ctypes.data), a.nbytes) != 0:
+                raise RuntimeError(f"Mooncake Transfer Engine refused to register {a.nbytes} bytes")
+        self.segment = f"{host}:{self.engine.get_rpc_port()}"
+
+    def _pieces(self, block_id: int) -> list[tuple[int, np.ndarray]]:
+        """(offset in the blob, the block's memory here) per piece, in blob order."""
+        out, off = [], HEADER_NBYTES
+        for kv in self.gpu_kv:  # [num_layers, 2, num_blocks, block_bytes] bytes, one per rank
+            for layer in range(kv.shape[0]):
+                for k_or_v in range(2):
+                    out.append((off, kv[layer, k_or_v, block_id]))
+                    off += kv.shape[3]
+        if self.routing is not None:
+            out.append((off, self.routing.rows[block_id * self.block_size:(block_id + 1) * self.block_size]))
+        return out
+
+    def digest(self, block_id: int) -> int:
+        """The xxh3_64 a stored blob of this block's bytes as they are now would end with."""
+        h = xxhash.xxh3_64(self.layout.header())
+        for _, mem in self._pieces(block_id):
+            h.update(np.ascontiguousarray(mem).data)
+        return h.intdigest()
+
+    def receive(self, gpu_ids: list[int], tags: list[int], remote: RemoteBlocks,
+                first: int) -> tuple[int, list[int], str | None]:  # fmt: skip
+        """(bytes landed, indices of the blocks not in place, why); raises PeerWriteUnknown."""
+        import httpx
+
+        n, t0 = len(gpu_ids), time.perf_counter()
+        if remote.blob_nbytes != self.layout.blob_nbytes:
+            return 0, list(range(n)), (f"the prefill server's blocks are {remote.blob_nbytes} bytes, this engine's "
+                                       f"{self.layout.blob_nbytes}: another model, dtype, block size or TP size")
+        n_remote = min(n, len(remote.block_digests) - first)
+        blocks = [[[off, mem.nbytes, int(mem.ctypes.data)] for off, mem in self._pieces(g)] for g in gpu_ids[:n_remote]]
+        target = KvTarget(remote.room, self.segment, first, blocks)
+        url = f"http://{remote.host}:{remote.port}/pd/rooms/{remote.room}/kv"
+        try:
+            r = httpx.post(url, json=target.to_json(), timeout=remote.timeout_s)
+        except httpx.ConnectError as e:  # refused before anything was sent: nothing can land
+            return 0, list(range(n)), f"room {remote.room}: the prefill server's bootstrap is unreachable ({e})"
+        except httpx.HTTPError as e:
+            why = f"{type(e).__name__}: {e}"
+            raise PeerWriteUnknown(f"room {remote.room}: the transfer's end is unknown ({why})") from e
+        if r.status_code != 200:
+            return 0, list(range(n)), f"room {remote.room}: the prefill server answered {r.status_code}: {r.text[:200]}"
+        try:
+            written = KvWritten.from_json(r.json())
+        except ValueError as e:
+            raise PeerWriteUnknown(f"room {remote.room}: {e}") from None
+        good = 0
+        for i in range(min(written.num_written, n_remote)):
+            if self.digest(gpu_ids[i]) != remote.block_digests[first + i]:
+                logger.warning("room %d: block %d arrived with other bytes than P stored; computing the prompt from "
+                               "there", remote.room, first + i)
+                break
+            good += 1
+        if self.routing is not None:
+            for g, tag in zip(gpu_ids[:good], tags[:good], strict=True):
+                self.routing.tags[g * self.block_size:(g + 1) * self.block_size] = tag
+        error = written.error if good < n else None
+        if good < n and error is None:
+            error = f"room {remote.room}: {good} of {n} blocks in place"
+        landed = good * (self.layout.num_ranks * self.layout.kv_nbytes + self.layout.rows_nbytes)
+        logger.info("room %d: %d blocks (%d bytes) over the transfer engine in %.4f s, in place", remote.room, good,
+                    landed, time.perf_counter() - t0)  # tools/bench_pd.py reads this line
+        return landed, list(range(good, n)), error
+
+    def close(self) -> None:
+        for a in self._regions:
+            self.engine.unregister_memory(int(a.ctypes.data))
+        self._regions = []

@@ -1,0 +1,196 @@
+"""PD's transfer into D's engine blocks without servers: P's bootstrap server (its arena, an outbox of
+stored block blobs) writes each blob's pieces, the KV slice of every rank, layer and K|V and the
+routing rows, straight into D's "GPU" KV arrays and rows over two Mooncake Transfer Engines on
+loopback (cache_manager/pd_receive.py, entrypoints/pd/te_in_place.py).
+
+Tiny layout: 2 ranks, 2 layers, blocks of 2 tokens, 1 KV head of 2 float32 (16 bytes per layer and
+K|V), rows [2 tokens, 2 layers, top-2] int32; D has 6 blocks. Each story asserts which of D's blocks
+hold which blob, the tags stamped, and that nothing else was written."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from fastdeploy_r3.cache_manager.pd_receive import KvTarget, KvWritten, PdReceiver, PeerWriteUnknown
+from fastdeploy_r3.cache_manager.storage import BlockLayout, encode_block
+from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
+from fastdeploy_r3.entrypoints.pd.bootstrap import BootstrapServer, Rooms
+from fastdeploy_r3.entrypoints.pd.te_in_place import write_pieces
+from fastdeploy_r3.entrypoints.pd.te_transfer import Outbox, TeArena, TeSender
+
+RANKS, LAYERS, BLOCK, HEADS, DIM = 2, 2, 2, 1, 2
+SLICE = BLOCK * HEADS * DIM * 4  # bytes of one (layer, K|V) of a block
+LAYOUT = BlockLayout(RANKS, (LAYERS, 2, BLOCK, HEADS, DIM), "float32", 4, (BLOCK, LAYERS, 2), "int32")
+NUM_BLOCKS = 6
+
+
+def _blob(seed: int) -> tuple[bytes, list[np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    kv = [rng.integers(0, 256, LAYERS * 2 * SLICE, dtype=np.uint8) for _ in range(RANKS)]
+    rows = rng.integers(0, 64, (BLOCK, LAYERS, 2), dtype=np.int32)
+    return encode_block(LAYOUT, kv, rows), kv, rows
+
+
+def _digest(blob: bytes) -> int:
+    return int.from_bytes(blob[-8:], "little")
+
+
+class _D:
+    """D's engine memory: zeroed KV per rank [layers, 2, blocks, slice bytes], rows and tags per slot."""
+
+    def __init__(self) -> None:
+        self.kv = [np.zeros((LAYERS, 2, NUM_BLOCKS, SLICE), np.uint8) for _ in range(RANKS)]
+        self.routing = SimpleNamespace(rows=np.zeros((NUM_BLOCKS * BLOCK, LAYERS, 2), np.int32),
+                                       tags=np.zeros(NUM_BLOCKS * BLOCK, np.int64))
+        self.receiver = PdReceiver(self.kv, self.routing, LAYOUT, BLOCK)
+
+    def holds(self, block_id: int, kv: list[np.ndarray], rows: np.ndarray) -> bool:
+        same_kv = all(np.array_equal(self.kv[r][:, :, block_id].reshape(-1), kv[r]) for r in range(RANKS))
+        return same_kv and np.array_equal(self.routing.rows[block_id * BLOCK:(block_id + 1) * BLOCK], rows)
+
+    def untouched(self, block_ids: list[int]) -> bool:
+        return all(not self.kv[r][:, :, b].any() and not self.routing.rows[b * BLOCK:(b + 1) * BLOCK].any()
+                   for r in range(RANKS) for b in block_ids)
+
+    def tags(self) -> list[int]:
+        return [int(t) for t in self.routing.tags[::BLOCK]]
+
+
+@pytest.fixture(scope="module")
+def p_arena() -> TeArena:
+    arena = TeArena(1 << 16)
+    yield arena
+    arena.close()
+
+
+def _with_p(p_arena: TeArena, rooms: dict[int, list[bytes]], body) -> None:
+    """Run body(port) in a thread while P's bootstrap server (with these rooms in its outbox) serves."""
+    async def run() -> None:
+        outbox = Outbox()
+        for room, blobs in rooms.items():
+            outbox.put(room, blobs)
+        server = BootstrapServer(Rooms(), "127.0.0.1", 0, TeSender(p_arena, outbox))
+        try:
+            await asyncio.to_thread(body, server.port)
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_targets_and_completions_survive_their_json() -> None:
+    t = KvTarget(3, "127.0.0.1:9", 1, [[[96, 16, 4096]]])
+    assert KvTarget.from_json(t.to_json()) == t and KvWritten.from_json(KvWritten(3, 1, "x").to_json()) == KvWritten(
+        3, 1, "x")
+    with pytest.raises(ValueError, match="a piece is"):
+        KvTarget.from_json({"room": 3, "segment": "s", "first": 0, "blocks": [[[1, 2]]]})
+
+
+def test_p_writes_each_blob_into_the_blocks_d_reserved_and_d_stamps_its_tags(p_arena) -> None:
+    d = _D()
+    made = [_blob(s) for s in range(3)]
+    blobs = [b for b, _, _ in made]
+    room = RemoteBlocks("127.0.0.1", 0, 31, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
+
+    def body(port: int) -> None:
+        here = RemoteBlocks(room.host, port, room.room, room.blob_nbytes, room.block_digests)
+        nbytes, failed, error = d.receiver.receive([4, 1, 5], [101, 102, 103], here, 0)
+        assert (failed, error, nbytes) == ([], None, 3 * (RANKS * LAYERS * 2 * SLICE + BLOCK * LAYERS * 2 * 4))
+
+    _with_p(p_arena, {31: blobs}, body)
+    assert [d.holds(g, kv, rows) for g, (_, kv, rows) in zip([4, 1, 5], made)] == [True, True, True]
+    assert d.untouched([0, 2, 3]) and d.tags() == [0, 102, 0, 0, 101, 103]
+    assert p_arena.used_bytes == 0
+
+
+def test_a_gpu_hit_first_block_asks_the_room_from_the_next(p_arena) -> None:
+    d = _D()
+    made = [_blob(s) for s in range(10, 13)]
+    blobs = [b for b, _, _ in made]
+
+    def body(port: int) -> None:
+        room = RemoteBlocks("127.0.0.1", port, 32, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
+        assert d.receiver.receive([2, 3], [7, 8], room, 1)[1:] == ([], None)
+
+    _with_p(p_arena, {32: blobs}, body)
+    assert d.holds(2, *made[1][1:]) and d.holds(3, *made[2][1:]) and d.untouched([0, 1, 4, 5])
+    assert d.tags() == [0, 0, 7, 8, 0, 0]
+
+
+def test_a_block_corrupted_in_p_store_ends_the_load_there_and_keeps_no_tag_after_it(p_arena) -> None:
+    """P's stored blob 1 has a flipped byte (its own trailer no longer matches): it lands, D's check
+    refuses it, block 0 counts, blocks 1 and 2 are computed (their tags stay the engine's business)."""
+    d = _D()
+    made = [_blob(s) for s in range(20, 23)]
+    blobs = [b for b, _, _ in made]
+    digests = tuple(_digest(b) for b in blobs)
+    bad = bytearray(blobs[1])
+    bad[100] ^= 0x01
+    blobs[1] = bytes(bad)
+
+    def body(port: int) -> None:
+        room = RemoteBlocks("127.0.0.1", port, 33, LAYOUT.blob_nbytes, digests)
+        _, failed, error = d.receiver.receive([0, 1, 2], [1, 2, 3], room, 0)
+        assert failed == [1, 2] and error == "room 33: 1 of 3 blocks in place"
+
+    _with_p(p_arena, {33: blobs}, body)
+    assert d.holds(0, *made[0][1:]) and d.tags() == [1, 0, 0, 0, 0, 0]
+
+
+def test_clean_refusals_are_failed_loads_and_write_nothing(p_arena) -> None:
+    d = _D()
+    blobs = [_blob(30)[0]]
+    digests = (_digest(blobs[0]),)
+
+    def body(port: int) -> None:
+        unknown = RemoteBlocks("127.0.0.1", port, 99, LAYOUT.blob_nbytes, digests)  # P holds no room 99
+        _, failed, error = d.receiver.receive([0], [1], unknown, 0)
+        assert failed == [0] and "answered 404" in error
+        other_layout = RemoteBlocks("127.0.0.1", port, 34, LAYOUT.blob_nbytes + 4, digests)
+        _, failed, error = d.receiver.receive([0], [1], other_layout, 0)
+        assert failed == [0] and "another model, dtype, block size or TP size" in error
+
+    _with_p(p_arena, {34: blobs}, body)
+    with socket.socket() as s:  # a port nobody listens on: refused before anything was sent
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    _, failed, error = d.receiver.receive([0], [1], RemoteBlocks("127.0.0.1", closed, 35, LAYOUT.blob_nbytes,
+                                                                 digests), 0)
+    assert failed == [0] and "unreachable" in error
+    assert d.untouched(list(range(NUM_BLOCKS))) and d.tags() == [0] * NUM_BLOCKS
+
+
+def test_a_transfer_whose_end_is_unknown_raises_for_the_ctm_to_exit() -> None:
+    """P took the request and never answered: its writes could still land later, so no ack may be given."""
+    d = _D()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True).start()
+    room = RemoteBlocks("127.0.0.1", listener.getsockname()[1], 36, LAYOUT.blob_nbytes, (1,), timeout_s=0.5)
+    with pytest.raises(PeerWriteUnknown, match="room 36: the transfer's end is unknown"):
+        d.receiver.receive([0], [1], room, 0)
+    for s in [*held, listener]:
+        s.close()
+
+
+def test_a_write_the_target_engine_refuses_counts_no_block_and_a_piece_outside_its_blob_is_refused(p_arena) -> None:
+    """One batch per room: D's engine refuses a piece outside what it registered, the whole room fails
+    (a batch does not say which piece did), and P never reads past a blob for a hostile offset."""
+    d = _D()
+    blob = _blob(40)[0]
+    good = [[off, mem.nbytes, int(mem.ctypes.data)] for off, mem in d.receiver._pieces(0)]
+    outside = KvTarget(41, d.receiver.segment, 0, [good[:-1] + [[good[-1][0], good[-1][1], 4096]]])
+    written = asyncio.run(write_pieces(p_arena, [blob], outside))
+    assert written.num_written == 0 and "failed (code" in written.error
+    past_blob = KvTarget(41, d.receiver.segment, 0, [[[len(blob) - 4, 16, good[0][2]]]])
+    written = asyncio.run(write_pieces(p_arena, [blob], past_blob))
+    assert written == KvWritten(41, 0, "block 0: a piece lies outside its blob") and p_arena.used_bytes == 0
+    assert asyncio.run(write_pieces(p_arena, [blob], KvTarget(41, d.receiver.segment, 1, [good]))) == KvWritten(41, 0)
