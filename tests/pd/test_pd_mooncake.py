@@ -18,6 +18,7 @@ import base64
 import glob
 import json
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,6 +136,26 @@ def test_completions_equal_colocated(pd: Deployment, stream: bool) -> None:
     (text, routed), (ref_text, ref_routed) = ask(pd.router), ask(pd.colocated.url)
     assert text == ref_text
     assert np.array_equal(decode_routed_experts(routed), decode_routed_experts(ref_routed))
+
+
+def test_a_room_d_needs_none_of_is_handed_back_to_p(pd: Deployment) -> None:
+    """D's GPU pool holds the prompt's blocks (the router's request just before): D's engine asks P for
+    none of room 4343's, and D hands the room back once its engine admitted the request, so that P's
+    outbox keeps no room nobody will pull (it would push out rooms others still need)."""
+    prompt = [500 + i for i in range(9)]
+    _generate(pd.router, prompt)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 4343}
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
+    manifest = f"http://127.0.0.1:{pd.bootstrap_port}/pd/rooms/4343/manifest"
+    assert len(httpx.get(manifest, timeout=30).json()["checksums"]) == 2  # P holds the room for D
+    out = httpx.post(f"{pd.decode.url}/generate", json={**body, **boot}, timeout=120).json()
+    assert out["meta_info"]["cached_tokens"] == 8 and len(out["output_ids"]) == 3
+    deadline = time.monotonic() + 10
+    while httpx.get(manifest, timeout=30).status_code == 200:  # handed back in the background
+        assert time.monotonic() < deadline, "D never handed room 4343 back"
+        time.sleep(0.05)
+    assert httpx.get(manifest, timeout=30).status_code == 404
 
 
 def test_a_block_corrupted_on_p_costs_d_recomputation_never_exactness(pd: Deployment, logs) -> None:

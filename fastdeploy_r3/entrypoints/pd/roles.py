@@ -28,6 +28,7 @@ so that D has the prompt's rows; D's own sample is replaced by P's token, text a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -162,6 +163,7 @@ class PdDecode:
     def __init__(self, engine: AsyncEngineClient, te: TeBlocks | None = None) -> None:
         self.engine, self.te = engine, te
         self.transfer_backend = "store" if te is None else "mooncake"
+        self._releases: set[asyncio.Task] = set()  # rooms being handed back to P (te_blocks.release)
 
     async def close(self) -> None:
         if self.te is not None:
@@ -191,6 +193,10 @@ class PdDecode:
         try:
             async for delta in self.engine.generate(request_id, run_ids, run, prompt, rewrite=rewrite,
                                                     weight_version=handoff.weight_version, remote_blocks=remote):
+                if remote is not None and self.te is not None:  # admitted and loaded: the room is done with
+                    self._releases.add(task := asyncio.create_task(self.te.release(boot)))
+                    task.add_done_callback(self._releases.discard)
+                    remote = None
                 yield delta
         except EngineWeightVersionError as e:  # one of P and D was updated, not the other: nothing ran
             raise HandoffError(f"room {boot.room} was computed by the prefill server: {e}; {UPDATE_BOTH}") from None

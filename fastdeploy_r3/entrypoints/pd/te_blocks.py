@@ -115,6 +115,18 @@ class TeBlocks:
         return RemoteBlocks(boot.host, boot.port, boot.room, m.blob_nbytes, tuple(m.block_digests),
                             timeout_s=min(remaining, self.transfer_timeout_s / 2))
 
+    async def release(self, boot: Bootstrap) -> None:
+        """D, once its engine admitted the request: P drops the room from its outbox. The engine took
+        only the blocks its GPU pool lacked (maybe none), and an outbox full of rooms nobody will pull
+        would push out the rooms others still need. Best effort: a room already taken is a no-op."""
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                await client.delete(f"http://{boot.host}:{boot.port}/pd/rooms/{boot.room}/kv")
+        except httpx.HTTPError as e:
+            logger.info("room %d: the prefill server did not take back its room (%s); it expires there", boot.room, e)
+
     def close(self) -> None:
         self.arena.close()
         self.store.close()

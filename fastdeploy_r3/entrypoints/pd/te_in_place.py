@@ -68,3 +68,8 @@ def add_in_place_route(app: FastAPI, te: TeSender) -> None:
         if blobs is None:
             return JSONResponse({"error": f"room {room} has no blocks here"}, status_code=404)
         return JSONResponse((await write_pieces(te.arena, blobs, target)).to_json())
+
+    @app.delete("/pd/rooms/{room}/kv")
+    async def release(room: int) -> JSONResponse:
+        """D admitted the request without needing (all of) the room: its blocks leave the outbox now."""
+        return JSONResponse({"room": room, "dropped": te.outbox.take(room) is not None})
