@@ -62,8 +62,8 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                         "writes them into memory D reserved, over Mooncake Transfer Engine (each server keeps "
                         "its own --kv-storage)")
     g.add_argument("--disaggregation-te-arena-mb", type=int, default=DEFAULT_ARENA_MB,
-                   help="mooncake backend: the memory each server registers with its transfer engine (D: "
-                        "blocks of rooms being received; P: blocks being written)")
+                   help="mooncake backend: the memory each server registers with its transfer engine (P: "
+                        "blocks being written; a CUDA D: blocks of rooms being received)")
 
 
 def check_pd_flags(args: argparse.Namespace, config: EngineConfig) -> None:
@@ -90,7 +90,9 @@ async def start_pd_role(args: argparse.Namespace, engine: AsyncEngineClient) -> 
         return None
     te = None
     if args.disaggregation_transfer_backend == "mooncake":
-        te = TeBlocks(engine.config, TeArena(args.disaggregation_te_arena_mb << 20))
+        # a CPU D's CTM takes P's writes into the engine's blocks: only P and a CUDA D need an arena here
+        in_place = args.disaggregation_mode == "decode" and engine.config.device == "cpu"
+        te = TeBlocks(engine.config, None if in_place else TeArena(args.disaggregation_te_arena_mb << 20))
     if args.disaggregation_mode == "prefill":
         rooms = Rooms()
         sender = None if te is None else TeSender(te.arena, Outbox())

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class TeBlocks:
-    def __init__(self, config: EngineConfig, arena: TeArena, store: KVStorageBackend | None = None) -> None:
+    def __init__(self, config: EngineConfig, arena: TeArena | None, store: KVStorageBackend | None = None) -> None:
         mc, cc = config.model_config, config.cache_config
         self.model_identity, self.block_size = mc.model_identity, cc.block_size
         self.in_place = config.device == "cpu"  # the engine's blocks are host memory P can write into
@@ -70,6 +70,7 @@ class TeBlocks:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
+            assert self.arena is not None  # a server that pulls rooms has one (roles.start_pd_role)
             blobs = await pull_room(self.arena, boot.host, boot.port, boot.room, deadline - loop.time())
         except TeError as e:
             logger.warning("room %d: no blocks from the prefill server (%s); computing the prompt here", boot.room, e)
@@ -128,5 +129,6 @@ class TeBlocks:
             logger.info("room %d: the prefill server did not take back its room (%s); it expires there", boot.room, e)
 
     def close(self) -> None:
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
         self.store.close()
