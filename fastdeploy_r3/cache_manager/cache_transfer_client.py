@@ -68,7 +68,7 @@ class CacheTransferClient:
         """Spawn the CTM without waiting for it; `ready()` says when it is up."""
         if self._proc is not None:
             raise CacheTransferError("CacheTransferClient.start() called twice; call shutdown() first")
-        from fastdeploy_r3.cache_manager.cache_transfer_manager import run_cache_transfer_manager
+        from fastdeploy_r3.cache_manager.ctm_process import run_cache_transfer_manager
 
         parent_conn, child_conn = spawn_context().Pipe(duplex=True)
         self._config = config

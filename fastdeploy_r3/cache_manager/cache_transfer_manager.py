@@ -14,7 +14,8 @@ messages and errors of this boundary are in transfer.py.
 
 Tasks run one at a time in submission order, so a later task sees the effects of an earlier one
 (e.g. SWAP2CPU of block 3 then GPU2STORAGE of the block reusing GPU id 3 is safe only after the
-first ack; but the CTM itself never reorders).
+first ack; but the CTM itself never reorders). PD2GPU tasks alone run beside them, on threads: the
+process side (entry point, task loop, exit) is ctm_process.py.
 """
 
 from __future__ import annotations
@@ -22,12 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import queue
-import signal
 import threading
 import time
-from multiprocessing.connection import Connection
 
 import numpy as np
 
@@ -37,7 +34,6 @@ from fastdeploy_r3.cache_manager.block_copy import BlockCopier, BlockData
 from fastdeploy_r3.cache_manager.kv_tiers import CpuKVTiers, KVTiers
 from fastdeploy_r3.cache_manager.pd_receive import PdReceiver, PeerWriteUnknown
 from fastdeploy_r3.cache_manager.routing_buffer import NO_TAG, RoutingBuffer, RoutingBufferSpec
-from fastdeploy_r3.cache_manager.shm import pid_alive, unlink_all, unlink_quietly
 from fastdeploy_r3.cache_manager.storage import (
     BlockDecodeError,
     BlockLayout,
@@ -48,27 +44,14 @@ from fastdeploy_r3.cache_manager.storage import (
 from fastdeploy_r3.cache_manager.transfer import (
     CacheTransferConfig,
     CacheTransferError,
-    CTMReady,
     KVCacheSpec,
     TransferAck,
     TransferKind,
     TransferTask,
 )
-from fastdeploy_r3.lifecycle import (
-    Shutdown,
-    exit_after,
-    exit_when_orphaned,
-    exit_with_parent,
-    freeze_startup_heap,
-    name_this_process,
-    parent_gone,
-    run_then_clean_up,
-    unwind_on_sigterm,
-)
 
 logger = logging.getLogger(__name__)
 
-_PARENT_POLL_S = 0.5
 
 
 class CacheTransferManager:
@@ -80,6 +63,7 @@ class CacheTransferManager:
         self.copier: BlockCopier | None = None
         self.storage: KVStorageBackend | None = None
         self.pd: PdReceiver | None = None  # started by the first PD2GPU task
+        self._pd_lock = threading.Lock()  # PD2GPU tasks run on threads (ctm_process.py)
         try:
             self._setup()
         except BaseException:
@@ -227,11 +211,12 @@ class CacheTransferManager:
 
     def _pd_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         assert self.copier is not None and task.remote is not None
-        if self.pd is None:
-            if not isinstance(self.copier.kv, CpuKVTiers):
-                raise CacheTransferError("PD writes into device memory are not built; the decode server moves "
-                                         "blocks through its store on CUDA")
-            self.pd = PdReceiver(self.copier.kv.gpu_kv, self.copier.routing_host, self.layout, self.block_size)
+        with self._pd_lock:
+            if self.pd is None:
+                if not isinstance(self.copier.kv, CpuKVTiers):
+                    raise CacheTransferError("PD writes into device memory are not built; the decode server "
+                                             "moves blocks through its store on CUDA")
+                self.pd = PdReceiver(self.copier.kv.gpu_kv, self.copier.routing_host, self.layout, self.block_size)
         return self.pd.receive(task.gpu_block_ids, task.routing_tags, task.remote, task.first_block)
 
     def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
@@ -289,101 +274,6 @@ def _summary(failed: list[int], n: int, what: str, reasons: list[str]) -> str | 
         return None
     shown = "; ".join(reasons[:8]) + ("; ..." if len(reasons) > 8 else "")
     return f"{len(failed)} of {n} blocks {what}: {shown}"
-
-
-# ---- subprocess entry ------------------------------------------------------------------------------
-
-_EOF = object()
-
-
-def _reader(conn: Connection, inbox: queue.Queue) -> None:
-    # Drain the pipe in its own thread so that the engine's submit() never blocks on a busy CTM, and a
-    # closed pipe (engine gone) is noticed even in the middle of a long task.
-    try:
-        while True:
-            inbox.put(conn.recv())
-    except (EOFError, OSError):
-        inbox.put(_EOF)
-
-
-def run_cache_transfer_manager(config: CacheTransferConfig, conn: Connection) -> None:
-    """Entry point of the CTM subprocess: set up, say ready, run tasks FIFO until told or orphaned."""
-    logging.basicConfig(level=logging.INFO, format="[CTM %(process)d] %(levelname)s %(message)s")
-
-    signal.signal(signal.SIGTERM, unwind_on_sigterm)  # unwinds into clean_up below, which unlinks the CPU tier
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine stops us
-    ppid = os.getppid()  # reparenting means the process that started us died, even if parent_pid lives
-    state = _CtmState()
-
-    def clean_up() -> None:
-        _unlink(config, engine_gone=not state.told_to_stop and _engine_died(ppid, config.parent_pid))
-        if state.manager is not None:
-            state.manager.close()
-
-    # then leave without the finalization of a frozen heap (lifecycle.freeze_startup_heap)
-    exit_after(lambda: run_then_clean_up(lambda: _serve(config, conn, ppid, state), clean_up))
-
-
-@dataclasses.dataclass
-class _CtmState:
-    manager: CacheTransferManager | None = None
-    told_to_stop: bool = False
-
-
-def _engine_died(ppid: int, engine_pid: int, wait_s: float = 1.0) -> bool:
-    """Whether the engine is gone. The kernel closes a dying engine's pipes (our EOF) a moment before it
-    reparents us, so give that moment; an engine that is alive and stopping us never shows as gone."""
-    deadline = time.monotonic() + wait_s
-    while not (parent_gone(ppid) or not pid_alive(engine_pid)):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _serve(config: CacheTransferConfig, conn: Connection, ppid: int, state: _CtmState) -> None:
-    """Set up, say ready, run tasks FIFO until told or orphaned; `state` tells the cleanup what to close."""
-    try:
-        exit_with_parent(ppid)  # SIGTERM the moment the engine dies, even in the middle of a task
-        # and a CTM stuck in native I/O (a hung storage read) that never runs the handler exits anyway
-        exit_when_orphaned(ppid, lambda: _unlink(config, engine_gone=True))
-        name_this_process("fdr3-ctm")
-        try:
-            state.manager = manager = CacheTransferManager(config)
-        except Exception as e:
-            logger.exception("CTM setup failed")
-            conn.send(CTMReady(os.getpid(), error=f"{type(e).__name__}: {e}"))
-            return
-        conn.send(CTMReady(os.getpid()))
-        freeze_startup_heap()
-        inbox: queue.Queue = queue.Queue()
-        threading.Thread(target=_reader, args=(conn, inbox), daemon=True, name="ctm-reader").start()
-        while True:
-            try:
-                item = inbox.get(timeout=_PARENT_POLL_S)
-            except queue.Empty:
-                if not pid_alive(config.parent_pid) or os.getppid() != ppid:
-                    logger.warning("engine (pid %d) is gone; CTM exits", config.parent_pid)
-                    return
-                continue
-            if isinstance(item, Shutdown):
-                state.told_to_stop = True
-                return
-            if item is _EOF:
-                return
-            conn.send(manager.run_task(item))
-    except (BrokenPipeError, EOFError):
-        return
-
-
-def _unlink(config: CacheTransferConfig, engine_gone: bool) -> None:
-    """Unlink the CTM's own segments by name (that covers what a failed setup left half made) and, when
-    the engine died, every segment of the engine as well: the workers do the same, and either child
-    doing it is enough, so that one child killed outright (SIGKILL, the OOM killer) leaves nothing."""
-    for name in config.segment_names():
-        unlink_quietly(name)
-    if engine_gone and config.engine_suffix:
-        unlink_all(config.engine_suffix)
 
 
 def make_kv_tiers(specs: list[KVCacheSpec], num_cpu_blocks: int, kv_cpu_name: str | None) -> KVTiers:

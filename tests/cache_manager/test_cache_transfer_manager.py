@@ -303,3 +303,40 @@ def test_a_pd_transfer_refused_cleanly_is_a_failed_ack_and_one_of_unknown_end_en
     finally:
         listener.close()
         _stop_engine(e)
+
+
+def test_a_pd_transfer_waiting_on_the_network_does_not_hold_up_the_tasks_behind_it() -> None:
+    """PD2GPU runs beside the FIFO (ctm_process.py): a swap submitted after a room whose prefill server
+    takes 1.5 s to answer is acked first; the room's ack follows (here P answers 404: a failed load)."""
+    import socket
+    import threading
+
+    from fastdeploy_r3.cache_manager.storage import BlockLayout
+    from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
+
+    blob = BlockLayout(TP, (LAYERS, 2, BS, HEADS, HEAD_DIM), "float32", 4, (BS, L, K), "uint8").blob_nbytes
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def slow_p() -> None:
+        conn, _ = listener.accept()
+        time.sleep(1.5)
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        conn.close()
+
+    threading.Thread(target=slow_p, daemon=True).start()
+    e = _start_engine(None)
+    try:
+        e.fill(1, tag=11, seed=3)
+        room = RemoteBlocks("127.0.0.1", listener.getsockname()[1], 8, blob, (1,), timeout_s=10.0)
+        e.client.submit(TransferTask(1, TransferKind.PD2GPU, [2], routing_tags=[7], remote=room))
+        t0 = time.monotonic()
+        e.client.submit(TransferTask(2, TransferKind.SWAP2CPU, [1], cpu_block_ids=[0]))
+        assert e.client.wait(2, timeout=20).ok and time.monotonic() - t0 < 1.0
+        ack = e.client.wait(1, timeout=20)
+        assert ack.failed == [0] and "answered 404" in ack.error and time.monotonic() - t0 >= 1.4
+        assert e.client.is_alive()
+    finally:
+        listener.close()
+        _stop_engine(e)
