@@ -13,7 +13,12 @@ the device (or the fake checkpoint), per batch size B: B random prompts (groups 
 half), prefill, then decode steps alternating R3 on / off (a paired A/B in one run). Per batch it prints
 the median decode step (R3 on), the memory roofline = bytes the step must read (experts touched, counted
 from its R3 rows; other weights; embedding rows; KV) / the copy bandwidth measured here, their ratio,
-output tokens/s = B / step, the R3 on/off step ratio, and the host time spent preparing inputs. Prefill
+output tokens/s = B / step, the R3 on/off step ratio, and the host time spent preparing inputs. That
+synchronous "step ms" runs each step whole (launch, then wait for its sampled ids) with every request sent
+in full: it includes the host input preparation and the sampled-id wait, which the server hides. "pipelined
+step ms" (R3 on) is the step as the server's worker runs it (worker_process.py StepPipeline): the next step
+launched before the previous one finishes, running requests sent as diffs (no new blocks) with placeholder
+tokens the runner fills on the device from the previous step's draw; median time between finishes. Prefill
 tokens/s is timed on --prefill-prompts prompts of --prefill-len tokens. --png plots step vs roofline and
 the R3 ratio by batch; --profile-batch writes a torch.profiler table of 3 decode steps; --hf times HF
 transformers' decode step on the same shape afterwards. --quantization fp8 quantizes the weights at load
@@ -173,7 +178,8 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
 
     batches = [int(b) for b in args.batches.split(",")]
     steps = args.decode_steps
-    extra = steps + 16  # decode tokens per request: warm-up, timed, roofline and profiled steps
+    # decode tokens per request: warm-up, timed, roofline, pipelined warm-up and timed, profiled steps
+    extra = 2 * steps + 16
     max_len = max(args.prompt_len + extra, args.prefill_len + 1)
     block_size = 16
     per_req = -(-(args.prompt_len + extra) // block_size)
@@ -198,14 +204,18 @@ def bench_engine(args: argparse.Namespace, model_dir: str, load_format: str) -> 
             times = bench.decode([i % 2 == 0 for i in range(2 * (steps // 2))])
             on, off = statistics.median(times[0::2]), statistics.median(times[1::2])
             bench.decode([True])
+            host_prep = statistics.median(bench.host_prep_s)  # of the synchronous steps only
             nbytes = bench.roofline_bytes(b)
             roof = sum(v for k, v in nbytes.items() if k != "experts_touched_per_layer") / bw
+            bench.decode_pipelined(2)  # warm-up: the first placeholder feed, launches overlapping a finish
+            piped = statistics.median(bench.decode_pipelined(steps))
             row = {"batch": b, "step_ms": on * 1e3, "step_r3_off_ms": off * 1e3, "roofline_ms": roof * 1e3,
-                   "ratio": on / roof, "tok_s": b / on, "r3_on_off": off / on,
-                   "host_prep_us": statistics.median(bench.host_prep_s) * 1e6, "bytes": nbytes}  # fmt: skip
+                   "ratio": on / roof, "pipelined_ms": piped * 1e3, "pipelined_ratio": piped / roof, "tok_s": b / on,
+                   "r3_on_off": off / on, "host_prep_us": host_prep * 1e6, "bytes": nbytes}  # fmt: skip
             rows.append(row)
-            print(f"batch {b:4d}: step {on * 1e3:8.2f} ms (R3 off {off * 1e3:8.2f}), roofline {roof * 1e3:7.3f} ms "
-                  f"({nbytes['experts_touched_per_layer']:.0f} experts/layer), ratio {on / roof:6.1f}", flush=True)
+            print(f"batch {b:4d}: step {on * 1e3:8.2f} ms (R3 off {off * 1e3:8.2f}, pipelined {piped * 1e3:8.2f}), "
+                  f"roofline {roof * 1e3:7.3f} ms ({nbytes['experts_touched_per_layer']:.0f} experts/layer), "
+                  f"ratio {on / roof:6.1f} (pipelined {piped / roof:6.1f})", flush=True)
             if b in profile_at and args.out:
                 profiles[b] = profile_steps(bench, 3, os.path.join(args.out, f"profile_bs{b}.txt"))
         prompts = random_prompts(args.prefill_prompts, args.prefill_len, vocab, seed=4096)
@@ -269,13 +279,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def print_engine_table(res: dict, hf: dict, title: str) -> None:
     print(f"\n{title}; decode CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; "
           f"copy bandwidth {res['copy_bandwidth'] / 1e12:.3f} TB/s\n")
-    print("| batch | step ms | roofline ms | step / roofline | output tok/s | R3 on/off | host prep µs "
-          "| experts/layer |" + (" HF step ms |" if hf else ""))
-    print("| ----- | ------- | ----------- | --------------- | ------------ | --------- | ------------ "
-          "| ------------- |" + (" ---------- |" if hf else ""))
+    print("| batch | step ms | roofline ms | step / roofline | pipelined step ms | pipelined / roofline "
+          "| output tok/s | R3 on/off | host prep µs | experts/layer |" + (" HF step ms |" if hf else ""))
+    print("| ----- | ------- | ----------- | --------------- | ----------------- | -------------------- "
+          "| ------------ | --------- | ------------ | ------------- |" + (" ---------- |" if hf else ""))
     for r in res["rows"]:
         line = (f"| {r['batch']:5d} | {r['step_ms']:7.2f} | {r['roofline_ms']:11.3f} | {r['ratio']:15.1f} | "
-                f"{r['tok_s']:12.1f} | {r['r3_on_off']:9.3f} | {r['host_prep_us']:12.0f} | "
+                f"{r['pipelined_ms']:17.2f} | {r['pipelined_ratio']:20.1f} | {r['tok_s']:12.1f} | "
+                f"{r['r3_on_off']:9.3f} | {r['host_prep_us']:12.0f} | "
                 f"{r['bytes']['experts_touched_per_layer']:13.1f} |")
         print(line + (f" {hf.get(r['batch'], float('nan')):10.2f} |" if hf else ""))
     print(f"\nprefill: {res['prefill_tok_s']:.0f} tokens/s")
@@ -294,7 +305,8 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--batches", default=None, help="default 1,16,64,256 on CUDA, 1,4 on the CPU")
     ap.add_argument("--prompt-len", type=int, default=None, help="engine default 1024 (CPU 32); cost default 64")
-    ap.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch (half R3 off)")
+    ap.add_argument("--decode-steps", type=int, default=16,
+                    help="timed decode steps per batch (half R3 off); as many again pipelined (R3 on)")
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=None, help="default 4096 on CUDA, 64 on the CPU")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -3,6 +3,7 @@
     bench = StepBench(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_batch=256, ...)
     bench.prefill(batch, prompt_len)             # the batch's prompts, in chunks of max_num_batched_tokens
     times = bench.decode(steps, r3_pattern)      # one decode step per entry, R3 on/off as the pattern says
+    periods = bench.decode_pipelined(steps)      # the server worker's way: launched ahead, sent as diffs
     bench.roofline_bytes(batch)                  # bytes the last R3-on decode step had to read
 
 R3 on/off is switched per step by attaching or detaching the runner's routing capture, so a paired A/B
@@ -28,8 +29,8 @@ from fastdeploy_r3.cache_manager.shm import new_engine_suffix, shm_name, unlink_
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.model_executor.layers.moe import StackedExperts
 from fastdeploy_r3.sampling_params import SamplingParams
-from fastdeploy_r3.worker.messages import ScheduledRequestData, StepInput
-from fastdeploy_r3.worker.model_runner import ModelRunner
+from fastdeploy_r3.worker.messages import PLACEHOLDER_TOKEN, ScheduledRequestData, StepInput, StepOutput
+from fastdeploy_r3.worker.model_runner import LaunchedStep, ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
@@ -113,12 +114,25 @@ class StepBench:
 
     def _step(self, requests: list[ScheduledRequestData]) -> dict[str, list[int]]:
         self._next_id += 1
-        out = self.runner.execute(StepInput(self._next_id, requests))
+        return self._record(self.runner.execute(StepInput(self._next_id, requests)))
+
+    def _record(self, out: StepOutput) -> dict[str, list[int]]:
         if out.error:
-            raise RuntimeError(f"step {self._next_id} failed: {out.error}")
+            raise RuntimeError(f"step {out.step_id} failed: {out.error}")
         self.last_tokens.update({rid: toks[-1] for rid, toks in out.sampled_token_ids.items()})
         self.sampled.append(out.sampled_token_ids)
         return out.sampled_token_ids
+
+    def _whole(self) -> list[ScheduledRequestData]:
+        """A decode step of every request sent whole: its last token and its full block table."""
+        return [ScheduledRequestData(rid, [self.last_tokens[rid]], pos, table, [1] * len(table), sample=True)
+                for rid, table, pos in self.requests]  # fmt: skip
+
+    def _check_room(self, steps: int) -> None:
+        for rid, table, pos in self.requests:
+            if pos + steps > len(table) * self.block_size:
+                raise ValueError(f"request {rid} at position {pos} holds {len(table)} KV blocks: too few for "
+                                 f"{steps} more decode steps (prefill's reserve)")
 
     # -- phases -------------------------------------------------------------------------------------
 
@@ -166,17 +180,53 @@ class StepBench:
     def decode(self, r3_pattern: Sequence[bool]) -> list[float]:
         """One decode step of the whole batch per entry of r3_pattern; seconds per step (host clock,
         the step ends at its sampled-token sync)."""
+        self._check_room(len(r3_pattern))
         times = []
         for on in r3_pattern:
             self.set_r3(on)
-            step = [ScheduledRequestData(rid, [self.last_tokens[rid]], pos, table, [1] * len(table), sample=True)
-                    for rid, table, pos in self.requests]  # fmt: skip
+            step = self._whole()
             t0 = time.perf_counter()
             self._step(step)
             times.append(time.perf_counter() - t0)
             self.requests = [(rid, table, pos + 1) for rid, table, pos in self.requests]
         self.set_r3(True)
         return times
+
+    def decode_pipelined(self, steps: int, r3_on: bool = True) -> list[float]:
+        """`steps` decode steps of the whole batch the way the server's worker runs them (worker_process.py
+        StepPipeline): step i+1 is launched before step i is finished, so the device never waits for the
+        host's input preparation or the sampled-id wait; seconds between consecutive finishes, one per step
+        (the first from the first launch: it has no overlap, take a median).
+
+        The first step sends every request whole (its last token, its full table): the step before it may
+        be a prefill chunk or a step of another kind. Every later one is what the engine's step builder sends
+        a running request (engine/step_builder.py, engine/overlap.py): PLACEHOLDER_TOKEN, which the runner
+        fills on the device with the id this request sampled in step id - 1 (so step ids stay consecutive),
+        and no new blocks: an empty table from blocks_from = len(table) (blocks_from 0 with an empty table
+        would mean "this request holds no blocks", worker/batch_state.py)."""
+        self._check_room(steps)
+        self.set_r3(r3_on)
+        pending: LaunchedStep | None = None
+        periods: list[float] = []
+        self._sync()
+        last = time.perf_counter()
+        for i in range(steps + 1):
+            launched = None
+            if i < steps:
+                step = self._whole() if i == 0 else [
+                    ScheduledRequestData(rid, [PLACEHOLDER_TOKEN], pos + i, [], [], sample=True, blocks_from=len(table))
+                    for rid, table, pos in self.requests]  # fmt: skip
+                self._next_id += 1
+                launched = self.runner.launch(StepInput(self._next_id, step))
+            if pending is not None:  # after the next launch, as the worker does: the device stays busy
+                self._record(self.runner.finish(pending))
+                now = time.perf_counter()
+                periods.append(now - last)
+                last = now
+            pending = launched
+        self.requests = [(rid, table, pos + steps) for rid, table, pos in self.requests]
+        self.set_r3(True)
+        return periods
 
     # -- roofline -----------------------------------------------------------------------------------
 
