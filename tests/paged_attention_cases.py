@@ -87,7 +87,8 @@ def run_torch(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def run_triton(case: PagedCase, **kernel_kw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same as run_torch through TritonPagedAttentionBackend (kernel_kw: e.g. num_splits for decode)."""
+    """Same as run_torch through TritonPagedAttentionBackend (kernel_kw: e.g. num_splits for decode, or the
+    max_seq_len a CUDA graph would pass: the longest context it may see)."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     if not kernel_kw:
         out = TritonPagedAttentionBackend().forward(case.q, case.k, case.v, (k_cache, v_cache), case.meta, case.scale)
@@ -100,6 +101,6 @@ def run_triton(case: PagedCase, **kernel_kw: int) -> tuple[torch.Tensor, torch.T
     out = torch.empty_like(case.q)
     paged_decode_attention(
         case.q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor, case.scale,
-        out, max_seq_len=meta.max_seq_len, **kernel_kw,
+        out, max_seq_len=kernel_kw.pop("max_seq_len", meta.max_seq_len), **kernel_kw,
     )  # fmt: skip
     return out, k_cache, v_cache

@@ -89,6 +89,20 @@ def test_decode_kernel_matches_torch_for_every_split_count() -> None:
     """)
 
 
+def test_each_row_splits_its_own_context_whatever_the_graph_was_captured_for() -> None:
+    """A decode graph passes max_model_len as max_seq_len (40,960 for Qwen3-30B-A3B). Each row still cuts
+    its own context into the P splits: the same bits as with the batch's real longest context."""
+    _run_interpreted("""
+        case = make_case([(29, 1), (62, 1), (5, 1)], num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, seed=3)
+        want, _, _ = run_torch(case)
+        for splits in (2, 4, 7):
+            short, _, _ = run_triton(case, num_splits=splits, block_n=16)
+            long, _, _ = run_triton(case, num_splits=splits, block_n=16, max_seq_len=40960)
+            assert torch.equal(short, long), splits
+            assert max_err(long, want) < TOL[torch.bfloat16], splits
+    """)
+
+
 def test_a_head_dim_below_the_dot_minimum_is_padded_and_masked() -> None:
     """tl.dot on a GPU wants operand dimensions >= 16; a head dim of 8 (the transformers-written test
     checkpoints) runs in 16-wide tiles whose padded lanes are masked: both kernels still equal torch."""

@@ -5,7 +5,10 @@ KVH = kv heads, G = H // KVH, D = head_dim, NB / BS = cache blocks / block size,
 
     grid (B, KVH, P): program (b, h, p) takes row b's one query token, its G query heads that read kv
     head h (packed as the M dimension of the dot: GQA reads each K/V tile once for the whole group),
-    and context positions [p * part, min((p + 1) * part, seq_lens[b])), read through block_tables[b].
+    and context positions [p * part_b, min((p + 1) * part_b, seq_lens[b])), read through block_tables[b],
+    where part_b = seq_lens[b] / P rounded up to a multiple of BLOCK_N: each row's own context is cut
+    into P pieces, read on the device, so a CUDA graph captured for max_model_len (P sized for the
+    longest context it may see) still spreads a short context over all P programs.
 
     P == 1: the program writes out[t] directly.
     P > 1:  it writes a normalised partial output and its log-sum-exp (base 2); a second kernel,
@@ -14,11 +17,14 @@ KVH = kv heads, G = H // KVH, D = head_dim, NB / BS = cache blocks / block size,
 Everything the kernels read about the batch lives in device tensors of fixed shape (seq_lens [B],
 query_start_loc [B + 1], block_tables [B, max_blocks]), so a replayed CUDA graph needs no host work.
 A row with query_start_loc[b + 1] == query_start_loc[b] writes nothing; a row with seq_lens[b] == 0
-(padding) writes zeros. Split count and partition size are host integers fixed at launch.
+(padding) writes zeros. The split count is a host integer fixed at launch.
 
 Measured on the H200 (2026-11-30, tests/gpu/decode_attention_timing.py; 32:4 heads, D 128, bf16, block
 16, context 1024, 48 layers in one graph): 7.3 / 18.6 / 41.4 / 130.3 µs a layer at batch 1 / 16 / 64 /
 256, i.e. 14.5 / 2.3 / 1.29 / 1.01 x the bytes-over-bandwidth roofline (batch 1 is launch-bound).
+Before the partition followed each row's length (2026-12-03), it was max_seq_len / P: a server's decode
+graphs, captured for max_model_len 40,960, read a 1,024-token context in one of the 16 splits, and its
+batch-1 decode step took 5.35 ms against bench_r3's 4.42 (whose max_seq_len is the prompt's).
 """
 
 from __future__ import annotations
@@ -57,7 +63,6 @@ def _decode_kernel(
     part_out_ptr,  # [B, H, NUM_SPLITS, D] f32  written when NUM_SPLITS > 1
     part_lse_ptr,  # [B, H, NUM_SPLITS] f32
     scale_log2,  # softmax scale * log2(e)
-    partition_size,  # context tokens per split, a multiple of BLOCK_N
     stride_q_t,
     stride_q_h,
     stride_c_block,
@@ -90,8 +95,10 @@ def _decode_kernel(
         q_offs = q_start * stride_q_t + heads[:, None] * stride_q_h + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
-        lo = split.to(tl.int64) * partition_size
-        hi = tl.minimum(seq_len, lo + partition_size)
+        # this row's context in NUM_SPLITS pieces of whole BLOCK_N tiles (the last ones may be empty)
+        partition = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split.to(tl.int64) * partition
+        hi = tl.minimum(seq_len, lo + partition)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max (base 2)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp2
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -194,7 +201,6 @@ def paged_decode_attention(
         return out
     group = num_heads // num_kv_heads
     splits = num_splits or choose_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
-    partition = -(-max(-(-max_seq_len // splits), 1) // block_n) * block_n  # ceil to a multiple of BLOCK_N
     if splits > 1:
         part_out = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=q.device)
@@ -203,7 +209,7 @@ def paged_decode_attention(
     block_d = dot_block(head_dim)
     _decode_kernel[(num_rows, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale * LOG2E, partition,
+        scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
