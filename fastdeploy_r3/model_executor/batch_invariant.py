@@ -49,7 +49,6 @@ from fastdeploy_r3.model_executor.layers.attention import Attention, AttentionBa
 from fastdeploy_r3.model_executor.ops.invariant_attention import packed_paged_attention
 from fastdeploy_r3.model_executor.ops.invariant_matmul import invariant_matmul
 from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
-from fastdeploy_r3.model_executor.ops.skinny_linear import skinny_linear, skinny_linear_applies
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
 ROW_TILE = 16  # rows of every batch-invariant GEMM call
@@ -98,21 +97,8 @@ def invariant_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            batch_invariant: bool) -> torch.Tensor:  # fmt: skip
-    """F.linear, or invariant_linear where the layer runs batch-invariant; a few CUDA rows through a narrow
-    weight (the router gate) take ops/skinny_linear.py instead of cuBLAS."""
-    if batch_invariant:
-        return invariant_linear(x, weight, bias)
-    if skinny_linear_applies(x, weight):
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def linear_module(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for an nn.Linear held whole (the router gate): a plain one goes through linear(), so a few
-    CUDA rows take the skinny kernel; a RowTiledLinear (deterministic mode) runs its own forward."""
-    if type(module) is nn.Linear:
-        return linear(x, module.weight, module.bias, batch_invariant=False)
-    return module(x)
+    """F.linear, or invariant_linear where the layer runs batch-invariant."""
+    return invariant_linear(x, weight, bias) if batch_invariant else F.linear(x, weight, bias)
 
 
 class RowTiledLinear(nn.Linear):

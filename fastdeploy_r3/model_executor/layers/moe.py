@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdeploy_r3.distributed.parallel_state import all_reduce
-from fastdeploy_r3.model_executor.batch_invariant import invariant_rows, linear, linear_module
+from fastdeploy_r3.model_executor.batch_invariant import invariant_rows, linear
 from fastdeploy_r3.model_executor.forward_context import RoutingCaptureSink, get_forward_context
 from fastdeploy_r3.model_executor.layers.expert_dispatch import ExpertDispatch, LocalDispatch
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement, ExpertPlacementError
@@ -310,7 +310,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)."""
         if self.router == "softmax":
-            router_logits = linear_module(self.gate, x)  # [T, E]
+            router_logits = self.gate(x)  # [T, E]
             return softmax_topk(router_logits, self.top_k, self.renormalize)
         # [T, E], float32 like the reference
         router_logits = linear(x.float(), self.gate.weight.float(), batch_invariant=self.batch_invariant)
@@ -336,7 +336,7 @@ class SparseMoeBlock(nn.Module):
         if slot_mapping is not None and slot_mapping.shape != (x.shape[0],):
             slot_mapping = None  # not this forward's tokens (a caller's own batch): write every row
         if self.router == "softmax":
-            router_logits = linear_module(self.gate, x)  # [T, E]
+            router_logits = self.gate(x)  # [T, E]
             bias = None
         else:
             # [T, E], float32 like route()
