@@ -139,8 +139,6 @@ class TritonMoeConfig:
     num_stages: int
 
 
-# deterministic mode: one config for every batch, so a row's reduction order (BLOCK_K steps of one MMA
-# shape) never changes with the number of rows an expert receives (model_executor/batch_invariant.py)
 @jit
 def _sum_slots_kernel(part_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[t, h] = ((part[t, 0, h] + part[t, 1, h]) + part[t, 2, h]) + ... in float32, cast once: the K - 1
@@ -154,6 +152,8 @@ def _sum_slots_kernel(part_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# deterministic mode: one config for every batch, so a row's reduction order (BLOCK_K steps of one MMA
+# shape) never changes with the number of rows an expert receives (model_executor/batch_invariant.py)
 BATCH_INVARIANT_CONFIG = TritonMoeConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
@@ -187,8 +187,8 @@ def triton_experts(
     w13_scale [E, 2I, ceil(H/128)], w2_scale [E, H, ceil(I/128)] float32: w13 and w2 are float8_e4m3fn
     block-quantized (quantization/fp8.py's served layout) and each tile is dequantised as it is loaded,
     the same arithmetic as dequantize(), so the result equals this kernel on the dequantised weights.
-    batch_invariant: BATCH_INVARIANT_CONFIG whatever the batch, and the K experts summed one by one in
-    slot order (a reduction kernel may split the sum by the output's size).
+    batch_invariant: BATCH_INVARIANT_CONFIG whatever the batch. Either way the K experts' outputs are
+    summed one by one in slot order (_sum_slots_kernel; a torch reduction may split the sum by size).
     """
     require_triton("triton_experts")
     num_tokens, hidden = x.shape
@@ -225,9 +225,8 @@ def triton_experts(
         num_rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), part.stride(0), *s2,
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=True, **tiles,
     )
-    part = part.view(num_tokens, top_k, hidden)  # [T, K, H]
-    if not batch_invariant:
-        return part.sum(dim=1).to(x.dtype)  # [T, H]
+    # the K slots summed in order and cast in one launch (torch's sum then cast took two: at batch 1 on the
+    # H200 ~5 us a layer, 0.24 ms of a 4.4 ms decode step); the same order whatever the batch
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
     _sum_slots_kernel[(triton.cdiv(num_tokens * hidden, 1024),)](part, out, num_tokens, hidden, TOP_K=top_k, BLOCK=1024)
     return out
