@@ -67,7 +67,8 @@ class KvTarget:
 
 @dataclass(frozen=True)
 class KvWritten:
-    """P -> D: the leading blocks written in place, and why the rest were not."""
+    """P -> D, a transfer's completion: the leading blocks written (into D's engine blocks, or as blobs into
+    its API server's arena: entrypoints/pd/te_transfer.py), and why the rest were not."""
 
     room: int
     num_written: int

@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from fastdeploy_r3.cache_manager.pd_receive import KvWritten
 from fastdeploy_r3.entrypoints.pd.bootstrap import BootstrapServer, Rooms
 from fastdeploy_r3.entrypoints.pd.te_transfer import (
     Extents,
@@ -19,7 +20,6 @@ from fastdeploy_r3.entrypoints.pd.te_transfer import (
     TeError,
     TeSender,
     TeTarget,
-    TeWritten,
     blob_checksum,
     pull_room,
     verified_blobs,
@@ -59,7 +59,7 @@ def test_messages_survive_their_json_and_malformed_ones_are_refused() -> None:
     m = Manifest(7, BLOB, ["ab", "cd"])
     assert Manifest.from_json(m.to_json()) == m
     assert TeTarget.from_json(TeTarget(7, "127.0.0.1:1", [1, 2]).to_json()) == TeTarget(7, "127.0.0.1:1", [1, 2])
-    assert TeWritten.from_json(TeWritten(7, 1, "x").to_json()) == TeWritten(7, 1, "x")
+    assert KvWritten.from_json(KvWritten(7, 1, "x").to_json()) == KvWritten(7, 1, "x")
     for bad in ({"room": 7}, {"room": 7, "blob_nbytes": 0, "checksums": ["ab"]}, [1]):
         with pytest.raises(TeError, match="malformed manifest|blob_nbytes 0"):
             Manifest.from_json(bad)
@@ -71,7 +71,7 @@ def test_p_writes_blobs_into_d_arena_over_the_transfer_engine(arenas) -> None:
     off = d.alloc(3 * BLOB)
     target = TeTarget(9, d.segment, [d.base + off + i * BLOB for i in range(3)])
     written = asyncio.run(write_room(p, blobs, target))
-    assert written == TeWritten(9, 3) and p.used_bytes == 0
+    assert written == KvWritten(9, 3) and p.used_bytes == 0
     manifest = Manifest(9, BLOB, [blob_checksum(b) for b in blobs])
     assert verified_blobs(d, off, manifest, 3) == blobs
     d.buf[off + BLOB + 5] ^= 0x01  # a flipped byte in the second block: only the first counts
@@ -151,7 +151,7 @@ def test_blobs_scattered_at_d_arrive_each_at_its_address(arenas) -> None:
     blobs = _blobs(3, 7)
     off = d.alloc(5 * BLOB)
     addresses = [d.base + off, d.base + off + BLOB, d.base + off + 4 * BLOB]  # two runs: [0, 1] and [2]
-    assert asyncio.run(write_room(p, blobs, TeTarget(6, d.segment, addresses))) == TeWritten(6, 3)
+    assert asyncio.run(write_room(p, blobs, TeTarget(6, d.segment, addresses))) == KvWritten(6, 3)
     got = [d.buf[a - d.base:a - d.base + BLOB].tobytes() for a in addresses]
     assert got == blobs
     written = asyncio.run(write_room(p, blobs, TeTarget(6, d.segment, addresses[:2] + [4096])))

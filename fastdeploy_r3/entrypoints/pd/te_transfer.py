@@ -10,7 +10,7 @@ the bytes it is writing (the writer registers its source, the target its destina
        into its Outbox, publishes the room's handoff
     D  GET  P:bootstrap/pd/rooms/R/manifest   -> Manifest (blob size, one xxh3_64 per blob)
        reserves len(checksums) blobs in its arena
-       POST P:bootstrap/pd/rooms/R/te TeTarget -> P writes them over TE -> TeWritten (the completion)
+       POST P:bootstrap/pd/rooms/R/te TeTarget -> P writes them over TE -> KvWritten (the completion)
        checks every blob against the manifest's checksum (and the blob's own), stores the leading good
        ones in its own store, frees the reservation: the request's full prompt blocks are storage hits
 
@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from fastdeploy_r3.blobstore.base import CHECKSUM_NBYTES
+from fastdeploy_r3.cache_manager.pd_receive import KvWritten
 
 logger = logging.getLogger(__name__)
 
@@ -95,27 +96,6 @@ class TeTarget:
                        addresses=[int(a) for a in raw["addresses"]])
         except (KeyError, TypeError, ValueError) as e:
             raise TeError(f"malformed transfer target ({e})") from None
-
-
-@dataclass(frozen=True)
-class TeWritten:
-    """P -> D, the completion: the leading blobs written, and why the rest were not."""
-
-    room: int
-    num_written: int
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: Any) -> TeWritten:
-        try:
-            err = raw["error"]
-            return cls(room=int(raw["room"]), num_written=int(raw["num_written"]),
-                       error=None if err is None else str(err))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TeError(f"the prefill server sent a malformed completion ({e})") from None
 
 
 class Extents:
@@ -230,22 +210,22 @@ class Outbox:
         return len(self._rooms)
 
 
-async def write_room(arena: TeArena, blobs: list[bytes], target: TeTarget) -> TeWritten:
+async def write_room(arena: TeArena, blobs: list[bytes], target: TeTarget) -> KvWritten:
     """P: the room's blobs into D's addresses, in order; stops at the first that fails."""
     n = min(len(blobs), len(target.addresses))
     if n == 0:
-        return TeWritten(target.room, 0)
+        return KvWritten(target.room, 0)
     size = sum(len(b) for b in blobs[:n])
     off = arena.alloc(size)
     if off is None:
-        return TeWritten(target.room, 0, f"the prefill server's transfer arena has no {size} bytes free")
+        return KvWritten(target.room, 0, f"the prefill server's transfer arena has no {size} bytes free")
     try:
         pos = off
         for b in blobs[:n]:
             arena.buf[pos:pos + len(b)] = np.frombuffer(b, dtype=np.uint8)
             pos += len(b)
 
-        def send() -> TeWritten:
+        def send() -> KvWritten:
             # one write per run of blobs contiguous at D (D reserves a room's blobs in one range: one
             # write), each a round trip; a failed run ends the room there
             at, i = off, 0
@@ -257,9 +237,9 @@ async def write_room(arena: TeArena, blobs: list[bytes], target: TeTarget) -> Te
                 try:
                     arena.write(target.segment, at, target.addresses[i], nbytes)
                 except TeError as e:
-                    return TeWritten(target.room, i, str(e))
+                    return KvWritten(target.room, i, str(e))
                 at, i = at + nbytes, j
-            return TeWritten(target.room, n)
+            return KvWritten(target.room, n)
 
         return await asyncio.to_thread(send)
     finally:
@@ -306,7 +286,7 @@ async def pull_room(arena: TeArena, host: str, port: int, room: int, timeout_s: 
                 if r.status_code != 200:
                     raise TeError(f"the prefill server answered {r.status_code} for room {room}'s transfer: "
                                   f"{r.text[:200]}")
-                written = TeWritten.from_json(r.json())
+                written = KvWritten.from_json(r.json())
                 if written.error is not None:
                     logger.warning("room %d: the prefill server wrote %d of %d blocks: %s", room, written.num_written,
                                    len(manifest.checksums), written.error)
