@@ -157,3 +157,33 @@ def test_blobs_scattered_at_d_arrive_each_at_its_address(arenas) -> None:
     written = asyncio.run(write_room(p, blobs, TeTarget(6, d.segment, addresses[:2] + [4096])))
     assert written.num_written == 2 and "failed" in written.error
     d.free(off)
+
+
+def test_both_transfer_routes_refuse_a_bad_target_and_an_unknown_room_and_keep_the_room() -> None:
+    """P's /te (blobs into D's arena) and /kv (pieces into D's engine blocks) share their checks: a body that
+    is not a target or names another room is a 400, a room not in the outbox a 404; neither takes the room."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from fastdeploy_r3.entrypoints.pd.te_in_place import add_in_place_route
+    from fastdeploy_r3.entrypoints.pd.te_transfer import Outbox, TeSender, add_te_routes
+
+    outbox = Outbox()
+    outbox.put(5, [b"x" * 16])
+    app = FastAPI()
+    sender = TeSender(arena=None, outbox=outbox)  # type: ignore[arg-type]  # no route here reaches the arena
+    add_te_routes(app, sender)
+    add_in_place_route(app, sender)
+    client = TestClient(app)
+    targets = {"te": {"room": 5, "segment": "127.0.0.1:1", "addresses": [0]},
+               "kv": {"room": 5, "segment": "127.0.0.1:1", "first": 0, "blocks": [[[0, 16, 0]]]}}  # fmt: skip
+    for kind, target in targets.items():
+        r = client.post(f"/pd/rooms/5/{kind}", content=b"not json")
+        assert r.status_code == 400, kind
+        r = client.post(f"/pd/rooms/5/{kind}", json={"room": 5})
+        assert r.status_code == 400 and "malformed" in r.json()["error"], (kind, r.text)
+        r = client.post(f"/pd/rooms/6/{kind}", json=target)
+        assert r.status_code == 400 and r.json()["error"] == "target names room 5, the path 6", kind
+        r = client.post(f"/pd/rooms/7/{kind}", json=target | {"room": 7})
+        assert r.status_code == 404 and r.json()["error"] == "room 7 has no blocks here", kind
+        assert outbox.manifest(5) is not None  # the room is still P's to send

@@ -20,7 +20,7 @@ from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap
-from fastdeploy_r3.entrypoints.pd.te_transfer import Manifest, TeArena, TeError, pull_room
+from fastdeploy_r3.entrypoints.pd.te_transfer import TeArena, TeError, fetch_manifest, pull_room
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +104,7 @@ class TeBlocks:
         remaining = max(deadline - asyncio.get_running_loop().time(), 0.1)
         try:
             async with httpx.AsyncClient(timeout=remaining) as client:
-                r = await client.get(f"http://{boot.host}:{boot.port}/pd/rooms/{boot.room}/manifest")
-            if r.status_code != 200:
-                raise TeError(f"the prefill server answered {r.status_code}: {r.text[:200]}")
-            m = Manifest.from_json(r.json())
+                m = await fetch_manifest(client, boot.host, boot.port, boot.room)
         except (httpx.HTTPError, ValueError, TeError) as e:
             logger.warning("room %d: no blocks from the prefill server (%s); computing the prompt here", boot.room, e)
             return None

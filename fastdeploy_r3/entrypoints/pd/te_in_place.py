@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from fastdeploy_r3.cache_manager.pd_receive import KvTarget, KvWritten
-from fastdeploy_r3.entrypoints.pd.te_transfer import TeArena, TeSender
+from fastdeploy_r3.entrypoints.pd.te_transfer import TeArena, TeSender, take_room
 
 
 async def write_pieces(arena: TeArena, blobs: list[bytes], target: KvTarget) -> KvWritten:
@@ -58,15 +58,10 @@ def add_in_place_route(app: FastAPI, te: TeSender) -> None:
     @app.post("/pd/rooms/{room}/kv")
     async def in_place(room: int, request: Request) -> JSONResponse:
         """The room's blocks written piece by piece into the blocks D's engine reserved."""
-        try:
-            target = KvTarget.from_json(await request.json())
-        except ValueError as e:
-            return JSONResponse({"error": str(e)}, status_code=400)
-        if target.room != room:
-            return JSONResponse({"error": f"target names room {target.room}, the path {room}"}, status_code=400)
-        blobs = te.outbox.take(room)
-        if blobs is None:
-            return JSONResponse({"error": f"room {room} has no blocks here"}, status_code=404)
+        got = await take_room(room, request, te.outbox, KvTarget.from_json)
+        if isinstance(got, JSONResponse):
+            return got
+        target, blobs = got
         return JSONResponse((await write_pieces(te.arena, blobs, target)).to_json())
 
     @app.delete("/pd/rooms/{room}/kv")

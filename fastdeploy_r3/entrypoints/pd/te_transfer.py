@@ -26,8 +26,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import xxhash
@@ -36,6 +37,9 @@ from fastapi.responses import JSONResponse
 
 from fastdeploy_r3.blobstore.base import CHECKSUM_NBYTES
 from fastdeploy_r3.cache_manager.pd_receive import KvWritten
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -260,19 +264,24 @@ def verified_blobs(arena: TeArena, off: int, manifest: Manifest, num_written: in
     return out
 
 
+async def fetch_manifest(client: httpx.AsyncClient, host: str, port: int, room: int) -> Manifest:
+    """D: P's manifest of `room`. TeError when P answers anything but 200 (no such room, or not yet),
+    ValueError when the answer is malformed, httpx's errors when P cannot be reached."""
+    r = await client.get(f"http://{host}:{port}/pd/rooms/{room}/manifest")
+    if r.status_code != 200:
+        raise TeError(f"the prefill server answered {r.status_code} for room {room}'s manifest: {r.text[:200]}")
+    return Manifest.from_json(r.json())
+
+
 async def pull_room(arena: TeArena, host: str, port: int, room: int, timeout_s: float) -> list[bytes]:
     """D: the room's verified blobs, written by P into this arena over TE; the reservation is always
     freed. TeError when P cannot be asked or the arena is full (D then computes the prompt itself)."""
     import httpx
 
-    base = f"http://{host}:{port}/pd/rooms/{room}"
     timeout_s = max(timeout_s, 0.1)
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
-            r = await client.get(f"{base}/manifest")
-            if r.status_code != 200:
-                raise TeError(f"the prefill server answered {r.status_code} for room {room}'s manifest: {r.text[:200]}")
-            manifest = Manifest.from_json(r.json())
+            manifest = await fetch_manifest(client, host, port, room)
             if not manifest.checksums:
                 return []
             off = arena.alloc(manifest.blob_nbytes * len(manifest.checksums))
@@ -282,7 +291,7 @@ async def pull_room(arena: TeArena, host: str, port: int, room: int, timeout_s: 
             try:
                 target = TeTarget(room, arena.segment, [arena.base + off + i * manifest.blob_nbytes
                                                         for i in range(len(manifest.checksums))])
-                r = await client.post(f"{base}/te", json=target.to_json())
+                r = await client.post(f"http://{host}:{port}/pd/rooms/{room}/te", json=target.to_json())
                 if r.status_code != 200:
                     raise TeError(f"the prefill server answered {r.status_code} for room {room}'s transfer: "
                                   f"{r.text[:200]}")
@@ -306,6 +315,30 @@ class TeSender:
     outbox: Outbox
 
 
+class _RoomTarget(Protocol):
+    @property
+    def room(self) -> int: ...
+
+
+T = TypeVar("T", bound=_RoomTarget)
+
+
+async def take_room(room: int, request: Request, outbox: Outbox, parse: Callable[[Any], T]
+                    ) -> tuple[T, list[bytes]] | JSONResponse:  # fmt: skip
+    """P, a transfer route (/te, /kv: te_in_place.py): D's target for `room`, parsed and checked against the
+    path, and the room's blobs taken from the outbox; or the answer that says why not (400, 404)."""
+    try:
+        target = parse(await request.json())
+    except (TeError, ValueError) as e:
+        return JSONResponse({"error": str(e)}, status_code=400)
+    if target.room != room:
+        return JSONResponse({"error": f"target names room {target.room}, the path {room}"}, status_code=400)
+    blobs = outbox.take(room)
+    if blobs is None:
+        return JSONResponse({"error": f"room {room} has no blocks here"}, status_code=404)
+    return target, blobs
+
+
 def add_te_routes(app: FastAPI, te: TeSender) -> None:
     """P's bootstrap server: a room's manifest, and the transfer into D's reserved memory."""
     @app.get("/pd/rooms/{room}/manifest")
@@ -318,13 +351,9 @@ def add_te_routes(app: FastAPI, te: TeSender) -> None:
 
     @app.post("/pd/rooms/{room}/te")
     async def transfer(room: int, request: Request) -> JSONResponse:
-        try:
-            target = TeTarget.from_json(await request.json())
-        except (TeError, ValueError) as e:
-            return JSONResponse({"error": str(e)}, status_code=400)
-        if target.room != room:
-            return JSONResponse({"error": f"target names room {target.room}, the path {room}"}, status_code=400)
-        blobs = te.outbox.take(room)
-        if blobs is None:
-            return JSONResponse({"error": f"room {room} has no blocks here"}, status_code=404)
+        got = await take_room(room, request, te.outbox, TeTarget.from_json)
+        if isinstance(got, JSONResponse):
+            return got
+        target, blobs = got
         return JSONResponse((await write_room(te.arena, blobs, target)).to_json())
+
