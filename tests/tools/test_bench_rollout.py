@@ -36,7 +36,8 @@ def test_rollout_bench_streams_every_sample_and_writes_table_json_and_png(tmp_pa
 
 def test_r3_ratios_pair_each_on_run_with_the_off_run_before_it_per_concurrency() -> None:
     sys.path.insert(0, str(REPO_ROOT / "tools"))
-    from bench_rollout import RunResult, Sample, r3_ratios
+    from bench_rollout import RunResult, Sample
+    from rollout_report import r3_ratios
 
     def run(label: str, tok_s: float) -> RunResult:  # tok_s output tokens in one second
         return RunResult(label, 1.0, [Sample([1], int(tok_s), tokens=int(tok_s))], None, [])
