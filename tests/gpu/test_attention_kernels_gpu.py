@@ -148,3 +148,47 @@ def test_rms_norm_and_rotary_agree_with_the_references(dtype: torch.dtype) -> No
         apply_rotary_(q, k, cos, sin, (wq, wq, 1e-6))  # fused with Qwen3's per-head norms
         assert _err(q, q_want) <= 4 * step * q_want.float().abs().max().item(), rotary_dim
         assert _err(k, k_want) <= 4 * step * k_want.float().abs().max().item(), rotary_dim
+
+
+def test_rotary_with_the_cache_write_equals_rotary_then_the_write_kernel() -> None:
+    """Qwen3-30B-A3B's heads (32 q, 4 kv, 128 wide), bf16, a graph-padded batch (slot -1 rows): the rotary
+    launch that also writes the cache leaves q, k and both caches bit-identical to rotary + write_kv_cache."""
+    from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
+    from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
+    from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(40, (32 + 8) * 128, device="cuda", generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(128, device="cuda", generator=g)).to(torch.bfloat16)
+    slots = torch.randperm(64 * 16, device="cuda", generator=g)[:40]
+    slots[-8:] = -1  # padding rows of a captured batch
+    cos, sin = RotaryEmbedding(128, 128, 1e6).cos_sin(torch.randint(0, 40000, (40,), device="cuda", generator=g))
+    caches = {}
+    for fused in (True, False):
+        t = qkv.clone()
+        q, k, v = t[:, :4096].view(40, 32, 128), t[:, 4096:4608].view(40, 4, 128), t[:, 4608:].view(40, 4, 128)
+        cache = [torch.zeros(64, 16, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        apply_rotary_(q, k, cos, sin, (w, w, 1e-6), (v, *cache, slots) if fused else None)
+        if not fused:
+            write_kv_cache(k, v, *cache, slots)
+        caches[fused] = (t, *cache)
+    for got, want in zip(caches[True], caches[False]):
+        assert torch.equal(got, want)
+    assert int((caches[True][1].abs().sum(dim=(2, 3)) > 0).sum()) == 32
+
+
+def test_the_last_split_to_arrive_combines_them_the_same_every_time() -> None:
+    """Batch 1 and 3 at Qwen3's heads, 16 splits (the server's batch-1 decode): 200 launches of the fused
+    reduction give the same bits whichever program arrives last, within bf16 rounding of the two-launch
+    reduction, and leave every arrival counter at zero."""
+    from fastdeploy_r3.model_executor.ops import arrivals
+
+    for rows in ([(1023, 1)], [(1023, 1), (40, 1), (3000, 1)]):
+        case = make_case(rows, dtype=torch.bfloat16, device="cuda", seed=11, **QWEN3)
+        first, _, _ = run_triton(case, num_splits=16)
+        for _ in range(200):
+            again, _, _ = run_triton(case, num_splits=16)
+            assert torch.equal(again, first)
+        two_launches, _, _ = run_triton(case, num_splits=16, fused_reduce=False)
+        assert _err(first, two_launches) <= 2**-7 * two_launches.float().abs().max().item()
+        assert int(arrivals._buffers[first.device].abs().sum()) == 0

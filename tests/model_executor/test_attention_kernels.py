@@ -71,8 +71,11 @@ def test_prefill_kernel_tiles_long_chunks_across_query_and_context_blocks() -> N
 
 def test_decode_kernel_matches_torch_for_every_split_count() -> None:
     """One token per row over contexts of 1..63 tokens, split into 1, 2, 3 or 7 partitions of 16 tokens
-    (empty partitions included), GQA 8:2 in bf16 and 4:1 in float32, padded rows: zeros."""
+    (empty partitions included), GQA 8:2 in bf16 and 4:1 in float32, padded rows: zeros. The splits are
+    combined by the last split program to arrive, or by the second kernel: the same numbers either way,
+    and the arrival counters are all zero again after each launch (the next layer's starts from zero)."""
     _run_interpreted("""
+        from fastdeploy_r3.model_executor.ops import arrivals
         rows = [(29, 1), (4, 1), (0, 1), (62, 1), (15, 1)]
         for heads, kv_heads, dtype in ((8, 2, torch.bfloat16), (4, 1, torch.float32)):
             case = make_case(rows, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype, padded_rows=3, seed=7)
@@ -84,6 +87,10 @@ def test_decode_kernel_matches_torch_for_every_split_count() -> None:
                 assert max_err(got[:real], want[:real]) < TOL[dtype], (heads, dtype, splits)
                 assert torch.equal(got[real:], torch.zeros_like(got[real:])), splits
                 assert torch.equal(k_got, k_want)
+                two_launches, _, _ = run_triton(case, num_splits=splits, block_n=16, fused_reduce=False)
+                assert max_err(got, two_launches) <= (1e-6 if dtype == torch.float32 else 2**-7), splits
+                if splits > 1:
+                    assert int(arrivals._buffers[torch.device("cpu")].abs().sum()) == 0
             got, _, _ = run_triton(case)  # the backend, splits of its own choosing
             assert max_err(got[:real], want[:real]) < TOL[dtype]
     """)
@@ -231,22 +238,23 @@ def test_rotary_kernel_rotates_in_place_full_and_partial() -> None:
         from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
         from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_, apply_rotary_ref
         positions = torch.tensor([0, 1, 5, 77, 511, 3])
-        for rotary_dim in (16, 8):
+        for rotary_dim, heads in ((16, 4), (8, 4), (16, 12)):  # 12 heads: programs of 8 and of 4 (masked)
             rope = RotaryEmbedding(16, rotary_dim, 10000.0)
             cos, sin = rope.cos_sin(positions)
             assert cos.shape == (6, rotary_dim // 2) and cos.dtype == torch.float32
+            qw = heads * 16
             for dtype in (torch.float32, torch.bfloat16):
-                qkv = torch.randn(6, (4 + 2 * 2) * 16).to(dtype)
-                q = qkv[:, :64].view(6, 4, 16)
-                k = qkv[:, 64:96].view(6, 2, 16)
+                qkv = torch.randn(6, (heads + 2 * 2) * 16).to(dtype)
+                q = qkv[:, :qw].view(6, heads, 16)
+                k = qkv[:, qw:qw + 32].view(6, 2, 16)
                 q_want, k_want = apply_rotary_ref(q, k, cos, sin)
                 before = qkv.clone()
                 apply_rotary_(q, k, cos, sin)
                 if dtype == torch.float32:
                     assert torch.equal(q, q_want) and torch.equal(k, k_want), rotary_dim
                 assert max_err(q, q_want) <= 0.05 and max_err(k, k_want) <= 0.05, (rotary_dim, dtype)
-                assert torch.equal(q[..., rotary_dim:], before[:, :64].view(6, 4, 16)[..., rotary_dim:])
-                assert torch.equal(qkv[:, 96:], before[:, 96:])  # v untouched
+                assert torch.equal(q[..., rotary_dim:], before[:, :qw].view(6, heads, 16)[..., rotary_dim:])
+                assert torch.equal(qkv[:, qw + 32:], before[:, qw + 32:])  # v untouched
     """)
 
 
@@ -267,6 +275,36 @@ def test_fused_qk_norm_and_rotary_equal_norms_then_rotary() -> None:
                 q_want, k_want = apply_rotary_ref(rms_norm_ref(q, wq, 1e-6), rms_norm_ref(k, wk, 1e-6), cos, sin)
                 apply_rotary_(q, k, cos, sin, (wq, wk, 1e-6))
                 assert max_err(q, q_want) <= 4 * tol and max_err(k, k_want) <= 4 * tol, (rotary_dim, dtype)
+    """)
+
+
+def test_rotary_kernel_writes_the_cache_as_the_write_kernel_would() -> None:
+    """The rotary launch with a KV target: q and k rotated in place as without one, and the cache holds
+    exactly what write_kv_cache would have stored from the rotated k and the untouched v (bf16 into a
+    float32 cache, Qwen3's norms and GLM's half rotary); padded slot -1 writes nothing."""
+    _run_interpreted("""
+        from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
+        from fastdeploy_r3.model_executor.ops.kv_cache_write import write_kv_cache
+        from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_
+        positions = torch.tensor([0, 1, 5, 77, 9])
+        slots = torch.tensor([13, -1, 0, 22, 5])
+        w = (1 + 0.1 * torch.randn(16)).to(torch.bfloat16)
+        for rotary_dim, norm in ((16, (w, w, 1e-6)), (8, None)):
+            cos, sin = RotaryEmbedding(16, rotary_dim, 10000.0).cos_sin(positions)
+            qkv = torch.randn(5, (4 + 2 * 2) * 16).to(torch.bfloat16)
+            fused_qkv, split_qkv = qkv.clone(), qkv.clone()
+            views = lambda t: (t[:, :64].view(5, 4, 16), t[:, 64:96].view(5, 2, 16), t[:, 96:].view(5, 2, 16))
+            fused = [torch.zeros(6, 4, 2, 16) for _ in range(2)]
+            split = [torch.zeros(6, 4, 2, 16) for _ in range(2)]
+            q, k, v = views(fused_qkv)
+            apply_rotary_(q, k, cos, sin, norm, (v, *fused, slots))
+            q, k, v = views(split_qkv)
+            apply_rotary_(q, k, cos, sin, norm)
+            write_kv_cache(k, v, *split, slots)
+            assert torch.equal(fused_qkv, split_qkv), rotary_dim  # q, k rotated the same; v untouched
+            assert torch.equal(fused[0], split[0]) and torch.equal(fused[1], split[1]), rotary_dim
+            assert torch.equal(fused[1].view(-1, 2, 16)[22], v[3].float())
+            assert int((fused[0].abs().sum(dim=(2, 3)) > 0).sum()) == 4  # four real tokens, four slots
     """)
 
 

@@ -13,8 +13,10 @@ A step's tokens are first written into their slots; then each request attends ov
 the same code path as decode.
 
 Backends: TorchPagedAttentionBackend (a loop over requests; the CPU path and the oracle) and
-TritonPagedAttentionBackend (ops/: one kv-write launch, then one decode launch for the whole batch
-[+ a split reduction], or one prefill launch for ragged batches; no host sync, CUDA-graph safe).
+TritonPagedAttentionBackend (ops/: one kv-write launch, then one decode launch for the whole batch,
+its splits combined by the last to finish, or one prefill launch for ragged batches; no host sync,
+CUDA-graph safe). With the Triton backend the rotary kernel writes the step's k/v into the cache in
+its own launch (Attention.kv_write_target) and the backend skips its write launch.
 An Attention module without an explicit backend picks Triton for CUDA tensors, torch otherwise.
 """
 
@@ -34,6 +36,7 @@ from fastdeploy_r3.model_executor.ops.paged_decode import (
     use_short_query_decode,
 )
 from fastdeploy_r3.model_executor.ops.paged_prefill import paged_prefill_attention
+from fastdeploy_r3.model_executor.ops.rotary import KvTarget
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
 
@@ -138,12 +141,15 @@ class TritonPagedAttentionBackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
+        """kv_written: the step's k/v are in the cache already (the rotary kernel wrote them)."""
         k_cache, v_cache = kv_cache
         meta = attn_metadata
         assert meta.seq_lens_tensor is not None and meta.query_start_loc_tensor is not None  # __post_init__
         assert meta.max_query_len is not None and meta.max_seq_len is not None
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q if q.stride(2) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc_tensor, scale, out)
@@ -171,6 +177,11 @@ _TORCH_BACKEND = TorchPagedAttentionBackend()
 _TRITON_BACKEND = TritonPagedAttentionBackend()
 
 
+def _backend_for(x: torch.Tensor) -> AttentionBackend:
+    """The backend an Attention without an explicit one uses for tensors on x's device."""
+    return _TRITON_BACKEND if use_triton(x) else _TORCH_BACKEND
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int) -> None:
         super().__init__()
@@ -183,13 +194,27 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.backend = _default_backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
+    def kv_write_target(self, v: torch.Tensor) -> KvTarget | None:
+        """(v, k_cache, v_cache, slot_mapping) when this forward's backend is the Triton one: the rotary
+        kernel may then write the step's k/v into the cache (ops/rotary.py) and forward(kv_written=True)
+        skips the write launch. None otherwise (no cache, the torch or deterministic backends)."""
+        ctx = get_forward_context()
+        if ctx.attn_metadata is None or (self.backend or _backend_for(v)) is not _TRITON_BACKEND:
+            return None
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        return v, k_cache, v_cache, ctx.attn_metadata.slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]. kv_written: the target kv_write_target gave was
+        written (by the rotary kernel) and the backend only reads the cache."""
         ctx = get_forward_context()
         if ctx.attn_metadata is None:
             # no cache: the T tokens are one sequence starting at position 0 (tests, HF comparisons)
             out = _causal_attention(q, k, v, self.scale)
+        elif kv_written:  # only offered for the Triton backend (kv_write_target)
+            out = _TRITON_BACKEND.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.scale,
+                                          kv_written=True)  # fmt: skip
         else:
-            backend = self.backend or (_TRITON_BACKEND if use_triton(q) else _TORCH_BACKEND)
+            backend = self.backend or _backend_for(q)
             out = backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

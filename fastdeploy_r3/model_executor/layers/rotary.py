@@ -15,7 +15,7 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.batch_invariant import invariant_rows
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
-from fastdeploy_r3.model_executor.ops.rotary import apply_rotary_, apply_rotary_ref
+from fastdeploy_r3.model_executor.ops.rotary import KvTarget, apply_rotary_, apply_rotary_ref
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, R/2] float32
@@ -42,16 +42,26 @@ class RotaryEmbedding(nn.Module):
         return invariant_rows(torch.cos, freqs, invariant), invariant_rows(torch.sin, freqs, invariant)
 
     def apply(
-        self, q: torch.Tensor, k: torch.Tensor, cos_sin: CosSin, qk_norm: tuple[RMSNorm, RMSNorm] | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: CosSin,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+        kv_target: KvTarget | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, KVH, D] -> rotated (q, k), after the per-head norms qk_norm = (q_norm, k_norm)
-        if given. On CUDA one kernel does both and q and k are overwritten and returned."""
+        if given. On CUDA one kernel does both and q and k are overwritten and returned.
+
+        kv_target = (v, k_cache, v_cache, slot_mapping), only where the kernel runs (Attention.kv_write_target
+        offers one only then): the same launch writes the rotated k and v into their cache slots."""
         cos, sin = cos_sin
+        if kv_target is not None and not use_triton(q):
+            raise ValueError("RotaryEmbedding.apply: a fused KV cache write needs the Triton kernel")
         if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             if qk_norm is not None and qk_norm[0].eps != qk_norm[1].eps:
                 raise ValueError(f"q_norm eps {qk_norm[0].eps} and k_norm eps {qk_norm[1].eps} differ: give both one")
             norm = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-            apply_rotary_(q, k, cos, sin, norm)
+            apply_rotary_(q, k, cos, sin, norm, kv_target)
             return q, k
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)

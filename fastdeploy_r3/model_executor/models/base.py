@@ -101,8 +101,9 @@ class SelfAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         cos_sin = self.rotary.cos_sin(positions) if cos_sin is None else cos_sin
-        q, k = self.rotary.apply(q, k, cos_sin, None if self.q_norm is None else (self.q_norm, self.k_norm))
-        return self.o_proj(self.attn(q, k, v))  # [T, NH * D] -> [T, H], summed over ranks
+        target = self.attn.kv_write_target(v)  # on the Triton path the rotary kernel also writes the k/v cache
+        q, k = self.rotary.apply(q, k, cos_sin, None if self.q_norm is None else (self.q_norm, self.k_norm), target)
+        return self.o_proj(self.attn(q, k, v, kv_written=target is not None))  # [T, NH * D] -> [T, H], all ranks
 
 
 class DecoderLayer(nn.Module):

@@ -28,6 +28,28 @@ def write_kv_cache_ref(
 
 
 @jit
+def write_token_kv(
+    t, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_c_block, stride_c_slot, stride_c_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Token t's k and v heads into its slot of both caches (nothing for a slot < 0); shared with the
+    rotary kernel (ops/rotary.py), which writes the rotated k this way in its own launch."""
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+        dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot
+        dst_offs = dst + h[:, None] * stride_c_head + d[None, :]  # [BLOCK_H, BLOCK_D]
+        k = tl.load(k_ptr + t * stride_k_t + h[:, None] * stride_k_h + d[None, :], mask=mask)
+        v = tl.load(v_ptr + t * stride_v_t + h[:, None] * stride_v_h + d[None, :], mask=mask)
+        tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
 def _write_kv_cache_kernel(
     k_ptr,  # [T, KVH, D]
     v_ptr,  # [T, KVH, D]
@@ -48,25 +70,17 @@ def _write_kv_cache_kernel(
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)  # one program per token
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot >= 0:
-        h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-        mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
-        dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot
-        dst_offs = dst + h[:, None] * stride_c_head + d[None, :]  # [BLOCK_H, BLOCK_D]
-        k = tl.load(k_ptr + t * stride_k_t + h[:, None] * stride_k_h + d[None, :], mask=mask)
-        v = tl.load(v_ptr + t * stride_v_t + h[:, None] * stride_v_h + d[None, :], mask=mask)
-        tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    write_token_kv(t, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                   stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_c_block, stride_c_slot, stride_c_head,
+                   NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D)  # fmt: skip
 
 
-def write_kv_cache(
+def check_kv_write(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Triton version of write_kv_cache_ref; no host sync, so a CUDA graph may record it."""
+    """The shapes and strides write_kv_cache (and the rotary kernel's fused write) take, or a ValueError."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    _, block_size, cache_kv_heads, cache_head_dim = k_cache.shape
+    _, _, cache_kv_heads, cache_head_dim = k_cache.shape
     if (cache_kv_heads, cache_head_dim) != (num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(
             f"write_kv_cache: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit a cache of "
@@ -77,6 +91,15 @@ def write_kv_cache(
                          "and the two caches the same strides")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"write_kv_cache: slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Triton version of write_kv_cache_ref; no host sync, so a CUDA graph may record it."""
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    block_size = k_cache.shape[1]
     if num_tokens == 0:
         return
     _write_kv_cache_kernel[(num_tokens,)](

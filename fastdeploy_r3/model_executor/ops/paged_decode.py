@@ -11,8 +11,10 @@ KVH = kv heads, G = H // KVH, D = head_dim, NB / BS = cache blocks / block size,
     longest context it may see) still spreads a short context over all P programs.
 
     P == 1: the program writes out[t] directly.
-    P > 1:  it writes a normalised partial output and its log-sum-exp (base 2); a second kernel,
-            grid (B, H), combines the P partials of each head.
+    P > 1:  it writes a normalised partial output and its log-sum-exp (base 2), then counts itself in on
+            the arrival counter of (b, h) (ops/arrivals.py); the one that arrives last combines the P
+            partials of the G heads in split order (a launch fewer a layer than the second reduction
+            kernel, which remains for fused_reduce=False or when no counters are at hand).
 
 Everything the kernels read about the batch lives in device tensors of fixed shape (seq_lens [B],
 query_start_loc [B + 1], block_tables [B, max_blocks]), so a replayed CUDA graph needs no host work.
@@ -25,6 +27,8 @@ Measured on the H200 (2026-11-30, tests/gpu/decode_attention_timing.py; 32:4 hea
 Before the partition followed each row's length (2026-12-03), it was max_seq_len / P: a server's decode
 graphs, captured for max_model_len 40,960, read a 1,024-token context in one of the 16 splits: its
 batch-1 decode step took 5.35 ms against bench_r3's 4.42 (whose max_seq_len is the prompt's); 3.73 after.
+In the batch-1 step of Qwen3-30B-A3B (2026-12-03, torch.profiler): 7.0 us a layer for the split kernel and
+1.7 for the reduction launch, 8.4 for the split kernel that combines its own splits (and one gap fewer).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import functools
 
 import torch
 
+from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
 from fastdeploy_r3.model_executor.ops.paged_tiles import (
     LOG2E,
     check_paged_attention_args,
@@ -62,6 +67,7 @@ def _decode_kernel(
     out_ptr,  # [T, H, D]                      written when NUM_SPLITS == 1
     part_out_ptr,  # [B, H, NUM_SPLITS, D] f32  written when NUM_SPLITS > 1
     part_lse_ptr,  # [B, H, NUM_SPLITS] f32
+    arrivals_ptr,  # [B, KVH] int32, zero between launches (FUSED_REDUCE)
     scale_log2,  # softmax scale * log2(e)
     stride_q_t,
     stride_q_h,
@@ -79,6 +85,8 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,6 +132,35 @@ def _decode_kernel(
             tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
             lse = tl.where(has_ctx, m_i + tl.log2(tl.where(has_ctx, l_i, 1.0)), float("-inf"))
             tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
+            if FUSED_REDUCE:  # the last of the row's NUM_SPLITS programs for this kv head combines them
+                tl.debug_barrier()  # all of this program's partial stores come before its arrival
+                arrival = arrivals_ptr + b * tl.num_programs(1) + kv_head
+                if tl.atomic_add(arrival, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                    tl.store(arrival, 0)  # zero again for the next launch (the only program still counting)
+                    first = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS  # [BLOCK_G]
+                    _combine_splits(part_out_ptr, part_lse_ptr, first, g_mask, out_ptr,
+                                    q_start * stride_o_t + heads * stride_o_h, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
+
+
+@jit
+def _combine_splits(part_out_ptr, part_lse_ptr, first, row_mask, out_ptr, out_offs,
+                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r] = the NUM_SPLITS partials of row r weighted by exp2(lse - max lse), for the rows (heads) at
+    partial index first [R] (each followed by its splits), written at out_offs [R]. Loads skip L1 (.cg):
+    other programs wrote the partials. An empty split (lse -inf) weighs nothing; all empty gives zeros."""
+    s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    s_mask = row_mask[:, None] & (s[None, :] < NUM_SPLITS)  # [R, BLOCK_S]
+    lse = tl.load(part_lse_ptr + first[:, None] + s[None, :], mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)  # [R]
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0)[:, None]), 0.0)  # [R, S]
+    mask = s_mask[:, :, None] & (d[None, None, :] < HEAD_DIM)  # [R, BLOCK_S, BLOCK_D]
+    parts = tl.load(part_out_ptr + (first[:, None] + s[None, :])[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+    total = tl.sum(w, 1)  # [R]
+    out = tl.sum(parts * w[:, :, None], 1) / tl.where(total > 0.0, total, 1.0)[:, None]  # [R, BLOCK_D]
+    tl.store(out_ptr + out_offs[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (d[None, :] < HEAD_DIM))
 
 
 @jit
@@ -144,18 +181,10 @@ def _reduce_splits_kernel(
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
     q_end = tl.load(query_start_loc_ptr + b + 1).to(tl.int64)
     if q_end > q_start:
-        s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-        base = (b * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
-        lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
-        m = tl.max(lse, 0)
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0)), 0.0)  # [BLOCK_S]
-        mask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
-        parts = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-        total = tl.sum(w, 0)
-        out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
-        o_offs = q_start * stride_o_t + head * stride_o_h + d
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        first = (b * tl.num_programs(1) + head + tl.arange(0, 1)).to(tl.int64) * NUM_SPLITS  # [1]
+        _combine_splits(part_out_ptr, part_lse_ptr, first, first >= 0, out_ptr,
+                        q_start * stride_o_t + head * stride_o_h + tl.zeros([1], tl.int64),
+                        HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)  # fmt: skip
 
 
 @functools.cache
@@ -186,11 +215,13 @@ def paged_decode_attention(
     max_seq_len: int,
     num_splits: int | None = None,
     block_n: int = 64,
+    fused_reduce: bool = True,
 ) -> torch.Tensor:
     """Attention of each row's one new token over its context; the token's k/v are already in the cache.
 
     max_seq_len bounds seq_lens (under a CUDA graph: the longest context the graph will ever see); it
-    sizes the splits. num_splits=None picks them with choose_num_splits.
+    sizes the splits. num_splits=None picks them with choose_num_splits. fused_reduce: split partials are
+    combined by the last split program of each (row, kv head) to finish, else by a second launch.
     """
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -207,15 +238,17 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # never touched
     block_d = dot_block(head_dim)
+    arrivals = arrival_counters(q.device, num_rows * num_kv_heads) if splits > 1 and fused_reduce else None
     _decode_kernel[(num_rows, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale * LOG2E,
+        part_lse if arrivals is None else arrivals, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         BLOCK_G=dot_block(group), BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET,
+        FUSED_REDUCE=arrivals is not None, BLOCK_S=triton.next_power_of_2(splits),
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and arrivals is None:
         _reduce_splits_kernel[(num_rows, num_heads)](
             part_out, part_lse, query_start_loc, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
