@@ -145,6 +145,22 @@ def test_moe_block_and_routing_capture_replay_in_a_cuda_graph(backend: str, dtyp
             assert torch.equal(static_out, want)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 8, 256])
+def test_the_down_gemm_sums_the_slots_as_the_separate_launch_does(num_tokens: int, monkeypatch) -> None:
+    """Qwen3-30B-A3B's expert shapes in bf16: the slots summed by the program that lands a token's last one
+    give the bits of the separate sum launch, the same in 50 runs whichever program lands last, and every
+    arrival counter is zero afterwards."""
+    from fastdeploy_r3.model_executor.ops import arrivals, fused_moe_triton
+
+    x, w13, w2, weights, ids = random_moe(num_tokens, 128, 8, 2048, 768, torch.bfloat16)
+    fused = triton_experts(x, w13, w2, weights, ids)
+    for _ in range(50):
+        assert torch.equal(triton_experts(x, w13, w2, weights, ids), fused)
+    assert int(arrivals._buffers[x.device].abs().sum()) == 0
+    monkeypatch.setattr(fused_moe_triton, "arrival_counters", lambda device, n: None)
+    assert torch.equal(triton_experts(x, w13, w2, weights, ids), fused)
+
+
 def test_batched_sampler_on_cuda_draws_what_the_cpu_draws() -> None:
     """64 rows, mixed greedy / temperature / top-k / top-p, seeded: the noise is integer arithmetic, so
     CUDA and CPU pick the same tokens (logits with clear gaps: no float near-ties)."""

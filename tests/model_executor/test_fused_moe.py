@@ -79,14 +79,16 @@ def test_auto_backend_is_the_loop_on_the_cpu() -> None:
 
 def test_triton_kernels_match_the_loop_for_three_gatings_under_the_interpreter() -> None:
     """The one-launch alignment kernel equals the torch alignment; ragged token counts through the Triton
-    expert kernels (TRITON_INTERPRET=1, float32): the same output
-    (1e-5) and the same captured ids as the loop, for Qwen3 (softmax, no renorm), Mixtral and GLM blocks."""
+    expert kernels (TRITON_INTERPRET=1, float32): the same output (1e-5; the K slots summed in the down
+    GEMM or by the separate launch: the same bits) and the same captured ids as the loop, for Qwen3
+    (softmax, no renorm), Mixtral and GLM blocks."""
     body = textwrap.dedent("""
         import os
         os.environ["TRITON_INTERPRET"] = "1"
         import torch
         from fastdeploy_r3.model_executor.forward_context import ForwardContext, set_forward_context
         from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, loop_experts
+        from fastdeploy_r3.model_executor.ops import arrivals, fused_moe_triton
         from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
 
         from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks_torch, align_to_blocks_triton
@@ -115,6 +117,12 @@ def test_triton_kernels_match_the_loop_for_three_gatings_under_the_interpreter()
             for cfg in (None, TritonMoeConfig(16, 16, 16, 4, 1)):
                 got = triton_experts(x, w13, w2, w, ids, cfg)
                 assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (T, cfg)
+                # the slots summed by the down GEMM's last program equal the separate sum launch, bit for bit,
+                # and leave every arrival counter at zero
+                assert int(arrivals._buffers[torch.device("cpu")].abs().sum()) == 0, (T, cfg)
+                fused_moe_triton.arrival_counters = lambda device, n: None
+                assert torch.equal(triton_experts(x, w13, w2, w, ids, cfg), got), (T, cfg)
+                fused_moe_triton.arrival_counters = arrivals.arrival_counters
         blocks = {
             "qwen3 (norm_topk_prob false)": dict(router="softmax", renormalize=False),
             "mixtral": dict(router="softmax", renormalize=True),

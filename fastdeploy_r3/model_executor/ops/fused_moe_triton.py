@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_to_blocks
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, require_triton, tl, triton
 
@@ -71,6 +72,10 @@ def _expert_gemm_kernel(
     UPCAST: tl.constexpr,
     FP8_W: tl.constexpr,  # w holds float8_e4m3fn codes: each tile is dequantised as it is loaded
     DENSE: tl.constexpr = False,  # one expert that every row goes to, in order (ops/fp8_linear.py): no routing
+    final_ptr=None,  # SUM_SLOTS: out [T, H] in the activations' dtype
+    arrivals_ptr=None,  # SUM_SLOTS: [T, grid n] int32 counters, zero between launches (ops/arrivals.py)
+    SUM_SLOTS: tl.constexpr = False,  # ROUTED_WEIGHT only: a token's last slot to land sums its TOP_K slots
+    TOP_K: tl.constexpr = 1,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -125,6 +130,20 @@ def _expert_gemm_kernel(
         weight = tl.load(topk_weights_ptr + rows, mask=row_ok, other=0.0)  # [BM]
         tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y * weight[:, None],
                  mask=row_ok[:, None] & n_ok[None, :])
+        if SUM_SLOTS:  # _sum_slots_kernel's sum, done by the program that lands a token's last slot
+            tl.debug_barrier()  # this program's part stores come before its rows count in
+            token = rows // TOP_K  # [BM]
+            arrival = arrivals_ptr + token * tl.num_programs(1) + pid_n  # [BM] one counter per (token, tile)
+            last = row_ok & (tl.atomic_add(arrival, 1, mask=row_ok, sem="acq_rel") == TOP_K - 1)  # [BM]
+            tl.store(arrival, tl.zeros_like(token).to(tl.int32), mask=last)  # zero again for the next launch
+            mask = last[:, None] & n_ok[None, :]
+            slot0 = out_ptr + (token * TOP_K)[:, None] * stride_out + n[None, :]  # [BM, BN] part[t, 0]
+            # other programs wrote the other slots: read through L2 (.cg), never a stale L1 line
+            total = tl.load(slot0, mask=mask, other=0.0, cache_modifier=".cg")
+            for k in tl.static_range(1, TOP_K):  # slot order, as _sum_slots_kernel adds them
+                total = total + tl.load(slot0 + k * stride_out, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(final_ptr + token[:, None] * out_cols + n[None, :], total.to(final_ptr.dtype.element_ty),
+                     mask=mask)
     else:
         tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
@@ -188,7 +207,8 @@ def triton_experts(
     block-quantized (quantization/fp8.py's served layout) and each tile is dequantised as it is loaded,
     the same arithmetic as dequantize(), so the result equals this kernel on the dequantised weights.
     batch_invariant: BATCH_INVARIANT_CONFIG whatever the batch. Either way the K experts' outputs are
-    summed one by one in slot order (_sum_slots_kernel; a torch reduction may split the sum by size).
+    summed one by one in slot order (by the down GEMM's program that lands a token's last slot, or
+    _sum_slots_kernel; a torch reduction may split the sum by size).
     """
     require_triton("triton_experts")
     num_tokens, hidden = x.shape
@@ -219,14 +239,19 @@ def triton_experts(
     )
     part = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)  # [N, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
+    n_tiles = triton.cdiv(hidden, cfg.block_n)
+    # the K slots summed in order and cast by the program that lands a token's last slot (ops/arrivals.py):
+    # at batch 1 on the H200 the separate sum launch cost ~2.5 us a layer; it remains where no counters are
+    arrivals = arrival_counters(x.device, num_tokens * n_tiles)
     # down: part[n] = topk_weight[n] * (act[n] @ w2[e].T)
-    _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(hidden, cfg.block_n))](
+    _expert_gemm_kernel[(blocks.max_blocks, n_tiles)](
         act, w2, part, weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
         num_rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), part.stride(0), *s2,
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=True, **tiles,
-    )
-    # the K slots summed in order and cast in one launch (torch's sum then cast took two: at batch 1 on the
-    # H200 ~5 us a layer, 0.24 ms of a 4.4 ms decode step); the same order whatever the batch
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
-    _sum_slots_kernel[(triton.cdiv(num_tokens * hidden, 1024),)](part, out, num_tokens, hidden, TOP_K=top_k, BLOCK=1024)
+        final_ptr=out, arrivals_ptr=arrivals, SUM_SLOTS=arrivals is not None, TOP_K=top_k,
+    )  # fmt: skip
+    if arrivals is None:  # the K slots summed in order and cast in one launch, the same order whatever the batch
+        _sum_slots_kernel[(triton.cdiv(num_tokens * hidden, 1024),)](part, out, num_tokens, hidden, TOP_K=top_k,
+                                                                      BLOCK=1024)  # fmt: skip
     return out
