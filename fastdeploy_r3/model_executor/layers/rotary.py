@@ -55,9 +55,11 @@ class RotaryEmbedding(nn.Module):
         kv_target = (v, k_cache, v_cache, slot_mapping), only where the kernel runs (Attention.kv_write_target
         offers one only then): the same launch writes the rotated k and v into their cache slots."""
         cos, sin = cos_sin
-        if kv_target is not None and not use_triton(q):
-            raise ValueError("RotaryEmbedding.apply: a fused KV cache write needs the Triton kernel")
-        if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        kernel = use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1
+        if kv_target is not None and not kernel:
+            raise ValueError("RotaryEmbedding.apply: a fused KV cache write needs the Triton kernel and q / k "
+                             "with a contiguous last dimension")
+        if kernel:
             if qk_norm is not None and qk_norm[0].eps != qk_norm[1].eps:
                 raise ValueError(f"q_norm eps {qk_norm[0].eps} and k_norm eps {qk_norm[1].eps} differ: give both one")
             norm = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
