@@ -356,4 +356,3 @@ def add_te_routes(app: FastAPI, te: TeSender) -> None:
             return got
         target, blobs = got
         return JSONResponse((await write_room(te.arena, blobs, target)).to_json())
-
