@@ -113,7 +113,8 @@ def test_the_fp8_fused_moe_equals_the_kernel_on_dequantised_bf16_weights(num_tok
     plain13, plain2 = dequantize(*w13, torch.bfloat16), dequantize(*w2, torch.bfloat16)
 
     def fp8() -> torch.Tensor:
-        return triton_experts(x, w13[0], w2[0], weights, ids, w13_scale=w13[1], w2_scale=w2[1])
+        return triton_experts(x, w13[0], w2[0], weights, ids, w13_scale=w13[1], w2_scale=w2[1],
+                              fp8_activations=False)  # weight-only here; W8A8: test_fp8_w8a8_gpu.py
 
     def plain() -> torch.Tensor:
         return triton_experts(x, plain13, plain2, weights, ids)
@@ -139,10 +140,10 @@ def test_the_fp8_dense_linear_equals_the_dequantised_matmul_and_reads_half_the_b
         scale_rows = expand_scale_rows(scale, out_features)
         x = torch.randn(rows, in_features, device=CUDA, generator=gen).bfloat16()
         w = dequantize(codes, scale_rows, torch.bfloat16)
-        got, want = fp8_linear(x, codes, scale_rows).float(), F.linear(x, w).float()
+        got, want = fp8_linear(x, codes, scale_rows, fp8_activations=False).float(), F.linear(x, w).float()
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 1e-2, rel
-        times = {"fp8 kernel": _median_ms_of(partial(fp8_linear, x, codes, scale_rows)),
+        times = {"fp8 kernel": _median_ms_of(partial(fp8_linear, x, codes, scale_rows, fp8_activations=False)),
                  "dequantise + bf16 matmul": _median_ms_of(lambda x=x, c=codes, r=scale_rows: F.linear(
                      x, dequantize(c, r, torch.bfloat16))),
                  "bf16 matmul": _median_ms_of(partial(F.linear, x, w))}  # fmt: skip

@@ -99,3 +99,66 @@ def test_fp8_weights_need_both_scales_and_whole_k_tiles_of_a_scale_block() -> No
     with pytest.raises(ValueError, match="block_k dividing 128"):
         triton_experts(x, w, w, weights, ids, TritonMoeConfig(16, 16, 96, 4, 1), w13_scale=torch.ones(2, 8, 1),
                        w2_scale=torch.ones(2, 8, 1))  # fmt: skip
+
+
+def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of_the_dequantised_operands() -> None:
+    """W8A8 (FP8_A): x is cut into 128-wide groups per row, each scaled by amax / 448 to e4m3 codes, exactly
+    as quantize_groups_reference does it in torch (an all-zero group gets the floor scale); the dense linear
+    and the fused MoE (x, then the intermediate, quantized) equal float32 torch on the dequantised operands
+    within float32 summation order. The CUDA side: tests/gpu/test_fp8_w8a8_gpu.py."""
+    body = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        import torch.nn.functional as F
+        from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
+        from fastdeploy_r3.model_executor.ops.fp8_quant import (
+            dequantize_groups, quantize_groups, quantize_groups_reference)
+        from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, pick_fp8_config, triton_experts
+        from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
+
+        torch.manual_seed(0)
+        x = torch.randn(5, 200) * 3
+        x[1, 128:] = 0
+        codes, scales = quantize_groups(x)
+        want_codes, want_scales = quantize_groups_reference(x)
+        assert torch.equal(scales, want_scales) and 0 < scales[1, 1].item() < 1e-12
+        assert not codes[1, 128:].float().any()  # the zero group: zero codes under the floor scale
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+        w_codes, w_scale = quantize_blockwise(torch.randn(300, 200) * 0.1)
+        rows = expand_scale_rows(w_scale, 300)
+        w = dequantize(w_codes, rows, torch.float32)
+        for m in (1, 20):
+            x = torch.randn(m, 200)
+            got = fp8_linear(x, w_codes, rows, fp8_activations=True)
+            want = dequantize_groups(*quantize_groups_reference(x)) @ w.T
+            assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item() * 10, m
+
+        T, E, K, H, I = 5, 4, 2, 256, 136
+        def stack(w):
+            pairs = [quantize_blockwise(m) for m in w]
+            return torch.stack([c for c, _ in pairs]), torch.stack([expand_scale_rows(s, w.shape[1]) for _, s in pairs])
+        x = torch.randn(T, H)
+        w13, w2 = stack(torch.randn(E, 2 * I, H) * 0.1), stack(torch.randn(E, H, I) * 0.1)
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+        weights = torch.rand(T, K)
+        got = triton_experts(x, w13[0], w2[0], weights, ids, TritonMoeConfig(16, 32, 128, 4, 1),
+                             w13_scale=w13[1], w2_scale=w2[1], fp8_activations=True)
+        p13, p2 = dequantize(*w13, torch.float32), dequantize(*w2, torch.float32)
+        xd = dequantize_groups(*quantize_groups_reference(x))
+        want = torch.zeros(T, H)
+        for t in range(T):
+            for j in range(K):
+                g = xd[t] @ p13[ids[t, j]].T
+                act = F.silu(g[:I]) * g[I:]
+                act_d = dequantize_groups(*quantize_groups_reference(act[None]))[0]
+                want[t] += weights[t, j] * (act_d @ p2[ids[t, j]].T)
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item(), (got - want).abs().max().item()
+        # auto: weight-only for a decode handful, W8A8 from 16 tokens (16-bit activations only)
+        assert pick_fp8_config(1, 8, 128)[1] is False and pick_fp8_config(16, 8, 128)[1] is True
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr

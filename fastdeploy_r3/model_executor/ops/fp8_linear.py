@@ -9,30 +9,54 @@ Before this, Fp8LinearMethod dequantised every dense weight into a bf16 copy on 
 elementwise kernels per linear): on the H200 an fp8 Qwen3-30B-A3B decode step at batch 1 took 12.98 ms
 against 6.04 ms in bf16, half of it those copies. The result is the same arithmetic as dequantize()
 then a matmul, up to the summation order inside the MMA (float32 accumulation either way).
+
+From W8A8_MIN_ROWS rows of 16-bit activations the linear is W8A8 instead: x quantized per row and
+128-wide group (ops/fp8_quant.py, as the published fp8 checkpoints' "activation_scheme": "dynamic"),
+each K step one fp8 MMA scaled by both scales; its result is then that of the dequantised activations,
+not of x itself (relative L2 ~2e-3 against them on the H200, tests/gpu/test_fp8_w8a8_gpu.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.fused_moe_triton import _expert_gemm_kernel
+from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import _TL_DTYPES, _expert_gemm_kernel
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, require_triton, triton
 
-MAX_ROWS = 1024  # more rows amortise a dequantised copy: the caller's matmul on it is faster there
+MAX_ROWS = 4096  # longer prefill chunks: a dequantised copy and cuBLAS (o at 8192 rows: 12.3 ms / 48 layers
+# against 15.1 for W8A8; qkv 15.7 against 15.1; at 2048 rows W8A8 wins 3.7-3.9 against 5.3-6.8)
+W8A8_MIN_ROWS = 17  # from here 16-bit activations are quantized too (auto): fp8 MMAs beat the dequantising loads
 
 
-def _tiles(rows: int, out_features: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode rows stream the weight, so enough programs to
-    keep every SM loading (narrow BLOCK_N); more rows reuse each weight tile over a taller BLOCK_M."""
+def _tiles(rows: int, out_features: int, fp8_activations: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), from tools/bench_fp8.py on the H200 (Qwen3-30B-A3B's
+    qkv 2048 -> 5120 and o 4096 -> 2048, 48 layers). Decode rows stream the weight: narrow BLOCK_N for
+    enough programs, 8 stages to keep loads in flight (1 row: qkv 0.42 ms, o 0.50, against 0.47 and 0.72 at
+    3 stages; cuBLAS bf16 0.38 / 0.45). W8A8 takes one 128-wide scale group a K step (64 rows: 0.55 / 0.77
+    against 0.87 / 1.24 weight-only; 256: 0.87 / 0.94 against 1.60 / 2.16)."""
+    if fp8_activations:
+        if rows <= 64:
+            return (64, 64, 128, 4, 4) if out_features >= 4096 else (16, 64, 128, 4, 4)
+        if rows <= 256:
+            return (64, 128, 128, 4, 3) if out_features >= 4096 else (64, 64, 128, 4, 4)
+        return 64, 128, 128, 4, 3
     if rows <= 16:
-        return 16, (32 if out_features >= 4096 else 16), 128, 4
+        return 16, 16, 128, 2, 8
     if rows <= 64:
-        return 32, 64, 128, 4
-    return 64, 128, 64, 8
+        return 64, 64, 128, 4, 3
+    return 64, 128, 64, 4, 3
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
-    """x [M, I] @ dequantize(weight [O, I] fp8, scale_rows [O, ceil(I/128)])^T -> [M, O] in x.dtype."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
+               tiles: tuple[int, int, int, int, int] | None = None, fp8_activations: bool | None = None,
+               ) -> torch.Tensor:  # fmt: skip
+    """x [M, I] @ dequantize(weight [O, I] fp8, scale_rows [O, ceil(I/128)])^T -> [M, O] in x.dtype.
+
+    tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) instead of _tiles' pick (tools/bench_fp8.py).
+    fp8_activations: W8A8, x quantized per row and 128-wide group first (ops/fp8_quant.py), then fp8 MMAs:
+    y = dequantize_groups(x) @ dequantize(W)^T up to the float32 summation order, rounded to x.dtype.
+    None: W8A8 from W8A8_MIN_ROWS rows of 16-bit x, weight-only otherwise."""
     require_triton("fp8_linear")
     rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -43,13 +67,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
         x = x.contiguous()
     if weight.stride(1) != 1 or scale_rows.stride(1) != 1:
         raise ValueError("fp8_linear: the weight and its scale rows must be contiguous in their last dimension")
-    block_m, block_n, block_k, warps = _tiles(rows, out_features)
+    if fp8_activations is None:
+        fp8_activations = rows >= W8A8_MIN_ROWS and x.dtype != torch.float32
+    block_m, block_n, block_k, warps, stages = tiles or _tiles(rows, out_features, fp8_activations)
+    if 128 % block_k:
+        raise ValueError(f"fp8_linear: BLOCK_K {block_k} must divide 128 (one scale column a tile)")
+    a, groups = (quantize_groups(x) if fp8_activations else (x, None))
     # DENSE: row r of the tile is x's row r (no routing metadata, nothing for a CUDA graph to keep)
     _expert_gemm_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
-        x, weight, out, None, None, None, None,
-        rows, out_features, in_features, x.stride(0), 0, weight.stride(0), out.stride(0),
+        a, weight, out, None, None, None, None,
+        rows, out_features, in_features, a.stride(0), 0, weight.stride(0), out.stride(0),
         scale_rows, 0, scale_rows.stride(0),
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, FP8_W=True, DENSE=True, num_warps=warps, num_stages=3,
+        IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, FP8_W=True, DENSE=True, num_warps=warps, num_stages=stages,
+        a_scale_ptr=groups, stride_as=0 if groups is None else groups.stride(0), FP8_A=fp8_activations,
+        ACT_DTYPE=_TL_DTYPES[x.dtype] if fp8_activations else None,
     )  # fmt: skip
     return out

@@ -27,8 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
+from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_to_blocks
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, require_triton, tl, triton
+
+# the model dtypes as Triton dtypes: FP8_A's ACT_DTYPE (a constexpr)
+_TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @jit
@@ -76,6 +80,10 @@ def _expert_gemm_kernel(
     arrivals_ptr=None,  # SUM_SLOTS: [T, grid n] int32 counters, zero between launches (ops/arrivals.py)
     SUM_SLOTS: tl.constexpr = False,  # ROUTED_WEIGHT only: a token's last slot to land sums its TOP_K slots
     TOP_K: tl.constexpr = 1,
+    a_scale_ptr=None,  # FP8_A: a's group scales [rows of a, ceil(red_dim/128)] float32 (ops/fp8_quant.py)
+    stride_as=0,
+    FP8_A: tl.constexpr = False,  # FP8_W too: a holds fp8 codes, each 128-wide K step one fp8 MMA (W8A8)
+    ACT_DTYPE: tl.constexpr = None,  # FP8_A: the model's dtype, which the linear's output is rounded to
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -107,24 +115,37 @@ def _expert_gemm_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
         w = tl.load(w_base + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
-        if FP8_W:  # code x its 128x128 block's scale, in float32, rounded once to the activations' dtype
-            # (quantization/fp8.py dequantize's arithmetic); BLOCK_K divides 128: one scale column a tile
+        if FP8_W:  # BLOCK_K divides 128: one scale column a tile
             s_rows = w_scale_ptr + expert * stride_se + n.to(tl.int64) * stride_sn  # [BN] scale rows
             s = tl.load(s_rows + k0 // 128, mask=n_ok, other=0.0)  # [BN]
-            w = (w.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
         if GATED:
-            wu = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+            wu = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] the up half
             if FP8_W:
-                su = tl.load(s_rows + out_cols * stride_sn + k0 // 128, mask=n_ok, other=0.0)  # [BN] up half
-                wu = (wu.to(tl.float32) * su[None, :]).to(a_ptr.dtype.element_ty)
-            acc = _dot(a, w, acc, IEEE, UPCAST)
-            acc_up = _dot(a, wu, acc_up, IEEE, UPCAST)
+                su = tl.load(s_rows + out_cols * stride_sn + k0 // 128, mask=n_ok, other=0.0)  # [BN]
+        if FP8_A:  # fp8 x fp8 products summed in float32, then scaled by a's group scale x w's block scale
+            a_s = tl.load(a_scale_ptr + a_rows * stride_as + k0 // 128, mask=row_ok, other=0.0)  # [BM]
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc += _dot(a, w, zero, False, UPCAST) * a_s[:, None] * s[None, :]
+            if GATED:
+                acc_up += _dot(a, wu, zero, False, UPCAST) * a_s[:, None] * su[None, :]
         else:
+            if FP8_W:  # code x its 128x128 block's scale, in float32, rounded once to the activations' dtype
+                # (quantization/fp8.py dequantize's arithmetic)
+                w = (w.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
+                if GATED:
+                    wu = (wu.to(tl.float32) * su[None, :]).to(a_ptr.dtype.element_ty)
             acc = _dot(a, w, acc, IEEE, UPCAST)
-    # round like the reference's linear output, in the activations' dtype (x's for GATED, act's otherwise)
-    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # [BM, BN]
-    if GATED:
+            if GATED:
+                acc_up = _dot(a, wu, acc_up, IEEE, UPCAST)
+    # round like the reference's linear output, in the activations' dtype (x's for GATED, act's otherwise;
+    # the model's under FP8_A, where a holds codes)
+    if FP8_A:
+        y = acc.to(ACT_DTYPE).to(tl.float32)  # [BM, BN]
+        up = acc_up.to(ACT_DTYPE).to(tl.float32)
+    else:
+        y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # [BM, BN]
         up = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
+    if GATED:
         y = y * tl.sigmoid(y) * up  # [BM, BN] silu(gate) * up
     if ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + rows, mask=row_ok, other=0.0)  # [BM]
@@ -187,6 +208,22 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int) -> TritonMoeConfi
     return TritonMoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
+# fp8 weights (tools/bench_fp8.py on the H200, 48 layers of Qwen3-30B-A3B experts, ms): at 1 token the
+# weight-only kernel, 16x64x128 8 warps (1.11 against pick_config's 1.25; W8A8 1.18); from 16 tokens W8A8,
+# 16x64x128 4 warps (16: 5.67 against 6.09 weight-only; 64: 8.29 / 9.32; 256: 10.18 / 13.30, bf16 15.60),
+# and 64-row blocks for prefill (2048 tokens: 31.95 against bf16's 34.85, weight-only 42.7)
+W8A8_MIN_TOKENS = 16
+
+
+def pick_fp8_config(num_tokens: int, top_k: int, num_experts: int) -> tuple[TritonMoeConfig, bool]:
+    """(block config, W8A8?) for fp8 experts and 16-bit activations; the block_m is pick_config's (the
+    fused routing kernel aligns the ids for it)."""
+    block_m = pick_config(num_tokens, top_k, num_experts).block_m
+    if num_tokens < W8A8_MIN_TOKENS:
+        return TritonMoeConfig(block_m=block_m, block_n=64, block_k=128, num_warps=8, num_stages=3), False
+    return TritonMoeConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=3), True
+
+
 def triton_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -198,6 +235,7 @@ def triton_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, K] -> [T, H] in x.dtype.
 
@@ -206,6 +244,10 @@ def triton_experts(
     w13_scale [E, 2I, ceil(H/128)], w2_scale [E, H, ceil(I/128)] float32: w13 and w2 are float8_e4m3fn
     block-quantized (quantization/fp8.py's served layout) and each tile is dequantised as it is loaded,
     the same arithmetic as dequantize(), so the result equals this kernel on the dequantised weights.
+    fp8_activations (fp8 weights only): W8A8, x and then act quantized per row and 128-wide group
+    (ops/fp8_quant.py), each K step one fp8 MMA scaled by both scales; block_k must be 128. None: as
+    pick_fp8_config says for 16-bit activations without a config given, never otherwise (float32 models
+    and batch_invariant keep fp8 weights times their own activations).
     batch_invariant: BATCH_INVARIANT_CONFIG whatever the batch. Either way the K experts' outputs are
     summed one by one in slot order (by the down GEMM's program that lands a token's last slot, or
     _sum_slots_kernel; a torch reduction may split the sum by size).
@@ -220,10 +262,17 @@ def triton_experts(
         return torch.zeros_like(x)
     if w13.stride(2) != 1 or w2.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError("triton_experts: x, w13 and w2 must be contiguous in their last dimension")
-    cfg = config or (BATCH_INVARIANT_CONFIG if batch_invariant else pick_config(num_tokens, top_k, num_experts))
     fp8 = w13_scale is not None
+    auto_w8a8 = False
+    if config is None and fp8 and not batch_invariant and x.dtype != torch.float32:
+        config, auto_w8a8 = pick_fp8_config(num_tokens, top_k, num_experts)
+    if fp8_activations is None:
+        fp8_activations = auto_w8a8
+    cfg = config or (BATCH_INVARIANT_CONFIG if batch_invariant else pick_config(num_tokens, top_k, num_experts))
     if fp8 != (w2_scale is not None) or (fp8 and 128 % cfg.block_k):
         raise ValueError("triton_experts: fp8 weights need both scales and a block_k dividing 128")
+    if fp8_activations and not (fp8 and cfg.block_k == 128):
+        raise ValueError("triton_experts: fp8 activations need fp8 weights and block_k 128 (one scale group a step)")
     if blocks is None or blocks.block_m != cfg.block_m:
         blocks = align_to_blocks(topk_ids, num_experts, cfg.block_m)
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
@@ -231,12 +280,16 @@ def triton_experts(
     s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1)) if fp8 else (None, 0, 0)
     s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1)) if fp8 else (None, 0, 0)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # [N, I]
+    a13 = _fp8_operand(x if fp8_activations else None)  # W8A8: x's codes and group scales, else {}
+    x_in = a13.pop("a", x)
     # gate_up: act[n] = silu(x[n // K] @ w13[e, :I].T) * (x[n // K] @ w13[e, I:].T)
     _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13, act, None, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
-        num_rows, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *s13,
-        A_ROW_DIV=top_k, GATED=True, ROUTED_WEIGHT=False, **tiles,
+        x_in, w13, act, None, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
+        num_rows, hidden, inter, x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *s13,
+        A_ROW_DIV=top_k, GATED=True, ROUTED_WEIGHT=False, **tiles, **a13,
     )
+    a2 = _fp8_operand(act if fp8_activations else None)
+    act_in = a2.pop("a", act)
     part = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)  # [N, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [T, H]
@@ -246,12 +299,22 @@ def triton_experts(
     arrivals = arrival_counters(x.device, num_tokens * n_tiles)
     # down: part[n] = topk_weight[n] * (act[n] @ w2[e].T)
     _expert_gemm_kernel[(blocks.max_blocks, n_tiles)](
-        act, w2, part, weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
-        num_rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), part.stride(0), *s2,
+        act_in, w2, part, weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
+        num_rows, hidden, inter, act_in.stride(0), w2.stride(0), w2.stride(1), part.stride(0), *s2,
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=True, **tiles,
-        final_ptr=out, arrivals_ptr=arrivals, SUM_SLOTS=arrivals is not None, TOP_K=top_k,
+        final_ptr=out, arrivals_ptr=arrivals, SUM_SLOTS=arrivals is not None, TOP_K=top_k, **a2,
     )  # fmt: skip
     if arrivals is None:  # the K slots summed in order and cast in one launch, the same order whatever the batch
         _sum_slots_kernel[(triton.cdiv(num_tokens * hidden, 1024),)](part, out, num_tokens, hidden, TOP_K=top_k,
                                                                       BLOCK=1024)  # fmt: skip
     return out
+
+
+def _fp8_operand(a: torch.Tensor | None) -> dict:
+    """The kernel arguments of an fp8 A operand (a's codes under "a", their scales, FP8_A, the rounding
+    dtype); {} for a None a (the plain operand)."""
+    if a is None:
+        return {}
+    codes, scales = quantize_groups(a)
+    return {"a": codes, "a_scale_ptr": scales, "stride_as": scales.stride(0), "FP8_A": True,
+            "ACT_DTYPE": _TL_DTYPES[a.dtype]}

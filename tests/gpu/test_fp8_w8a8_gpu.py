@@ -1,0 +1,86 @@
+"""W8A8 on the H200: dynamic per-row, 128-wide group fp8 activations (ops/fp8_quant.py) times block-wise fp8
+weights, one fp8 MMA a K block (ops/fused_moe_triton.py FP8_A). CI has no GPU (tests/gpu/conftest.py skips
+these there); run them through the device tool:
+
+    python -m pytest -m gpu tests/gpu/test_fp8_w8a8_gpu.py -v -s
+
+What they hold: the GPU's activation codes and scales are torch's, byte for byte; the dense linear and the
+fused MoE equal a float32 torch reference that multiplies the same dequantised activations by the
+dequantised weights, within the bf16 rounding of the output (and, in the MoE, of the intermediate that
+is quantized again before the down projection).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from fastdeploy_r3.model_executor.ops.fp8_quant import dequantize_groups, quantize_groups, quantize_groups_reference
+from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_codes_and_scales_on_cuda_are_torchs(dtype: torch.dtype) -> None:
+    x = (torch.randn(300, 2000, device=CUDA) * 3).to(dtype)
+    x[7, 128:256] = 0  # an all-zero group: the floor scale, zero codes
+    codes, scales = quantize_groups(x)
+    want_codes, want_scales = quantize_groups_reference(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    cpu_codes, cpu_scales = quantize_groups_reference(x.cpu())
+    assert torch.equal(scales.cpu(), cpu_scales)
+    assert torch.equal(codes.cpu().view(torch.uint8), cpu_codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [1, 64, 256, 2048])
+def test_the_w8a8_dense_linear_equals_the_dequantised_operands_in_float32(rows: int) -> None:
+    from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    for in_features, out_features in ((2048, 5120), (4096, 2048)):
+        codes, scale = quantize_blockwise(torch.randn(out_features, in_features, device=CUDA, generator=gen) * 0.02)
+        scale_rows = expand_scale_rows(scale, out_features)
+        x = torch.randn(rows, in_features, device=CUDA, generator=gen).bfloat16()
+        want = F.linear(dequantize_groups(*quantize_groups_reference(x)), dequantize(codes, scale_rows, torch.float32))
+        got = fp8_linear(x, codes, scale_rows, fp8_activations=True).float()
+        rel = ((got - want).norm() / want.norm()).item()
+        print(f"\nw8a8 linear {in_features}->{out_features}, {rows} rows: relative L2 {rel:.1e}")
+        assert rel < 4e-3, rel  # the output's bf16 rounding, ~2e-3
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+def test_the_w8a8_fused_moe_equals_a_float32_loop_on_the_same_codes(num_tokens: int) -> None:
+    from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+
+    def stack(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scale = quantize_blockwise(
+            torch.randn(num_experts * out_features, in_features, device=CUDA, generator=gen) * 0.02)
+        rows = expand_scale_rows(scale, num_experts * out_features)
+        return codes.view(num_experts, out_features, -1), rows.view(num_experts, out_features, -1)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    x = torch.randn(num_tokens, hidden, device=CUDA, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, device=CUDA, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, device=CUDA, generator=gen)
+    for cfg in (TritonMoeConfig(16, 64, 128, 4, 3), TritonMoeConfig(64, 128, 128, 8, 3)):
+        got = triton_experts(x, w13[0], w2[0], weights, ids, cfg, w13_scale=w13[1], w2_scale=w2[1],
+                             fp8_activations=True).float()  # fmt: skip
+        xd = dequantize_groups(*quantize_groups_reference(x))  # [T, H]
+        want = torch.zeros(num_tokens, hidden, device=CUDA)
+        for t in range(num_tokens):
+            e = ids[t]
+            g = torch.einsum("h,kih->ki", xd[t], dequantize(w13[0][e], w13[1][e], torch.float32)).bfloat16().float()
+            act = (F.silu(g[:, :inter]) * g[:, inter:]).bfloat16()  # [K, I], as the kernel stores it
+            down = torch.einsum("ki,khi->kh", dequantize_groups(*quantize_groups_reference(act)),
+                                dequantize(w2[0][e], w2[1][e], torch.float32))  # fmt: skip
+            want[t] = (down.bfloat16().float() * weights[t][:, None]).sum(0)
+        rel = ((got - want).norm() / want.norm()).item()
+        print(f"\nw8a8 fused MoE {cfg}, {num_tokens} tokens: relative L2 {rel:.1e}")
+        assert rel < 1e-2, rel  # bf16 roundings of gate, up, act, down and out (an act code may flip)
