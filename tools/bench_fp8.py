@@ -29,7 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe import INTER, E, H, K, copy_bandwidth, graphed, time_fn
 
 from fastdeploy_r3.model_executor.ops import fp8_linear as fp8_linear_op
-from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, pick_config, triton_experts
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import (
+    TritonMoeConfig,
+    pick_config,
+    pick_fp8_config,
+    triton_experts,
+)
 from fastdeploy_r3.model_executor.ops.moe_align import align_to_blocks
 from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
 
@@ -72,6 +77,7 @@ def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict
                     for w, s in ((4, 3), (8, 3))]
     w8a8 = [TritonMoeConfig(bm, bn, 128, w, s) for bm in (16, 32, 64) for bn in (64, 128)
             for w, s in ((4, 3), (8, 3), (4, 4))]
+    w8a8 += [TritonMoeConfig(16, bn, 128, w, s) for bn in (32, 64) for w, s in ((4, 5), (2, 8), (4, 8))]
     result = {}
     for bs in (int(b) for b in args.batches.split(",")):
         x = torch.randn(bs, H, device=dev, dtype=torch.bfloat16)
@@ -80,9 +86,10 @@ def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict
         touched = sum(int(torch.unique(i).numel()) for i in ids)
         roof_ms = touched * per_expert / bw * 1e3
         rows_per_expert = bs * K / E
-        configs = [("weight", pick_config(bs, K, E))]
+        configs = [("w8a8", pick_fp8_config(bs, K, E))]
         configs += [("weight", c) for c in weight_only if (c.block_m == 16) == (rows_per_expert <= 8)]
         configs += [("w8a8", c) for c in w8a8 if c.block_m <= max(16, 2 * rows_per_expert)]
+        configs = configs[:1] + [c for c in configs[1:] if c[0] in args.modes]
         aligned = {bm: [align_to_blocks(i, E, bm) for i in ids] for bm in {c.block_m for _, c in configs}}
 
         def run(mode_cfg: tuple, x: torch.Tensor = x, ids: list = ids, weights: torch.Tensor = weights,
@@ -100,16 +107,16 @@ def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict
                 w13, w2 = bf16[layer % 2]
                 triton_experts(x, w13, w2, weights, ids[layer], mode_cfg[1], aligned[mode_cfg[1].block_m][layer])
 
-        bf16_ms = timed_configs(run_bf16, [configs[0]], "bf16")[0][0]
+        bf16_ms = timed_configs(run_bf16, [("weight", pick_config(bs, K, E))], "bf16")[0][0]
         timed = timed_configs(run, configs, f"experts bs {bs}")
         auto_ms = timed[0][0]
         best = sorted(timed[1:], key=lambda t: t[0])
         print(f"\nexperts batch {bs}: {touched / args.layers:.1f} experts/layer, fp8 roofline {roof_ms:.3f} ms; "
-              f"bf16 pick_config {bf16_ms:.3f} ms; fp8 pick_config {auto_ms:.3f} ms ({roof_ms / auto_ms:.0%})")
+              f"bf16 pick_config {bf16_ms:.3f} ms; fp8 pick_fp8_config {auto_ms:.3f} ms ({roof_ms / auto_ms:.0%})")
         for mode in ("weight", "w8a8"):
             for ms, (_, cfg) in [t for t in best if t[1][0] == mode][:5]:
                 print(f"  {mode} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: "
-                      f"{ms:.3f} ms ({roof_ms / ms:.0%} of copy bandwidth; {ms / auto_ms:.2f}x pick_config)",
+                      f"{ms:.3f} ms ({roof_ms / ms:.0%} of copy bandwidth; {ms / auto_ms:.2f}x pick_fp8_config)",
                       flush=True)
         result[bs] = {"roofline_ms": roof_ms, "bf16_ms": bf16_ms, "fp8_pick_ms": auto_ms,
                       "best": [(ms, m, list(vars(c).values())) for ms, (m, c) in best[:12]]}
@@ -124,6 +131,7 @@ def dense_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict:
              for w, s in ((4, 3), (8, 3))]
     grid += [("w8a8", (bm, bn, 128, w, s)) for bm in (16, 64, 128) for bn in (64, 128)
              for w, s in ((4, 3), (8, 3), (4, 4))]
+    grid += [("w8a8", (16, bn, 128, w, s)) for bn in (16, 32) for w, s in WARPS_STAGES]
     for name, (out_f, in_f) in DENSE_SHAPES.items():
         weights = [quantized(out_f, in_f, None, dev) for _ in range(args.layers)]
         plain = [torch.randn(out_f, in_f, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(args.layers)]
@@ -134,7 +142,7 @@ def dense_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict:
                                    [None], "cublas")
             dequant = timed_configs(lambda _c, x=x, weights=weights: [
                 torch.nn.functional.linear(x, dequantize(w, s, torch.bfloat16)) for w, s in weights], [None], "dequant")
-            picked = ("weight", fp8_linear_op._tiles(rows, out_f))
+            picked = ("w8a8", fp8_linear_op._tiles(rows, out_f, True))
 
             def run(mode_tiles: tuple, x: torch.Tensor = x, weights: list = weights) -> None:
                 for w, s in weights:
@@ -144,10 +152,11 @@ def dense_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict:
             configs = [picked, *[g for g in grid if (g[1][0] == 16) == small or g[0] == "w8a8"]]
             if rows > 1024:  # prefill rows: only the tall tiles
                 configs = [picked, *[g for g in grid if g[1][0] >= 64]]
+            configs = configs[:1] + [c for c in configs[1:] if c[0] in args.modes]
             timed = timed_configs(run, configs, f"dense {name} {rows}")
             best = sorted(timed[1:], key=lambda t: t[0])
             print(f"\ndense {name} rows {rows}: fp8 roofline {roof_ms:.3f} ms, cuBLAS bf16 {cublas[0][0]:.3f} ms, "
-                  f"dequantise + cuBLAS {dequant[0][0]:.3f} ms, fp8 _tiles {picked[1]} {timed[0][0]:.3f} ms "
+                  f"dequantise + cuBLAS {dequant[0][0]:.3f} ms, fp8 _tiles (W8A8) {picked[1]} {timed[0][0]:.3f} ms "
                   f"({roof_ms / timed[0][0]:.0%})")
             for mode in ("weight", "w8a8"):
                 for ms, (_, cfg) in [t for t in best if t[1][0] == mode][:4]:
@@ -168,8 +177,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--prefill-rows", default="2048,8192", help="dense only: rows of prefill chunks")
     ap.add_argument("--only", choices=("experts", "dense"), default=None)
+    ap.add_argument("--modes", default="weight,w8a8", help="which kernels to sweep: weight (-only), w8a8")
     ap.add_argument("--out", default=None, help="directory for bench_fp8.json")
     args = ap.parse_args()
+    args.modes = args.modes.split(",")
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

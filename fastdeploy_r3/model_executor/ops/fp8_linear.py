@@ -10,10 +10,13 @@ elementwise kernels per linear): on the H200 an fp8 Qwen3-30B-A3B decode step at
 against 6.04 ms in bf16, half of it those copies. The result is the same arithmetic as dequantize()
 then a matmul, up to the summation order inside the MMA (float32 accumulation either way).
 
-From W8A8_MIN_ROWS rows of 16-bit activations the linear is W8A8 instead: x quantized per row and
+With 16-bit activations the linear is W8A8 instead, whatever the number of rows: x quantized per row and
 128-wide group (ops/fp8_quant.py, as the published fp8 checkpoints' "activation_scheme": "dynamic"),
 each K step one fp8 MMA scaled by both scales; its result is then that of the dequantised activations,
-not of x itself (relative L2 ~2e-3 against them on the H200, tests/gpu/test_fp8_w8a8_gpu.py).
+not of x itself (relative L2 ~2e-3 against them on the H200, tests/gpu/test_fp8_w8a8_gpu.py). A row's
+codes depend on that row only, so its result keeps its arithmetic whatever rows share the launch (a
+switch between weight-only and W8A8 at a row count changed the routing of a prompt tail recomputed
+after a prefix hit); weight-only stays for float32 activations.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, require_tri
 
 MAX_ROWS = 4096  # longer prefill chunks: a dequantised copy and cuBLAS (o at 8192 rows: 12.3 ms / 48 layers
 # against 15.1 for W8A8; qkv 15.7 against 15.1; at 2048 rows W8A8 wins 3.7-3.9 against 5.3-6.8)
-W8A8_MIN_ROWS = 17  # from here 16-bit activations are quantized too (auto): fp8 MMAs beat the dequantising loads
 
 
 def _tiles(rows: int, out_features: int, fp8_activations: bool = False) -> tuple[int, int, int, int, int]:
@@ -36,6 +38,8 @@ def _tiles(rows: int, out_features: int, fp8_activations: bool = False) -> tuple
     3 stages; cuBLAS bf16 0.38 / 0.45). W8A8 takes one 128-wide scale group a K step (64 rows: 0.55 / 0.77
     against 0.87 / 1.24 weight-only; 256: 0.87 / 0.94 against 1.60 / 2.16)."""
     if fp8_activations:
+        if rows <= 16:  # 1 row: qkv 0.47 ms, o 0.61 (weight-only 0.42 / 0.50; cuBLAS bf16 0.38 / 0.45)
+            return 16, 16, 128, 2, 8
         if rows <= 64:
             return (64, 64, 128, 4, 4) if out_features >= 4096 else (16, 64, 128, 4, 4)
         if rows <= 256:
@@ -56,7 +60,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) instead of _tiles' pick (tools/bench_fp8.py).
     fp8_activations: W8A8, x quantized per row and 128-wide group first (ops/fp8_quant.py), then fp8 MMAs:
     y = dequantize_groups(x) @ dequantize(W)^T up to the float32 summation order, rounded to x.dtype.
-    None: W8A8 from W8A8_MIN_ROWS rows of 16-bit x, weight-only otherwise."""
+    None: W8A8 for 16-bit x, weight-only for float32."""
     require_triton("fp8_linear")
     rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -68,7 +72,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     if weight.stride(1) != 1 or scale_rows.stride(1) != 1:
         raise ValueError("fp8_linear: the weight and its scale rows must be contiguous in their last dimension")
     if fp8_activations is None:
-        fp8_activations = rows >= W8A8_MIN_ROWS and x.dtype != torch.float32
+        fp8_activations = x.dtype != torch.float32
     block_m, block_n, block_k, warps, stages = tiles or _tiles(rows, out_features, fp8_activations)
     if 128 % block_k:
         raise ValueError(f"fp8_linear: BLOCK_K {block_k} must divide 128 (one scale column a tile)")

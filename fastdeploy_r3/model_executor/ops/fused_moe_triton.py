@@ -208,20 +208,18 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int) -> TritonMoeConfi
     return TritonMoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-# fp8 weights (tools/bench_fp8.py on the H200, 48 layers of Qwen3-30B-A3B experts, ms): at 1 token the
-# weight-only kernel, 16x64x128 8 warps (1.11 against pick_config's 1.25; W8A8 1.18); from 16 tokens W8A8,
-# 16x64x128 4 warps (16: 5.67 against 6.09 weight-only; 64: 8.29 / 9.32; 256: 10.18 / 13.30, bf16 15.60),
-# and 64-row blocks for prefill (2048 tokens: 31.95 against bf16's 34.85, weight-only 42.7)
-W8A8_MIN_TOKENS = 16
-
-
-def pick_fp8_config(num_tokens: int, top_k: int, num_experts: int) -> tuple[TritonMoeConfig, bool]:
-    """(block config, W8A8?) for fp8 experts and 16-bit activations; the block_m is pick_config's (the
-    fused routing kernel aligns the ids for it)."""
+# fp8 weights with 16-bit activations run W8A8 at every batch size: a token's activation codes depend on its
+# own row only, so its result does not switch arithmetic with the number of rows beside it (weight-only
+# dequantising loads were 5 % faster at one token but slower from 16, and a switch at a row count changed
+# the routing of a prompt's tail recomputed after a prefix hit). tools/bench_fp8.py on the H200, 48 layers of
+# Qwen3-30B-A3B experts, ms: 1 token 1.13 (bf16 1.27), 16: 5.67, 64: 8.29, 256: 10.18 (bf16 15.60, fp8
+# weight-only 13.30); 64-row blocks for prefill (2048 tokens: 31.95 against bf16's 34.85)
+def pick_fp8_config(num_tokens: int, top_k: int, num_experts: int) -> TritonMoeConfig:
+    """The W8A8 block config; the block_m is pick_config's (the fused routing kernel aligns the ids for it)."""
     block_m = pick_config(num_tokens, top_k, num_experts).block_m
-    if num_tokens < W8A8_MIN_TOKENS:
-        return TritonMoeConfig(block_m=block_m, block_n=64, block_k=128, num_warps=8, num_stages=3), False
-    return TritonMoeConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=3), True
+    if num_tokens < 16:  # a few rows an expert stream its weights: narrower tiles, more loads in flight
+        return TritonMoeConfig(block_m=block_m, block_n=32, block_k=128, num_warps=4, num_stages=5)
+    return TritonMoeConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
 def triton_experts(
@@ -245,9 +243,9 @@ def triton_experts(
     block-quantized (quantization/fp8.py's served layout) and each tile is dequantised as it is loaded,
     the same arithmetic as dequantize(), so the result equals this kernel on the dequantised weights.
     fp8_activations (fp8 weights only): W8A8, x and then act quantized per row and 128-wide group
-    (ops/fp8_quant.py), each K step one fp8 MMA scaled by both scales; block_k must be 128. None: as
-    pick_fp8_config says for 16-bit activations without a config given, never otherwise (float32 models
-    and batch_invariant keep fp8 weights times their own activations).
+    (ops/fp8_quant.py), each K step one fp8 MMA scaled by both scales; block_k must be 128. None: W8A8
+    (with pick_fp8_config's blocks) for 16-bit activations when no config is given; weight-only otherwise
+    (float32 models, batch_invariant, a given config), each tile dequantised as it is loaded.
     batch_invariant: BATCH_INVARIANT_CONFIG whatever the batch. Either way the K experts' outputs are
     summed one by one in slot order (by the down GEMM's program that lands a token's last slot, or
     _sum_slots_kernel; a torch reduction may split the sum by size).
@@ -263,9 +261,9 @@ def triton_experts(
     if w13.stride(2) != 1 or w2.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError("triton_experts: x, w13 and w2 must be contiguous in their last dimension")
     fp8 = w13_scale is not None
-    auto_w8a8 = False
-    if config is None and fp8 and not batch_invariant and x.dtype != torch.float32:
-        config, auto_w8a8 = pick_fp8_config(num_tokens, top_k, num_experts)
+    auto_w8a8 = config is None and fp8 and not batch_invariant and x.dtype != torch.float32
+    if auto_w8a8:
+        config = pick_fp8_config(num_tokens, top_k, num_experts)
     if fp8_activations is None:
         fp8_activations = auto_w8a8
     cfg = config or (BATCH_INVARIANT_CONFIG if batch_invariant else pick_config(num_tokens, top_k, num_experts))

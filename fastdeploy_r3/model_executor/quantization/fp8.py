@@ -84,12 +84,11 @@ class Fp8LinearMethod(LinearMethod):
     """y = x dequantize(W)^T (+ b) with FP8 weights.
 
     On CUDA, up to ops/fp8_linear.py's MAX_ROWS rows, a Triton kernel reads the fp8 tiles of W and their
-    scale rows: no dequantised W in memory, one byte per weight read. Up to 16 rows of 16-bit x (decode)
-    the activations stay in the compute dtype (weight-only, each tile dequantised as it is loaded); from
-    17 rows (large decode batches, prefill chunks) they are quantized per row and 128-wide group too and
-    the kernel runs fp8 MMAs (W8A8, the published checkpoints' dynamic activation scheme). Elsewhere
-    (the CPU, float32 models past 16 rows aside, the longest prefill chunks, deterministic mode's
-    fixed-tile matmul) W is dequantised and the plain linear runs."""
+    scale rows: no dequantised W in memory, one byte per weight read. 16-bit activations are quantized
+    per row and 128-wide group too and the kernel runs fp8 MMAs (W8A8, the published checkpoints' dynamic
+    activation scheme); float32 ones stay as they are (weight-only, each tile dequantised as it is loaded).
+    Elsewhere (the CPU, the longest prefill chunks, deterministic mode's fixed-tile matmul) W is
+    dequantised and the plain linear runs."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
@@ -100,7 +99,7 @@ class Fp8LinearMethod(LinearMethod):
         layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [O], the model dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # W8A8 from ops/fp8_linear.W8A8_MIN_ROWS rows of 16-bit x (its docstring): fp8 MMAs
+        # W8A8 for 16-bit x (ops/fp8_linear.py's docstring): fp8 MMAs
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_LINEAR_MAX_ROWS and not layer.batch_invariant:
             y = fp8_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
             return y if bias is None else y.add_(bias)
@@ -114,9 +113,9 @@ class Fp8MoEMethod(MoEMethod):
 
     apply: on CUDA (the Triton fused MoE, which the auto backend also takes for eager prefill here) the
     kernel reads the fp8 tiles and their scale rows (ops/fused_moe_triton.py, FP8_W): the weights cross
-    HBM at one byte each. Below W8A8_MIN_TOKENS tokens each tile is dequantised as it is loaded (the bits
-    of the plain kernel on the dequantised weights, up to MMA summation order); from there, with 16-bit
-    activations, x and the intermediate are quantized per row and 128-wide group too (W8A8, pick_fp8_config).
+    HBM at one byte each. With 16-bit activations x and the intermediate are quantized per row and
+    128-wide group too (W8A8, pick_fp8_config), at every batch size; with float32 ones each tile is
+    dequantised as it is loaded (the bits of the plain kernel on the dequantised weights).
     Elsewhere (the CPU loop, an explicit grouped_mm backend) it dequantises every expert and runs the
     plain-weight backend."""
 
@@ -142,7 +141,7 @@ class Fp8MoEMethod(MoEMethod):
     ) -> torch.Tensor:  # fmt: skip
         backend = choose_backend(layer.backend, x, layer.batch_invariant)
         # on CUDA the auto backend's eager grouped_mm would dequantise all E experts first: the Triton kernel
-        # reads the codes (W8A8 from ops/fused_moe_triton.W8A8_MIN_TOKENS tokens, prefill included)
+        # reads the codes (W8A8 for 16-bit activations, prefill included)
         if backend == "triton" or (backend == "grouped_mm" and layer.backend == "auto"):
             return triton_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks=blocks,
                                   w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
