@@ -1,6 +1,7 @@
 """FP8 weight kernels alone, over tile configs: which blocks the fp8 expert GEMMs and dense linears should pick.
 
-    python tools/bench_fp8.py [--layers 48] [--batches 1,16,64,256] [--only experts|dense] [--out DIR]
+    python tools/bench_fp8.py [--layers 48] [--batches 1,16,64,256] [--prefill-rows 2048,8192]
+        [--only experts|dense] [--modes weight,w8a8] [--out DIR]
 
 Qwen3-30B-A3B shapes, block-wise fp8 weights (quantization/fp8.py's served layout), a distinct weight set
 per layer, all layers replayed from one CUDA graph (the decode path), so every weight crosses HBM:
@@ -11,7 +12,7 @@ per layer, all layers replayed from one CUDA graph (the decode path), so every w
 - dense: ops/fp8_linear.py on qkv (2048 -> 5120) and o (4096 -> 2048) against cuBLAS on bf16 weights.
 
 A config that does not compile is reported and skipped. The tables print the fastest configs per batch,
-with the share of copy bandwidth they reach.
+with the share of copy bandwidth they reach; --out writes them as JSON and a plot (ms against rows per GEMM).
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def timed_configs(run, configs: list, label: str) -> list[tuple[float, object]]:
         except Exception as exc:  # noqa: BLE001 (a config that does not compile is reported, not fatal)
             print(f"{label} {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     return out
+
+
+def _per_mode(best: list, keep: int = 5) -> list:
+    """The `keep` fastest (ms, (mode, config)) of each mode, fastest first within a mode."""
+    return [t for mode in ("weight", "w8a8") for t in [t for t in best if t[1][0] == mode][:keep]]
 
 
 def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict:
@@ -119,7 +125,7 @@ def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict
                       f"{ms:.3f} ms ({roof_ms / ms:.0%} of copy bandwidth; {ms / auto_ms:.2f}x pick_fp8_config)",
                       flush=True)
         result[bs] = {"roofline_ms": roof_ms, "bf16_ms": bf16_ms, "fp8_pick_ms": auto_ms,
-                      "best": [(ms, m, list(vars(c).values())) for ms, (m, c) in best[:12]]}
+                      "best": [(ms, m, list(vars(c).values())) for ms, (m, c) in _per_mode(best)]}
     return result
 
 
@@ -164,11 +170,41 @@ def dense_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict:
                           flush=True)
             result[f"{name}/{rows}"] = {
                 "roofline_ms": roof_ms, "cublas_ms": cublas[0][0], "dequant_ms": dequant[0][0],
-                "fp8_tiles_ms": timed[0][0], "best": [(ms, m, list(c)) for ms, (m, c) in best[:8]],
+                "fp8_tiles_ms": timed[0][0], "best": [(ms, m, list(c)) for ms, (m, c) in _per_mode(best)],
             }
         weights = plain = None  # freed before the next shape's weights
         torch.cuda.empty_cache()
     return result
+
+
+def plot(res: dict, path: str) -> None:
+    """Per GEMM, ms for 48 layers against rows: cuBLAS bf16 (bf16 experts), the best weight-only and W8A8
+    configs of the sweep, and the fp8 roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = {"experts": res.get("experts", {})}
+    for key, row in res.get("dense", {}).items():
+        name, rows = key.split("/")
+        panels.setdefault(name, {})[rows] = row
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], panels.items(), strict=True):
+        xs = sorted(rows, key=int)
+        series = {"bf16 (cuBLAS / Triton)": [rows[x].get("cublas_ms", rows[x].get("bf16_ms")) for x in xs],
+                  "fp8 roofline": [rows[x]["roofline_ms"] for x in xs]}
+        for mode in ("weight", "w8a8"):
+            series[f"fp8 {mode}, best"] = [min((b[0] for b in rows[x]["best"] if b[1] == mode), default=None)
+                                           for x in xs]  # fmt: skip
+        for label, ys in series.items():
+            pts = [(int(x), y) for x, y in zip(xs, ys, strict=True) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-" if "roofline" not in label else "s--", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="rows (tokens)", ylabel="ms, 48 layers", title=name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def main() -> None:
@@ -178,7 +214,7 @@ def main() -> None:
     ap.add_argument("--prefill-rows", default="2048,8192", help="dense only: rows of prefill chunks")
     ap.add_argument("--only", choices=("experts", "dense"), default=None)
     ap.add_argument("--modes", default="weight,w8a8", help="which kernels to sweep: weight (-only), w8a8")
-    ap.add_argument("--out", default=None, help="directory for bench_fp8.json")
+    ap.add_argument("--out", default=None, help="directory for bench_fp8.json and bench_fp8.png")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
     dev = torch.device("cuda")
@@ -193,6 +229,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
             json.dump(res, f, indent=1)
+        plot(res, os.path.join(args.out, "bench_fp8.png"))
 
 
 if __name__ == "__main__":
