@@ -102,7 +102,9 @@ def test_debug_mode_rows_equal_positions_through_every_cache_path(model_dir: str
         checked += 1
 
     print(f"\nchecked {checked} requests, aborted {len(aborted)}, metrics {metrics}")
-    assert checked > 200 and aborted
+    # a 4 % abort chance at each streamed delta aborts ~15 % of the 240 (40 in a CI run); how many deltas a
+    # request streams, and so how the rng's draws fall, depends on step timing (overlap), so no exact count
+    assert checked + len(aborted) == 240 and checked >= 180 and len(aborted) >= 10
     assert metrics["prefix_hit_blocks"] > 0
     assert metrics["swap_out_blocks"] > 0 and metrics["swap_in_blocks"] > 0
     assert metrics["storage_put_blocks"] > 0 and metrics["storage_load_blocks"] > 0
