@@ -1,5 +1,6 @@
-"""Weight-only FP8 dense linear on the GPU: y = x @ dequantize(W)^T with W's fp8 tiles dequantised as
-they are loaded (ops/fused_moe_triton.py's expert GEMM run as one expert that every row goes to).
+"""FP8 dense linear on the GPU (ops/fused_moe_triton.py's expert GEMM run as one expert that every row goes
+to). Weight-only, for float32 activations: y = x @ dequantize(W)^T with W's fp8 tiles dequantised as they
+are loaded.
 
     x [M, I] (bf16 / fp16 / float32)   W [O, I] float8_e4m3fn   scale rows [O, ceil(I/128)] float32
     one program: BLOCK_M rows x BLOCK_N outputs, K loop in BLOCK_K steps (BLOCK_K divides 128, so a
