@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from fastdeploy_r3.model_executor.ops.fp8_quant import dequantize_groups, quantize_groups, quantize_groups_reference
+from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups, quantize_groups_reference
 from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +45,8 @@ def test_the_w8a8_dense_linear_equals_the_dequantised_operands_in_float32(rows: 
         codes, scale = quantize_blockwise(torch.randn(out_features, in_features, device=CUDA, generator=gen) * 0.02)
         scale_rows = expand_scale_rows(scale, out_features)
         x = torch.randn(rows, in_features, device=CUDA, generator=gen).bfloat16()
-        want = F.linear(dequantize_groups(*quantize_groups_reference(x)), dequantize(codes, scale_rows, torch.float32))
+        x_codes = dequantize(*quantize_groups_reference(x), torch.float32)  # [rows, I] what the kernel multiplies
+        want = F.linear(x_codes, dequantize(codes, scale_rows, torch.float32))
         got = fp8_linear(x, codes, scale_rows, fp8_activations=True).float()
         rel = ((got - want).norm() / want.norm()).item()
         print(f"\nw8a8 linear {in_features}->{out_features}, {rows} rows: relative L2 {rel:.1e}")
@@ -72,13 +73,13 @@ def test_the_w8a8_fused_moe_equals_a_float32_loop_on_the_same_codes(num_tokens: 
     for cfg in (TritonMoeConfig(16, 64, 128, 4, 3), TritonMoeConfig(64, 128, 128, 8, 3)):
         got = triton_experts(x, w13[0], w2[0], weights, ids, cfg, w13_scale=w13[1], w2_scale=w2[1],
                              fp8_activations=True).float()  # fmt: skip
-        xd = dequantize_groups(*quantize_groups_reference(x))  # [T, H]
+        xd = dequantize(*quantize_groups_reference(x), torch.float32)  # [T, H]
         want = torch.zeros(num_tokens, hidden, device=CUDA)
         for t in range(num_tokens):
             e = ids[t]
             g = torch.einsum("h,kih->ki", xd[t], dequantize(w13[0][e], w13[1][e], torch.float32)).bfloat16().float()
             act = (F.silu(g[:, :inter]) * g[:, inter:]).bfloat16()  # [K, I], as the kernel stores it
-            down = torch.einsum("ki,khi->kh", dequantize_groups(*quantize_groups_reference(act)),
+            down = torch.einsum("ki,khi->kh", dequantize(*quantize_groups_reference(act), torch.float32),
                                 dequantize(w2[0][e], w2[1][e], torch.float32))  # fmt: skip
             want[t] = (down.bfloat16().float() * weights[t][:, None]).sum(0)
         rel = ((got - want).norm() / want.norm()).item()

@@ -112,8 +112,7 @@ def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of
         import torch
         import torch.nn.functional as F
         from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
-        from fastdeploy_r3.model_executor.ops.fp8_quant import (
-            dequantize_groups, quantize_groups, quantize_groups_reference)
+        from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups, quantize_groups_reference
         from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, pick_fp8_config, triton_experts
         from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
 
@@ -132,7 +131,7 @@ def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of
         for m in (1, 20):
             x = torch.randn(m, 200)
             got = fp8_linear(x, w_codes, rows, fp8_activations=True)
-            want = dequantize_groups(*quantize_groups_reference(x)) @ w.T
+            want = dequantize(*quantize_groups_reference(x), torch.float32) @ w.T
             assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item() * 10, m
 
         T, E, K, H, I = 5, 4, 2, 256, 136
@@ -146,13 +145,13 @@ def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of
         got = triton_experts(x, w13[0], w2[0], weights, ids, TritonMoeConfig(16, 32, 128, 4, 1),
                              w13_scale=w13[1], w2_scale=w2[1], fp8_activations=True)
         p13, p2 = dequantize(*w13, torch.float32), dequantize(*w2, torch.float32)
-        xd = dequantize_groups(*quantize_groups_reference(x))
+        xd = dequantize(*quantize_groups_reference(x), torch.float32)
         want = torch.zeros(T, H)
         for t in range(T):
             for j in range(K):
                 g = xd[t] @ p13[ids[t, j]].T
                 act = F.silu(g[:I]) * g[I:]
-                act_d = dequantize_groups(*quantize_groups_reference(act[None]))[0]
+                act_d = dequantize(*quantize_groups_reference(act[None]), torch.float32)[0]
                 want[t] += weights[t, j] * (act_d @ p2[ids[t, j]].T)
         assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item(), (got - want).abs().max().item()
         # auto (16-bit activations): W8A8 at every batch, in blocks of pick_config's block_m

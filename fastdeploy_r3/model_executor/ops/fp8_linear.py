@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups
-from fastdeploy_r3.model_executor.ops.fused_moe_triton import _TL_DTYPES, _expert_gemm_kernel
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import _expert_gemm_kernel, fp8_operand
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, require_triton, triton
 
 MAX_ROWS = 4096  # longer prefill chunks: a dequantised copy and cuBLAS (o at 8192 rows: 12.3 ms / 48 layers
@@ -60,8 +59,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
 
     tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) instead of _tiles' pick (tools/bench_fp8.py).
     fp8_activations: W8A8, x quantized per row and 128-wide group first (ops/fp8_quant.py), then fp8 MMAs:
-    y = dequantize_groups(x) @ dequantize(W)^T up to the float32 summation order, rounded to x.dtype.
-    None: W8A8 for 16-bit x, weight-only for float32."""
+    y = dequantize(x's codes, their scales) @ dequantize(W)^T up to the float32 summation order, rounded
+    to x.dtype. None: W8A8 for 16-bit x, weight-only for float32."""
     require_triton("fp8_linear")
     rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -77,7 +76,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     block_m, block_n, block_k, warps, stages = tiles or _tiles(rows, out_features, fp8_activations)
     if 128 % block_k:
         raise ValueError(f"fp8_linear: BLOCK_K {block_k} must divide 128 (one scale column a tile)")
-    a, groups = (quantize_groups(x) if fp8_activations else (x, None))
+    w8a8 = fp8_operand(x if fp8_activations else None)  # x's codes and group scales, else {}
+    a = w8a8.pop("a", x)
     # DENSE: row r of the tile is x's row r (no routing metadata, nothing for a CUDA graph to keep)
     _expert_gemm_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
         a, weight, out, None, None, None, None,
@@ -85,7 +85,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
         scale_rows, 0, scale_rows.stride(0),
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, FP8_W=True, DENSE=True, num_warps=warps, num_stages=stages,
-        a_scale_ptr=groups, stride_as=0 if groups is None else groups.stride(0), FP8_A=fp8_activations,
-        ACT_DTYPE=_TL_DTYPES[x.dtype] if fp8_activations else None,
+        **w8a8,
     )  # fmt: skip
     return out

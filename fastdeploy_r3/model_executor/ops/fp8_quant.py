@@ -2,7 +2,7 @@
 128 columns, each group scaled by its own amax / 448 and rounded to float8_e4m3fn.
 
     x [M, C] (bf16 / fp16 / float32)  ->  codes [M, C] float8_e4m3fn,  scales [M, ceil(C/128)] float32
-    x[m, c] ~= codes[m, c] * scales[m, c // 128]
+    x[m, c] ~= codes[m, c] * scales[m, c // 128]   (quantization/fp8.py dequantize(codes, scales, dtype))
 
 The group is the weights' 128-wide K block (quantization/fp8.py), so one K step of the GEMM multiplies
 an fp8 tile of x by an fp8 tile of W and scales the float32 product once by both scales: the layout of
@@ -69,8 +69,3 @@ def quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     codes = (blocks / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.view(rows, groups * GROUP)[:, :cols].contiguous(), scale
 
-
-def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """codes [M, C] x their group scales -> float32 [M, C] (what the W8A8 GEMM multiplies)."""
-    per_column = scales.repeat_interleave(GROUP, dim=1)[:, : codes.shape[1]]
-    return codes.float() * per_column

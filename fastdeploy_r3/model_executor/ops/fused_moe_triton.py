@@ -278,7 +278,7 @@ def triton_experts(
     s13 = (w13_scale, w13_scale.stride(0), w13_scale.stride(1)) if fp8 else (None, 0, 0)
     s2 = (w2_scale, w2_scale.stride(0), w2_scale.stride(1)) if fp8 else (None, 0, 0)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # [N, I]
-    a13 = _fp8_operand(x if fp8_activations else None)  # W8A8: x's codes and group scales, else {}
+    a13 = fp8_operand(x if fp8_activations else None)  # W8A8: x's codes and group scales, else {}
     x_in = a13.pop("a", x)
     # gate_up: act[n] = silu(x[n // K] @ w13[e, :I].T) * (x[n // K] @ w13[e, I:].T)
     _expert_gemm_kernel[(blocks.max_blocks, triton.cdiv(inter, cfg.block_n))](
@@ -286,7 +286,7 @@ def triton_experts(
         num_rows, hidden, inter, x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *s13,
         A_ROW_DIV=top_k, GATED=True, ROUTED_WEIGHT=False, **tiles, **a13,
     )
-    a2 = _fp8_operand(act if fp8_activations else None)
+    a2 = fp8_operand(act if fp8_activations else None)
     act_in = a2.pop("a", act)
     part = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)  # [N, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
@@ -308,9 +308,9 @@ def triton_experts(
     return out
 
 
-def _fp8_operand(a: torch.Tensor | None) -> dict:
-    """The kernel arguments of an fp8 A operand (a's codes under "a", their scales, FP8_A, the rounding
-    dtype); {} for a None a (the plain operand)."""
+def fp8_operand(a: torch.Tensor | None) -> dict:
+    """_expert_gemm_kernel's arguments for a W8A8 A operand: a's codes under "a", their group scales, FP8_A
+    and the rounding dtype; {} for a None a (the plain operand). Also ops/fp8_linear.py's."""
     if a is None:
         return {}
     codes, scales = quantize_groups(a)
