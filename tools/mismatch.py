@@ -3,6 +3,10 @@ checkpoint) scores them, with and without the engine's routing replayed through 
 
     python tools/mismatch.py --model DIR [--prompts 4] [--rollouts 2] [--max-tokens 16]
         [--settings bf16,bf16-det,fp8,fp8-det] [--png mismatch.png] [--json mismatch.json]
+        [--preset qwen3-30b-a3b --layers 8]
+
+With --preset, DIR is first written: the preset's config and tokenizer, and weights that transformers
+initialises and saves itself (a real-shape HF oracle without downloading a checkpoint).
 
 DIR is a Hugging Face checkpoint the installed transformers loads (e.g. one tests/hf_checkpoints.py writes
 with save_pretrained). Per engine setting (dtype bfloat16; --quantization fp8 or not; deterministic mode
@@ -246,7 +250,15 @@ def main(argv: Sequence[str] | None = None) -> list[Mismatch]:
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="engine and trainer")
     ap.add_argument("--png", help="write the plot here")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--preset", help="first write this real-shape preset (tools/model_presets.py) into --model, "
+                                     "its weights initialised and saved by transformers itself")
+    ap.add_argument("--layers", type=int, help="with --preset: cut it to this many decoder layers")
     args = ap.parse_args(argv)
+    if args.preset:
+        from model_presets import save_hf_checkpoint
+
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        save_hf_checkpoint(args.preset, args.model, args.layers, device)
     rows = run(args.model, args.settings.split(","), DEFAULT_PROMPTS[: args.prompts], args.rollouts,
                args.max_tokens, args.seed, args.device)  # fmt: skip
     print(format_table(rows))

@@ -116,6 +116,23 @@ def write_preset(name: str, out: str, num_layers: int | None = None) -> str:
     return out
 
 
+def save_hf_checkpoint(name: str, out: str, num_layers: int | None = None, device: str = "cpu") -> str:
+    """Preset `name` as a real checkpoint: write_preset's files plus weights that the installed transformers
+    initialises itself (`from_config`, its own random init, built on `device`) and writes with
+    save_pretrained, in bfloat16. For tools that need an HF oracle at real shapes (tools/mismatch.py
+    --preset); cut num_layers to fit the disk (Qwen3-30B-A3B: ~1.2 GB a layer)."""
+    import torch
+    import transformers
+
+    write_preset(name, out, num_layers)
+    config = transformers.AutoConfig.from_pretrained(out)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model a benchmark runs: --preset (real shapes, dummy weights) or the fake tiny qwen3_moe."""
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
