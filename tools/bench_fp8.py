@@ -1,7 +1,7 @@
 """FP8 weight kernels alone, over tile configs: which blocks the fp8 expert GEMMs and dense linears should pick.
 
     python tools/bench_fp8.py [--layers 48] [--batches 1,16,64,256] [--prefill-rows 2048,8192]
-        [--only experts|dense] [--modes weight,w8a8] [--out DIR]
+        [--only experts|dense] [--modes weight,w8a8,gemv] [--out DIR]
 
 Qwen3-30B-A3B shapes, block-wise fp8 weights (quantization/fp8.py's served layout), a distinct weight set
 per layer, all layers replayed from one CUDA graph (the decode path), so every weight crosses HBM:
@@ -9,7 +9,8 @@ per layer, all layers replayed from one CUDA graph (the decode path), so every w
 - experts: the two expert GEMM launches of ops/fused_moe_triton.py (E=128, K=8, H=2048, I=768), ids drawn
   uniformly as dummy weights route, already aligned; against the bytes of the experts touched (one byte per
   weight plus scale rows) / the copy bandwidth, and against pick_config's bf16 kernel on bf16 weights;
-- dense: ops/fp8_linear.py on qkv (2048 -> 5120) and o (4096 -> 2048) against cuBLAS on bf16 weights.
+- dense: ops/fp8_linear.py on qkv (2048 -> 5120) and o (4096 -> 2048) against cuBLAS on bf16 weights;
+- gemv (one row only): ops/fp8_gemv.py's one-row W8A8 kernels over (BLOCK_N, BLOCK_K, num_warps).
 
 A config that does not compile is reported and skipped. The tables print the fastest configs per batch,
 with the share of copy bandwidth they reach; --out writes them as JSON and a plot (ms against rows per GEMM).
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe import INTER, E, H, K, copy_bandwidth, graphed, time_fn
 
 from fastdeploy_r3.model_executor.ops import fp8_linear as fp8_linear_op
+from fastdeploy_r3.model_executor.ops.fp8_gemv import DOWN, GATED, fp8_gemv_experts, fp8_gemv_linear
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import (
     TritonMoeConfig,
     pick_config,
@@ -41,6 +43,8 @@ from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_sca
 
 DENSE_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096)}  # (out, in)
 WARPS_STAGES = ((2, 3), (4, 3), (4, 5), (2, 8), (4, 8), (8, 3))
+MODES = ("weight", "w8a8", "gemv")
+GEMV_GRID = [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
 
 
 def quantized(out_features: int, in_features: int, experts: int | None, dev: torch.device,
@@ -68,7 +72,11 @@ def timed_configs(run, configs: list, label: str) -> list[tuple[float, object]]:
 
 def _per_mode(best: list, keep: int = 5) -> list:
     """The `keep` fastest (ms, (mode, config)) of each mode, fastest first within a mode."""
-    return [t for mode in ("weight", "w8a8") for t in [t for t in best if t[1][0] == mode][:keep]]
+    return [t for mode in MODES for t in [t for t in best if t[1][0] == mode][:keep]]
+
+
+def _cfg_json(cfg: object) -> object:
+    return list(vars(cfg).values()) if isinstance(cfg, TritonMoeConfig) else str(cfg)
 
 
 def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict:
@@ -95,13 +103,20 @@ def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict
         configs = [("w8a8", pick_fp8_config(bs, K, E))]
         configs += [("weight", c) for c in weight_only if (c.block_m == 16) == (rows_per_expert <= 8)]
         configs += [("w8a8", c) for c in w8a8 if c.block_m <= max(16, 2 * rows_per_expert)]
+        if bs == 1:
+            configs += [("gemv", {GATED: g, DOWN: d}) for g in GEMV_GRID for d in GEMV_GRID
+                        if g in (d, (8, 1024, 4))]  # fmt: skip
         configs = configs[:1] + [c for c in configs[1:] if c[0] in args.modes]
-        aligned = {bm: [align_to_blocks(i, E, bm) for i in ids] for bm in {c.block_m for _, c in configs}}
+        tile_configs = {c.block_m for m, c in configs if m != "gemv"}
+        aligned = {bm: [align_to_blocks(i, E, bm) for i in ids] for bm in tile_configs}
 
         def run(mode_cfg: tuple, x: torch.Tensor = x, ids: list = ids, weights: torch.Tensor = weights,
                 aligned: dict = aligned) -> None:  # fmt: skip
             mode, cfg = mode_cfg
             for layer, ((w13, s13), (w2, s2)) in enumerate(layers):
+                if mode == "gemv":
+                    fp8_gemv_experts(x, w13, s13, w2, s2, weights, ids[layer], cfg)
+                    continue
                 triton_experts(x, w13, w2, weights, ids[layer], cfg, aligned[cfg.block_m][layer], s13, s2,
                                fp8_activations=mode == "w8a8")  # fmt: skip
 
@@ -119,13 +134,14 @@ def expert_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict
         best = sorted(timed[1:], key=lambda t: t[0])
         print(f"\nexperts batch {bs}: {touched / args.layers:.1f} experts/layer, fp8 roofline {roof_ms:.3f} ms; "
               f"bf16 pick_config {bf16_ms:.3f} ms; fp8 pick_fp8_config {auto_ms:.3f} ms ({roof_ms / auto_ms:.0%})")
-        for mode in ("weight", "w8a8"):
+        for mode in MODES:
             for ms, (_, cfg) in [t for t in best if t[1][0] == mode][:5]:
-                print(f"  {mode} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: "
-                      f"{ms:.3f} ms ({roof_ms / ms:.0%} of copy bandwidth; {ms / auto_ms:.2f}x pick_fp8_config)",
-                      flush=True)
+                name = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                        if isinstance(cfg, TritonMoeConfig) else f"gate_up {cfg[GATED]} down {cfg[DOWN]}")
+                print(f"  {mode} {name}: {ms:.3f} ms ({roof_ms / ms:.0%} of copy bandwidth; "
+                      f"{ms / auto_ms:.2f}x pick_fp8_config)", flush=True)
         result[bs] = {"roofline_ms": roof_ms, "bf16_ms": bf16_ms, "fp8_pick_ms": auto_ms,
-                      "best": [(ms, m, list(vars(c).values())) for ms, (m, c) in _per_mode(best)]}
+                      "best": [(ms, m, _cfg_json(c)) for ms, (m, c) in _per_mode(best)]}
     return result
 
 
@@ -152,19 +168,24 @@ def dense_sweep(args: argparse.Namespace, dev: torch.device, bw: float) -> dict:
 
             def run(mode_tiles: tuple, x: torch.Tensor = x, weights: list = weights) -> None:
                 for w, s in weights:
+                    if mode_tiles[0] == "gemv":
+                        fp8_gemv_linear(x, w, s, mode_tiles[1])
+                        continue
                     fp8_linear_op.fp8_linear(x, w, s, tiles=mode_tiles[1], fp8_activations=mode_tiles[0] == "w8a8")
 
             small = rows <= 16
             configs = [picked, *[g for g in grid if (g[1][0] == 16) == small or g[0] == "w8a8"]]
             if rows > 1024:  # prefill rows: only the tall tiles
                 configs = [picked, *[g for g in grid if g[1][0] >= 64]]
+            if rows == 1:
+                configs += [("gemv", t) for t in GEMV_GRID]
             configs = configs[:1] + [c for c in configs[1:] if c[0] in args.modes]
             timed = timed_configs(run, configs, f"dense {name} {rows}")
             best = sorted(timed[1:], key=lambda t: t[0])
             print(f"\ndense {name} rows {rows}: fp8 roofline {roof_ms:.3f} ms, cuBLAS bf16 {cublas[0][0]:.3f} ms, "
                   f"dequantise + cuBLAS {dequant[0][0]:.3f} ms, fp8 _tiles (W8A8) {picked[1]} {timed[0][0]:.3f} ms "
                   f"({roof_ms / timed[0][0]:.0%})")
-            for mode in ("weight", "w8a8"):
+            for mode in MODES:
                 for ms, (_, cfg) in [t for t in best if t[1][0] == mode][:4]:
                     print(f"  {mode} {cfg}: {ms:.3f} ms ({roof_ms / ms:.0%}; {ms / timed[0][0]:.2f}x _tiles)",
                           flush=True)
@@ -194,7 +215,7 @@ def plot(res: dict, path: str) -> None:
         xs = sorted(rows, key=int)
         series = {"bf16 (cuBLAS / Triton)": [rows[x].get("cublas_ms", rows[x].get("bf16_ms")) for x in xs],
                   "fp8 roofline": [rows[x]["roofline_ms"] for x in xs]}
-        for mode in ("weight", "w8a8"):
+        for mode in MODES:
             series[f"fp8 {mode}, best"] = [min((b[0] for b in rows[x]["best"] if b[1] == mode), default=None)
                                            for x in xs]  # fmt: skip
         for label, ys in series.items():
@@ -213,7 +234,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--prefill-rows", default="2048,8192", help="dense only: rows of prefill chunks")
     ap.add_argument("--only", choices=("experts", "dense"), default=None)
-    ap.add_argument("--modes", default="weight,w8a8", help="which kernels to sweep: weight (-only), w8a8")
+    ap.add_argument("--modes", default="weight,w8a8,gemv",
+                    help="which kernels to sweep: weight (-only), w8a8, gemv (one row)")
     ap.add_argument("--out", default=None, help="directory for bench_fp8.json and bench_fp8.png")
     args = ap.parse_args()
     args.modes = args.modes.split(",")

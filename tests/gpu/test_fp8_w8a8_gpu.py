@@ -85,3 +85,63 @@ def test_the_w8a8_fused_moe_equals_a_float32_loop_on_the_same_codes(num_tokens: 
         rel = ((got - want).norm() / want.norm()).item()
         print(f"\nw8a8 fused MoE {cfg}, {num_tokens} tokens: relative L2 {rel:.1e}")
         assert rel < 1e-2, rel  # bf16 roundings of gate, up, act, down and out (an act code may flip)
+
+
+def _median_ms(fn, reps: int = 50) -> float:  # noqa: ANN001
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
+def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None:
+    """ops/fp8_gemv.py against the W8A8 tile kernels on the same bf16 row: the same codes and scales, so
+    only the float32 summation order differs (a few outputs round to the neighbouring bf16); times printed."""
+    from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
+    from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
+    from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    for in_features, out_features in ((2048, 5120), (4096, 2048)):
+        codes, scale = quantize_blockwise(torch.randn(out_features, in_features, device=CUDA, generator=gen) * 0.02)
+        scale_rows = expand_scale_rows(scale, out_features)
+        x = torch.randn(1, in_features, device=CUDA, generator=gen).bfloat16()
+        tile = fp8_linear(x, codes, scale_rows, fp8_activations=True).float()
+        got = fp8_gemv_linear(x, codes, scale_rows).float()
+        rel = ((got - tile).norm() / tile.norm()).item()
+        args = (x, codes, scale_rows)
+        ms = (_median_ms(lambda a=args: fp8_gemv_linear(*a)),
+              _median_ms(lambda a=args: fp8_linear(*a, fp8_activations=True)))  # fmt: skip
+        print(f"\ngemv linear {in_features}->{out_features}: relative L2 to the tile kernel {rel:.1e}, "
+              f"gemv {ms[0]:.4f} ms, tile {ms[1]:.4f} ms")
+        assert rel < 2e-3, rel
+
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+
+    def stack(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randn(num_experts, out_features, in_features, device=CUDA, generator=gen) * 0.02
+        pairs = [quantize_blockwise(m) for m in w]
+        return (torch.stack([c for c, _ in pairs]),
+                torch.stack([expand_scale_rows(s, out_features) for _, s in pairs]))  # fmt: skip
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    x = torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16()
+    ids = torch.randperm(num_experts, device=CUDA, generator=gen)[:top_k][None]
+    weights = torch.rand(1, top_k, device=CUDA, generator=gen)
+
+    def gemv() -> torch.Tensor:
+        return fp8_gemv_experts(x, w13[0], w13[1], w2[0], w2[1], weights, ids)
+
+    def tile() -> torch.Tensor:
+        return triton_experts(x, w13[0], w2[0], weights, ids, w13_scale=w13[1], w2_scale=w2[1])
+
+    got, want = gemv().float(), tile().float()
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"\ngemv fused MoE: relative L2 to the tile kernels {rel:.1e}, gemv {_median_ms(gemv):.4f} ms, "
+          f"tile {_median_ms(tile):.4f} ms")
+    assert rel < 5e-3, rel  # the intermediate's codes can differ where its bf16 rounding did

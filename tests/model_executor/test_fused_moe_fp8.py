@@ -161,3 +161,66 @@ def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of
     proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
                           cwd=REPO_ROOT)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_experts() -> None:
+    """ops/fp8_gemv.py, a batch-1 decode row: its in-kernel rounding to e4m3 is torch's cast (every binade,
+    subnormals, ties to even); the dense GEMV and the fused MoE of one token equal the W8A8 tile kernels on
+    the same row within float32 summation order (same codes, same scales, same rounding points), for every
+    tile shape; a slot whose expert is not on this rank (id E) adds nothing."""
+    body = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        import torch.nn.functional as F
+        from fastdeploy_r3.model_executor.ops.fp8_gemv import DOWN, GATED, e4m3_values
+        from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
+        from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
+        from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups_reference
+        from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
+        from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
+
+        torch.manual_seed(0)
+        every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        every = every[every.isfinite()].sort().values  # all 253 distinct finite values (+-0 twice)
+        mids = (every[1:] + every[:-1]) / 2  # exact ties: to the even neighbour
+        q = torch.cat([every, mids, torch.randn(20000) * 4, torch.randn(20000) * 300, torch.rand(5000) * 0.02,
+                       torch.tensor([500.0, -1000.0])])
+        assert torch.equal(e4m3_values(q), q.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+        codes, scale = quantize_blockwise(torch.randn(300, 200) * 0.1)  # partial 128-blocks both ways
+        rows = expand_scale_rows(scale, 300)
+        x = torch.randn(1, 200)
+        tile = fp8_linear(x, codes, rows, fp8_activations=True)
+        for tiles in (None, (16, 128, 4), (32, 256, 2)):
+            got = fp8_gemv_linear(x, codes, rows, tiles)
+            assert got.shape == (1, 300) and (got - tile).abs().max() <= 1e-6 * tile.abs().max(), tiles
+
+        E, K, H, I = 4, 2, 256, 136
+        def stack(w):
+            pairs = [quantize_blockwise(m) for m in w]
+            return torch.stack([c for c, _ in pairs]), torch.stack([expand_scale_rows(s, w.shape[1]) for _, s in pairs])
+        w13, w2 = stack(torch.randn(E, 2 * I, H) * 0.1), stack(torch.randn(E, H, I) * 0.1)
+        x = torch.randn(1, H)
+        weights = torch.rand(1, K)
+        tile = triton_experts(x, w13[0], w2[0], weights, torch.tensor([[2, 0]]), TritonMoeConfig(16, 32, 128, 4, 1),
+                              w13_scale=w13[1], w2_scale=w2[1], fp8_activations=True)
+        for tiles in (None, {GATED: (16, 128, 4), DOWN: (8, 256, 2)}):
+            got = fp8_gemv_experts(x, w13[0], w13[1], w2[0], w2[1], weights, torch.tensor([[2, 0]]), tiles)
+            assert (got - tile).abs().max() <= 1e-6 * tile.abs().max(), tiles
+        import fastdeploy_r3.model_executor.ops.fp8_gemv as gemv  # no arrival counters: the separate slot sum
+        fused = fp8_gemv_experts(x, w13[0], w13[1], w2[0], w2[1], weights, torch.tensor([[2, 0]]))
+        counters, gemv.arrival_counters = gemv.arrival_counters, lambda device, n: None
+        assert torch.equal(fp8_gemv_experts(x, w13[0], w13[1], w2[0], w2[1], weights, torch.tensor([[2, 0]])), fused)
+        gemv.arrival_counters = counters
+        # expert 3 here, the other slot's expert on another rank: only expert 3's weighted output
+        got = fp8_gemv_experts(x, w13[0], w13[1], w2[0], w2[1], weights, torch.tensor([[3, E]]))
+        p13, p2 = dequantize(*w13, torch.float32), dequantize(*w2, torch.float32)
+        g = dequantize(*quantize_groups_reference(x), torch.float32)[0] @ p13[3].T
+        act = dequantize(*quantize_groups_reference((F.silu(g[:I]) * g[I:])[None]), torch.float32)[0]
+        want = weights[0, 0] * (act @ p2[3].T)
+        assert (got[0] - want).abs().max() <= 1e-5 * want.abs().max()
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr

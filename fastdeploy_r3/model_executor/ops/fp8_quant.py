@@ -17,6 +17,8 @@ import torch
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, require_triton, tl, triton
 
 GROUP = 128
+# the model dtypes as Triton dtypes (the W8A8 kernels' ACT_DTYPE constexpr: what their outputs round to)
+TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-10  # an all-zero group: a tiny positive scale and zero codes, never 0 / 0
 

@@ -27,12 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
-from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups
+from fastdeploy_r3.model_executor.ops.fp8_quant import TL_DTYPES, quantize_groups
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_to_blocks
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, require_triton, tl, triton
-
-# the model dtypes as Triton dtypes: FP8_A's ACT_DTYPE (a constexpr)
-_TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @jit
@@ -315,4 +312,4 @@ def fp8_operand(a: torch.Tensor | None) -> dict:
         return {}
     codes, scales = quantize_groups(a)
     return {"a": codes, "a_scale_ptr": scales, "stride_as": scales.stride(0), "FP8_A": True,
-            "ACT_DTYPE": _TL_DTYPES[a.dtype]}
+            "ACT_DTYPE": TL_DTYPES[a.dtype]}

@@ -23,6 +23,7 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.batch_invariant import linear
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend
+from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
 from fastdeploy_r3.model_executor.ops.fp8_linear import MAX_ROWS as FP8_LINEAR_MAX_ROWS
 from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
@@ -32,6 +33,9 @@ from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMeth
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128  # weight_block_size [128, 128], the only one served
+# one row of 16-bit activations (a batch-1 decode step) takes ops/fp8_gemv.py: W8A8 like the tile kernels,
+# which spend a 16-row MMA on it (tools/bench_fp8.py --modes gemv measures both)
+ONE_ROW_GEMV = True
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 # amax floor: an all-zero block gets a tiny positive scale and zero codes instead of 0 / 0
 _AMAX_FLOOR = 1e-12
@@ -87,8 +91,9 @@ class Fp8LinearMethod(LinearMethod):
     scale rows: no dequantised W in memory, one byte per weight read. 16-bit activations are quantized
     per row and 128-wide group too and the kernel runs fp8 MMAs (W8A8, the published checkpoints' dynamic
     activation scheme); float32 ones stay as they are (weight-only, each tile dequantised as it is loaded).
-    Elsewhere (the CPU, the longest prefill chunks, deterministic mode's fixed-tile matmul) W is
-    dequantised and the plain linear runs."""
+    One 16-bit row takes the same W8A8 arithmetic on the CUDA cores (ops/fp8_gemv.py). Elsewhere (the
+    CPU, the longest prefill chunks, deterministic mode's fixed-tile matmul) W is dequantised and the
+    plain linear runs."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
@@ -101,7 +106,10 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # W8A8 for 16-bit x (ops/fp8_linear.py's docstring): fp8 MMAs
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_LINEAR_MAX_ROWS and not layer.batch_invariant:
-            y = fp8_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
+            if _one_row(x):
+                y = fp8_gemv_linear(x, layer.weight, layer.weight_scale_inv)  # [1, O]
+            else:
+                y = fp8_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
             return y if bias is None else y.add_(bias)
         w = dequantize(layer.weight, layer.weight_scale_inv, x.dtype)  # [O, I]
         return linear(x, w, bias, batch_invariant=layer.batch_invariant)  # [T, O]
@@ -115,7 +123,8 @@ class Fp8MoEMethod(MoEMethod):
     kernel reads the fp8 tiles and their scale rows (ops/fused_moe_triton.py, FP8_W): the weights cross
     HBM at one byte each. With 16-bit activations x and the intermediate are quantized per row and
     128-wide group too (W8A8, pick_fp8_config), at every batch size; with float32 ones each tile is
-    dequantised as it is loaded (the bits of the plain kernel on the dequantised weights).
+    dequantised as it is loaded (the bits of the plain kernel on the dequantised weights). One 16-bit
+    token (outside deterministic mode) takes ops/fp8_gemv.py, the same W8A8 arithmetic on the CUDA cores.
     Elsewhere (the CPU loop, an explicit grouped_mm backend) it dequantises every expert and runs the
     plain-weight backend."""
 
@@ -143,9 +152,17 @@ class Fp8MoEMethod(MoEMethod):
         # on CUDA the auto backend's eager grouped_mm would dequantise all E experts first: the Triton kernel
         # reads the codes (W8A8 for 16-bit activations, prefill included)
         if backend == "triton" or (backend == "grouped_mm" and layer.backend == "auto"):
+            if _one_row(x) and not layer.batch_invariant:
+                return fp8_gemv_experts(x, layer.w13, layer.w13_weight_scale_inv, layer.w2, layer.w2_weight_scale_inv,
+                                        topk_weights, topk_ids)  # fmt: skip
             return triton_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks=blocks,
                                   w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
                                   batch_invariant=layer.batch_invariant)  # fmt: skip
         w13 = dequantize(layer.w13, layer.w13_weight_scale_inv, x.dtype)  # [E, 2I, H]
         w2 = dequantize(layer.w2, layer.w2_weight_scale_inv, x.dtype)  # [E, H, I]
         return layer.run_experts(x, w13, w2, topk_weights, topk_ids, blocks)
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    """A batch-1 decode row of 16-bit activations on CUDA: the one-row W8A8 GEMV's case (ONE_ROW_GEMV)."""
+    return ONE_ROW_GEMV and x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)

@@ -1,0 +1,230 @@
+"""W8A8 GEMV for one row: the fp8 dense linear and fused MoE of a batch-1 decode step.
+
+At one row the tile kernel (ops/fused_moe_triton.py's _expert_gemm_kernel) spends a 16-row MMA on one
+useful row, streams 2 KB tiles and needs a quantization launch before each GEMM; on the H200 it read
+Qwen3-30B-A3B's fp8 weights at 16-40 % of copy bandwidth. Here a program owns BLOCK_N output rows of W
+and walks K in BLOCK_K steps (several 128-wide scale groups at once), multiplying on the CUDA cores:
+
+    y[n] = sum_g (sum_{k in g} a_code[k] * w_code[n, k]) * a_scale[g] * w_scale[n, g]
+
+The operands are the tile kernel's W8A8 operands: the activation quantized per 128-wide group exactly as
+ops/fp8_quant.py quantizes it, but here as it is loaded (no launch of its own: one launch per linear, two
+per MoE), and the weight's codes and scale rows. Each product of two e4m3 values is exact in float32; only
+the summation order differs from the MMA's, so a row computed here and by the tile kernel agree to float32
+rounding, and each output is rounded to the model dtype at the same points as there:
+
+    DENSE   y = W a                                      (ops/fp8_linear.py)
+    GATED   act[k] = silu(W13[e_k, :I] x) * (W13[e_k, I:] x), one program per slot k and BLOCK_N of I
+    DOWN    out = sum_k topk_weight[k] * (W2[e_k] act[k]), one program per slot and BLOCK_N of H; the slots
+            added in order by the last of a tile's programs to land (ops/arrivals.py), float32
+
+Slots whose expert is not on this rank (id >= E) contribute nothing (their act rows are zeros).
+
+tools/bench_fp8.py --modes gemv, 48 layers on the H200 (ms; the tile kernels with their quantization
+launches, then cuBLAS on bf16 weights): qkv 0.34 (0.47, 0.38), o 0.33 (0.61, 0.45), experts 1.05 (1.14,
+1.27 for the bf16 Triton MoE). The batch-1 engine step went from 3.86 to 3.26 ms pipelined.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
+from fastdeploy_r3.model_executor.ops.fp8_quant import GROUP, TL_DTYPES
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import _sum_slots_kernel
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
+
+DENSE, GATED, DOWN = 0, 1, 2
+
+
+@jit
+def _e4m3_values(q):
+    """q (float32, already clamped to [-448, 448]) rounded to the nearest float8_e4m3fn value, ties to even,
+    as float32: what q.to(float8_e4m3fn).to(float32) gives on the GPU, computed with float32 arithmetic only
+    (the interpreter's float32 -> e4m3 cast is wrong at binade edges: ops/fp8_quant.py). The quantum of q's
+    binade is 2^(e - 3) (3 mantissa bits), 2^-9 for e4m3's subnormals; q / quantum is below 16, so adding
+    and taking away 1.5 * 2^23 rounds it to an integer, ties to even."""
+    e = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # q's binary exponent (-127 for 0)
+    e = tl.maximum(e, -6)
+    quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    inverse = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+    return ((q * inverse + 12582912.0) - 12582912.0) * quantum
+
+
+@jit
+def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, up_rows,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):  # fmt: skip
+    """([BLOCK_N], [BLOCK_N]) float32: rows n (and with UP rows up_rows + n, loaded in the same K step so
+    that both are in flight at once) of one fp8 weight (w_ptr, its scale rows w_scale_ptr) times one
+    16-bit row a_ptr, quantized here per 128-wide group exactly as ops/fp8_quant.py quantizes it (amax /
+    448, the correctly rounded quotient, clamped, to e4m3), each group's float32 sum scaled by both scales."""
+    g = tl.arange(0, BLOCK_K // 128)  # [G]
+    j = tl.arange(0, 128)  # [128]
+    rows = n[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
+    s_rows = w_scale_ptr + n[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, red_dim, BLOCK_K):
+        k = k0 + g[:, None] * 128 + j[None, :]  # [G, 128]
+        k_ok = k < red_dim
+        w_mask = n_ok[:, None, None] & k_ok[None, :, :]
+        w = tl.load(w_ptr + rows + k[None, :, :], mask=w_mask, other=0.0)  # [BN, G, 128] fp8
+        if UP:
+            wu = tl.load(w_ptr + up_rows * stride_wn + rows + k[None, :, :], mask=w_mask, other=0.0)
+        v = tl.load(a_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [G, 128]
+        a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10), 448.0)  # [G] (fp8_quant's literals)
+        a = _e4m3_values(tl.clamp(tl.div_rn(v, a_s[:, None]), -448.0, 448.0))  # [G, 128] the codes' values
+        grp = k0 // 128 + g  # [G]
+        s_mask = n_ok[:, None] & (grp * 128 < red_dim)[None, :]
+        w_s = tl.load(s_rows + grp[None, :], mask=s_mask, other=0.0)  # [BN, G]
+        acc += tl.sum(tl.sum(w.to(tl.float32) * a[None, :, :], axis=2) * w_s * a_s[None, :], axis=1)
+        if UP:
+            u_s = tl.load(s_rows + up_rows * stride_sn + grp[None, :], mask=s_mask, other=0.0)  # [BN, G]
+            acc_up += tl.sum(tl.sum(wu.to(tl.float32) * a[None, :, :], axis=2) * u_s * a_s[None, :], axis=1)
+    return acc, acc_up
+
+
+@jit
+def _fp8_gemv_kernel(
+    a_ptr,  # 16-bit activations: DENSE / GATED one row [red_dim]; DOWN the TOP_K slots' rows [K, red_dim]
+    w_ptr,  # DENSE [O, red_dim]; GATED w13 [E, 2I, H]; DOWN w2 [E, H, I]; fp8 codes
+    w_scale_ptr,  # the weight's scale rows [.., rows, ceil(red_dim / 128)] float32
+    out_ptr,  # DENSE [O]; GATED act [K, I]; DOWN [H]; the model dtype
+    ids_ptr,  # GATED / DOWN: topk_ids [K]
+    topk_weights_ptr,  # DOWN: [K]
+    part_ptr,  # DOWN: [K, H] float32, each slot's weighted output
+    arrivals_ptr,  # DOWN with SUM_SLOTS: [grid n] int32 counters, zero between launches (ops/arrivals.py)
+    num_experts,
+    out_cols,  # DENSE O; GATED I; DOWN H
+    red_dim,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    MODE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    SUM_SLOTS: tl.constexpr = False,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = n < out_cols
+    if MODE == 0:  # DENSE
+        y, _ = _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, 0, BLOCK_N, BLOCK_K,
+                          False)  # fmt: skip
+        tl.store(out_ptr + n, y.to(ACT_DTYPE), mask=n_ok)
+    else:  # GATED / DOWN: one slot of the token a program
+        slot = tl.program_id(1)
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        valid = expert < num_experts
+        expert = tl.where(valid, expert, 0)  # a foreign expert's slot reads expert 0 and stores zeros
+        w = w_ptr + expert * stride_we
+        s = w_scale_ptr + expert * stride_se
+        if MODE == 1:  # GATED: its expert's gate rows n and up rows I + n
+            gate, up = _gemv_rows(a_ptr, w, s, n, n_ok, red_dim, stride_wn, stride_sn, out_cols, BLOCK_N, BLOCK_K, True)
+            # both rounded as the tile kernel rounds its linear outputs
+            gate = tl.where(valid, gate, 0.0).to(ACT_DTYPE).to(tl.float32)
+            up = up.to(ACT_DTYPE).to(tl.float32)
+            tl.store(out_ptr + slot * out_cols + n, (gate * tl.sigmoid(gate) * up).to(ACT_DTYPE), mask=n_ok)
+        else:  # DOWN: the slot's weighted output; the last slot program of a tile to land sums all, in slot order
+            y, _ = _gemv_rows(a_ptr + slot * stride_a, w, s, n, n_ok, red_dim, stride_wn, stride_sn, 0, BLOCK_N,
+                              BLOCK_K, False)  # fmt: skip
+            weight = tl.where(valid, tl.load(topk_weights_ptr + slot), 0.0)
+            tl.store(part_ptr + slot * out_cols + n, y.to(ACT_DTYPE).to(tl.float32) * weight, mask=n_ok)
+            if SUM_SLOTS:
+                tl.debug_barrier()  # this program's part stores come before its arrival
+                arrival = arrivals_ptr + tl.program_id(0)
+                if tl.atomic_add(arrival, 1, sem="acq_rel") == TOP_K - 1:
+                    tl.store(arrival, 0)  # zero again for the next launch
+                    # the other slots' programs wrote theirs: read through L2 (.cg), never a stale L1 line
+                    total = tl.load(part_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    for k in tl.static_range(1, TOP_K):
+                        total = total + tl.load(part_ptr + k * out_cols + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptr + n, total.to(ACT_DTYPE), mask=n_ok)
+
+
+@jit
+def _e4m3_values_kernel(q_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    q = tl.load(q_ptr + i, mask=i < numel, other=0.0)
+    tl.store(out_ptr + i, _e4m3_values(tl.clamp(q, -448.0, 448.0)), mask=i < numel)
+
+
+def e4m3_values(q: torch.Tensor) -> torch.Tensor:
+    """float32 q clamped to [-448, 448] and rounded as the GEMV rounds activation codes (the tests hold it to
+    torch's float8_e4m3fn cast)."""
+    require_triton("e4m3_values")
+    q = q.float().contiguous()
+    out = torch.empty_like(q)
+    _e4m3_values_kernel[(triton.cdiv(q.numel(), 1024),)](q, out, q.numel(), BLOCK=1024)
+    return out
+
+
+# (BLOCK_N, BLOCK_K, num_warps) of the MoE's launches (tools/bench_fp8.py --modes gemv on the H200)
+GEMV_TILES = {GATED: (16, 512, 4), DOWN: (16, 512, 4)}  # 1.05 ms for 48 layers, the tile kernels 1.14
+
+
+def _dense_tiles(in_features: int) -> tuple[int, int, int]:
+    """8 rows a program, the K loop in two steps (tools/bench_fp8.py --modes gemv on the H200, 48 layers of
+    Qwen3-30B-A3B: qkv 2048 -> 5120 0.342 ms with (8, 1024, 4), o 4096 -> 2048 0.330 ms with (8, 2048, 8);
+    the W8A8 tile kernel with its quantization launch 0.470 / 0.614, cuBLAS bf16 0.383 / 0.452)."""
+    block_k = min(2048, max(GROUP, triton.next_power_of_2(in_features) // 2))
+    return 8, block_k, 8 if block_k >= 2048 else 4
+
+
+def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+            out: torch.Tensor, tiles: tuple[int, int, int] | None, out_cols: int, red_dim: int, num_experts: int = 1,
+            ids: torch.Tensor | None = None, weights: torch.Tensor | None = None, part: torch.Tensor | None = None,
+            top_k: int = 1) -> None:  # fmt: skip
+    block_n, block_k, warps = tiles or (_dense_tiles(red_dim) if mode == DENSE else GEMV_TILES[mode])
+    if block_k % GROUP:
+        raise ValueError(f"fp8 GEMV: BLOCK_K {block_k} must be a multiple of {GROUP} (whole scale groups)")
+    if a.stride(-1) != 1 or w.stride(-1) != 1 or w_scale.stride(-1) != 1:
+        raise ValueError("fp8 GEMV: activations, weights and scale rows must be contiguous in their last dimension")
+    tiles_n = triton.cdiv(out_cols, block_n)
+    arrivals = arrival_counters(a.device, tiles_n) if mode == DOWN else None
+    expert_strides = (w.stride(0), w_scale.stride(0)) if mode != DENSE else (0, 0)
+    _fp8_gemv_kernel[(tiles_n, *grid)](
+        a, w, w_scale, out, ids, weights, part, arrivals, num_experts, out_cols, red_dim,
+        a.stride(0), expert_strides[0], w.stride(-2), expert_strides[1], w_scale.stride(-2),
+        MODE=mode, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, ACT_DTYPE=TL_DTYPES[a.dtype],
+        SUM_SLOTS=arrivals is not None, num_warps=warps,
+    )  # fmt: skip
+    if mode == DOWN and arrivals is None:  # no counters (first call under graph capture): the slots in one launch
+        _sum_slots_kernel[(triton.cdiv(out_cols, 1024),)](part, out, 1, out_cols, TOP_K=top_k, BLOCK=1024)
+
+
+def fp8_gemv_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
+                    tiles: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """x [1, I] (16-bit) @ weight [O, I] fp8 (scale rows [O, ceil(I/128)]) -> [1, O] in x.dtype: x quantized
+    per 128-wide group as it is loaded, ops/fp8_linear.py's W8A8 arithmetic for one row, one launch."""
+    require_triton("fp8_gemv_linear")
+    out_features, in_features = weight.shape
+    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
+    _launch(DENSE, (), x, weight, scale_rows, out, tiles, out_features, in_features)
+    return out
+
+
+def fp8_gemv_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                     w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     tiles: dict[int, tuple[int, int, int]] | None = None) -> torch.Tensor:  # fmt: skip
+    """The W8A8 fused MoE of one token (ops/fused_moe_triton.py's arithmetic), two launches: x [1, H] (16-bit);
+    w13 [E, 2I, H], w2 [E, H, I] fp8 with their scale rows; topk_weights / topk_ids [1, K] -> [1, H] in
+    x.dtype. x, then each slot's intermediate [I], are quantized per 128-wide group as they are loaded; a
+    program per (output tile, slot), the K slots summed in slot order by the tile's last one to land."""
+    require_triton("fp8_gemv_experts")
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).contiguous()
+    tiles = tiles or {}
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)  # [K, I]
+    _launch(GATED, (top_k,), x, w13, w13_scale, act, tiles.get(GATED), inter, hidden, num_experts, ids, top_k=top_k)
+    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    part = torch.empty(top_k, hidden, dtype=torch.float32, device=x.device)  # [K, H]
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _launch(DOWN, (top_k,), act, w2, w2_scale, out, tiles.get(DOWN), hidden, inter, num_experts, ids, weights, part,
+            top_k)  # fmt: skip
+    return out
