@@ -53,20 +53,23 @@ def test_the_w8a8_dense_linear_equals_the_dequantised_operands_in_float32(rows: 
         assert rel < 4e-3, rel  # the output's bf16 rounding, ~2e-3
 
 
+def _expert_stack(gen: torch.Generator, out_features: int, in_features: int,
+                  num_experts: int = 128) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Random experts quantized block-wise: codes [E, O, I] and scale rows [E, O, ceil(I/128)] (O is a
+    multiple of 128, so the stacked rows quantize as E separate weights)."""
+    codes, scale = quantize_blockwise(
+        torch.randn(num_experts * out_features, in_features, device=CUDA, generator=gen) * 0.02)
+    rows = expand_scale_rows(scale, num_experts * out_features)
+    return codes.view(num_experts, out_features, -1), rows.view(num_experts, out_features, -1)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 64, 256])
 def test_the_w8a8_fused_moe_equals_a_float32_loop_on_the_same_codes(num_tokens: int) -> None:
     from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
     num_experts, top_k, hidden, inter = 128, 8, 2048, 768
-
-    def stack(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-        codes, scale = quantize_blockwise(
-            torch.randn(num_experts * out_features, in_features, device=CUDA, generator=gen) * 0.02)
-        rows = expand_scale_rows(scale, num_experts * out_features)
-        return codes.view(num_experts, out_features, -1), rows.view(num_experts, out_features, -1)
-
-    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    w13, w2 = _expert_stack(gen, 2 * inter, hidden), _expert_stack(gen, hidden, inter)
     x = torch.randn(num_tokens, hidden, device=CUDA, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(num_experts, device=CUDA, generator=gen)[:top_k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, top_k, device=CUDA, generator=gen)
@@ -87,16 +90,11 @@ def test_the_w8a8_fused_moe_equals_a_float32_loop_on_the_same_codes(num_tokens: 
         assert rel < 1e-2, rel  # bf16 roundings of gate, up, act, down and out (an act code may flip)
 
 
-def _median_ms(fn, reps: int = 50) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
+def _median_ms(fn) -> float:  # noqa: ANN001
+    """Median milliseconds of fn() on the GPU (tools/bench_moe.py's event timing, 50 runs)."""
+    from bench_moe import time_fn
+
+    return time_fn(fn, reps=50) * 1e3
 
 
 def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None:
@@ -122,14 +120,7 @@ def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None
         assert rel < 2e-3, rel
 
     num_experts, top_k, hidden, inter = 128, 8, 2048, 768
-
-    def stack(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.randn(num_experts, out_features, in_features, device=CUDA, generator=gen) * 0.02
-        pairs = [quantize_blockwise(m) for m in w]
-        return (torch.stack([c for c, _ in pairs]),
-                torch.stack([expand_scale_rows(s, out_features) for _, s in pairs]))  # fmt: skip
-
-    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    w13, w2 = _expert_stack(gen, 2 * inter, hidden), _expert_stack(gen, hidden, inter)
     x = torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16()
     ids = torch.randperm(num_experts, device=CUDA, generator=gen)[:top_k][None]
     weights = torch.rand(1, top_k, device=CUDA, generator=gen)
