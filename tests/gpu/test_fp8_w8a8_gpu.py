@@ -7,7 +7,8 @@ these there); run them through the device tool:
 What they hold: the GPU's activation codes and scales are torch's, byte for byte; the dense linear and the
 fused MoE equal a float32 torch reference that multiplies the same dequantised activations by the
 dequantised weights, within the bf16 rounding of the output (and, in the MoE, of the intermediate that
-is quantized again before the down projection).
+is quantized again before the down projection); the one-row GEMV (ops/fp8_gemv.py) gives the tile
+kernels' results on the same row up to their float32 summation order.
 """
 
 from __future__ import annotations
