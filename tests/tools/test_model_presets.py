@@ -64,3 +64,28 @@ def test_the_expert_parallel_presets_split_their_experts_whole() -> None:
     experts = model.model.layers[3].mlp.experts
     assert tuple(experts.w13.shape) == (20, 2 * 1536, 5120)
     assert experts.placement.local_experts == tuple(range(140, 160))
+
+
+def test_save_hf_checkpoint_writes_weights_transformers_initialised_and_reloads(tmp_path: Path,
+                                                                                  monkeypatch) -> None:  # noqa: ANN001
+    """tools/mismatch.py --preset's checkpoint: the preset's files plus the weights transformers' own init
+    draws (seed 0), written by save_pretrained; here a shrunken Qwen3-MoE preset cut to 2 layers."""
+    import transformers
+
+    from tools import model_presets
+
+    tiny = dict(model_presets.MODEL_PRESETS["qwen3-30b-a3b"], hidden_size=64, intermediate_size=128,
+                moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_experts=8, num_experts_per_tok=2, vocab_size=1024)  # fmt: skip
+    monkeypatch.setitem(model_presets.MODEL_PRESETS, "tiny-qwen3", tiny)
+    first = model_presets.save_hf_checkpoint("tiny-qwen3", str(tmp_path / "a"), num_layers=2)
+    second = model_presets.save_hf_checkpoint("tiny-qwen3", str(tmp_path / "b"), num_layers=2)
+    assert any(name.endswith(".safetensors") for name in os.listdir(first))
+    a = transformers.AutoModelForCausalLM.from_pretrained(first)
+    b = transformers.AutoModelForCausalLM.from_pretrained(second)
+    assert a.config.num_hidden_layers == 2 and a.config.num_experts == 8 and a.config.vocab_size == 1024
+    state_a, state_b = a.state_dict(), b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)  # seed 0: the same draw each time
+    assert all(t.dtype == torch.bfloat16 for t in state_a.values())
+    assert len(transformers.AutoTokenizer.from_pretrained(first)) == 1024  # special tokens included
