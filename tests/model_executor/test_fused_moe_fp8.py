@@ -173,10 +173,9 @@ def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_expe
         os.environ["TRITON_INTERPRET"] = "1"
         import torch
         import torch.nn.functional as F
-        from fastdeploy_r3.model_executor.ops.fp8_gemv import DOWN, GATED, e4m3_values
-        from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
+        from fastdeploy_r3.model_executor.ops.fp8_gemv import DOWN, GATED, fp8_gemv_experts, fp8_gemv_linear
         from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
-        from fastdeploy_r3.model_executor.ops.fp8_quant import quantize_groups_reference
+        from fastdeploy_r3.model_executor.ops.fp8_quant import e4m3_values, quantize_groups_reference
         from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
         from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
 

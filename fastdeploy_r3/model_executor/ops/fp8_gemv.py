@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
-from fastdeploy_r3.model_executor.ops.fp8_quant import GROUP, TL_DTYPES
+from fastdeploy_r3.model_executor.ops.fp8_quant import GROUP, TL_DTYPES, e4m3_round, group_quotients
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import _sum_slots_kernel
 from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
 
@@ -38,26 +38,12 @@ DENSE, GATED, DOWN = 0, 1, 2
 
 
 @jit
-def _e4m3_values(q):
-    """q (float32, already clamped to [-448, 448]) rounded to the nearest float8_e4m3fn value, ties to even,
-    as float32: what q.to(float8_e4m3fn).to(float32) gives on the GPU, computed with float32 arithmetic only
-    (the interpreter's float32 -> e4m3 cast is wrong at binade edges: ops/fp8_quant.py). The quantum of q's
-    binade is 2^(e - 3) (3 mantissa bits), 2^-9 for e4m3's subnormals; q / quantum is below 16, so adding
-    and taking away 1.5 * 2^23 rounds it to an integer, ties to even."""
-    e = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # q's binary exponent (-127 for 0)
-    e = tl.maximum(e, -6)
-    quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-    inverse = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
-    return ((q * inverse + 12582912.0) - 12582912.0) * quantum
-
-
-@jit
 def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, up_rows,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):  # fmt: skip
     """([BLOCK_N], [BLOCK_N]) float32: rows n (and with UP rows up_rows + n, loaded in the same K step so
     that both are in flight at once) of one fp8 weight (w_ptr, its scale rows w_scale_ptr) times one
-    16-bit row a_ptr, quantized here per 128-wide group exactly as ops/fp8_quant.py quantizes it (amax /
-    448, the correctly rounded quotient, clamped, to e4m3), each group's float32 sum scaled by both scales."""
+    16-bit row a_ptr, quantized here per 128-wide group with ops/fp8_quant.py's own arithmetic
+    (group_quotients, then e4m3_round), each group's float32 sum scaled by both scales."""
     g = tl.arange(0, BLOCK_K // 128)  # [G]
     j = tl.arange(0, 128)  # [128]
     rows = n[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
@@ -72,8 +58,8 @@ def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn
         if UP:
             wu = tl.load(w_ptr + up_rows * stride_wn + rows + k[None, :, :], mask=w_mask, other=0.0)
         v = tl.load(a_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [G, 128]
-        a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10), 448.0)  # [G] (fp8_quant's literals)
-        a = _e4m3_values(tl.clamp(tl.div_rn(v, a_s[:, None]), -448.0, 448.0))  # [G, 128] the codes' values
+        a_s, a = group_quotients(v)  # [G] scales, [G, 128] quotients
+        a = e4m3_round(a)  # the codes' values
         grp = k0 // 128 + g  # [G]
         s_mask = n_ok[:, None] & (grp * 128 < red_dim)[None, :]
         w_s = tl.load(s_rows + grp[None, :], mask=s_mask, other=0.0)  # [BN, G]
@@ -143,23 +129,6 @@ def _fp8_gemv_kernel(
                     for k in tl.static_range(1, TOP_K):
                         total = total + tl.load(part_ptr + k * out_cols + n, mask=n_ok, other=0.0, cache_modifier=".cg")
                     tl.store(out_ptr + n, total.to(ACT_DTYPE), mask=n_ok)
-
-
-@jit
-def _e4m3_values_kernel(q_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    q = tl.load(q_ptr + i, mask=i < numel, other=0.0)
-    tl.store(out_ptr + i, _e4m3_values(tl.clamp(q, -448.0, 448.0)), mask=i < numel)
-
-
-def e4m3_values(q: torch.Tensor) -> torch.Tensor:
-    """float32 q clamped to [-448, 448] and rounded as the GEMV rounds activation codes (the tests hold it to
-    torch's float8_e4m3fn cast)."""
-    require_triton("e4m3_values")
-    q = q.float().contiguous()
-    out = torch.empty_like(q)
-    _e4m3_values_kernel[(triton.cdiv(q.numel(), 1024),)](q, out, q.numel(), BLOCK=1024)
-    return out
 
 
 # (BLOCK_N, BLOCK_K, num_warps) of the MoE's launches (tools/bench_fp8.py --modes gemv on the H200)

@@ -106,7 +106,7 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # W8A8 for 16-bit x (ops/fp8_linear.py's docstring): fp8 MMAs
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_LINEAR_MAX_ROWS and not layer.batch_invariant:
-            if _one_row(x):
+            if _one_row(layer, x):
                 y = fp8_gemv_linear(x, layer.weight, layer.weight_scale_inv)  # [1, O]
             else:
                 y = fp8_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
@@ -152,7 +152,7 @@ class Fp8MoEMethod(MoEMethod):
         # on CUDA the auto backend's eager grouped_mm would dequantise all E experts first: the Triton kernel
         # reads the codes (W8A8 for 16-bit activations, prefill included)
         if backend == "triton" or (backend == "grouped_mm" and layer.backend == "auto"):
-            if _one_row(x) and not layer.batch_invariant:
+            if _one_row(layer, x):
                 return fp8_gemv_experts(x, layer.w13, layer.w13_weight_scale_inv, layer.w2, layer.w2_weight_scale_inv,
                                         topk_weights, topk_ids)  # fmt: skip
             return triton_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks=blocks,
@@ -163,6 +163,8 @@ class Fp8MoEMethod(MoEMethod):
         return layer.run_experts(x, w13, w2, topk_weights, topk_ids, blocks)
 
 
-def _one_row(x: torch.Tensor) -> bool:
-    """A batch-1 decode row of 16-bit activations on CUDA: the one-row W8A8 GEMV's case (ONE_ROW_GEMV)."""
-    return ONE_ROW_GEMV and x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+def _one_row(layer: nn.Module, x: torch.Tensor) -> bool:
+    """A batch-1 decode row of 16-bit activations on CUDA outside deterministic mode: the one-row W8A8
+    GEMV's case (ONE_ROW_GEMV)."""
+    return (ONE_ROW_GEMV and x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and not layer.batch_invariant)  # fmt: skip
