@@ -62,3 +62,8 @@ class MoEMethod(QuantizationMethod):
         """x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H] (this rank's partial sum under TP).
 
         blocks: topk_ids already aligned for the Triton experts (ops/moe_align.py); a method may ignore it."""
+
+    def uses_alignment(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether apply() on x takes the Triton experts' aligned blocks, so that the routing kernel should
+        align the ids for it (a method that serves some batches another way says no for those)."""
+        return True

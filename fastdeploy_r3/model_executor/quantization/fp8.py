@@ -162,6 +162,10 @@ class Fp8MoEMethod(MoEMethod):
         w2 = dequantize(layer.w2, layer.w2_weight_scale_inv, x.dtype)  # [E, H, I]
         return layer.run_experts(x, w13, w2, topk_weights, topk_ids, blocks)
 
+    def uses_alignment(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """The one-row GEMV reads topk_ids as they are: its routing skips the alignment."""
+        return not _one_row(layer, x)
+
 
 def _one_row(layer: nn.Module, x: torch.Tensor) -> bool:
     """A batch-1 decode row of 16-bit activations on CUDA outside deterministic mode: the one-row W8A8
