@@ -86,3 +86,23 @@ def test_one_interpret_rule_for_attention_moe_alignment_and_r3_capture(value: st
     proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=120,
                           cwd=REPO_ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_programmatic_dependent_launch_stays_off_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pdl(x) (launch early, wait for inputs: ops/triton_setup.py) holds only for compiled kernels on a
+    Hopper-or-later GPU with PDL_ENABLED: never for CPU tensors (interpreted or torch), never with the
+    switch off, whatever the device says."""
+    import torch
+
+    from fastdeploy_r3.model_executor.ops import triton_setup
+
+    assert not triton_setup.pdl(torch.zeros(1))
+    fake_cuda = type("FakeCuda", (), {"is_cuda": True, "device": torch.device("cuda", 0)})()
+    monkeypatch.setattr(triton_setup, "_hopper_or_later", lambda index: True)
+    monkeypatch.setattr(triton_setup, "INTERPRET", False)
+    monkeypatch.setattr(triton_setup, "PDL_ENABLED", False)
+    assert not triton_setup.pdl(fake_cuda)
+    monkeypatch.setattr(triton_setup, "PDL_ENABLED", True)
+    assert triton_setup.pdl(fake_cuda) is (triton_setup.gdc_wait is not None)
+    monkeypatch.setattr(triton_setup, "INTERPRET", True)
+    assert not triton_setup.pdl(fake_cuda)

@@ -8,10 +8,11 @@ zeroes the counter again, so every launch starts from zeros and no memset preced
 launch too: at batch 1 a decode step is a chain of such small launches).
 
 One buffer per device, allocated once and never replaced: a CUDA graph keeps the address it captured.
-Kernels of one stream never overlap, so every kernel shares it. A kernel that needs more counters than
-it holds, or that is first called while a graph is being captured (its zeroing would only run at replay),
-gets None and takes its two-launch path instead; the graph runner's eager warm-up before each capture
-makes the buffer exist first.
+Every kernel of a stream shares it: kernels of one stream touch counters one at a time (one launched
+early by programmatic dependent launch touches them only after wait_for_inputs, ops/triton_setup.py).
+A kernel that needs more counters than it holds, or that is first called while a graph is being captured
+(its zeroing would only run at replay), gets None and takes its two-launch path instead; the graph
+runner's eager warm-up before each capture makes the buffer exist first.
 """
 
 from __future__ import annotations

@@ -20,9 +20,15 @@ rounding, and each output is rounded to the model dtype at the same points as th
 
 Slots whose expert is not on this rank (id >= E) contribute nothing (their act rows are zeros).
 
+Launched early where PDL runs (ops/triton_setup.py): DENSE and DOWN ask L2 for their weight rows, then
+wait for the kernel before them (DOWN reads its slot's expert id first: the routing finished before
+GATED let DOWN launch); GATED waits at once (its ids are the routing's output). A weight that is never
+written during a step streams while the norm, the attention or GATED before it still runs.
+
 tools/bench_fp8.py --modes gemv, 48 layers on the H200 (ms; the tile kernels with their quantization
 launches, then cuBLAS on bf16 weights): qkv 0.34 (0.47, 0.38), o 0.33 (0.61, 0.45), experts 1.05 (1.14,
-1.27 for the bf16 Triton MoE). The batch-1 engine step went from 3.86 to 3.26 ms pipelined.
+1.27 for the bf16 Triton MoE). The batch-1 engine step went from 3.86 to 3.26 ms pipelined; with the
+early launches (and the router gate's GEMV, ops/gemv.py) to 2.70 ms.
 """
 
 from __future__ import annotations
@@ -32,18 +38,34 @@ import torch
 from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
 from fastdeploy_r3.model_executor.ops.fp8_quant import GROUP, TL_DTYPES, e4m3_round, group_quotients
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import _sum_slots_kernel
-from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import (
+    jit,
+    let_dependents_launch,
+    pdl,
+    prefetch_rows,
+    require_triton,
+    tl,
+    triton,
+    wait_for_inputs,
+)
 
 DENSE, GATED, DOWN = 0, 1, 2
 
 
 @jit
 def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, up_rows,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr, PREFETCH: tl.constexpr,
+               ROW_CHUNKS: tl.constexpr):  # fmt: skip
     """([BLOCK_N], [BLOCK_N]) float32: rows n (and with UP rows up_rows + n, loaded in the same K step so
     that both are in flight at once) of one fp8 weight (w_ptr, its scale rows w_scale_ptr) times one
     16-bit row a_ptr, quantized here per 128-wide group with ops/fp8_quant.py's own arithmetic
-    (group_quotients, then e4m3_round), each group's float32 sum scaled by both scales."""
+    (group_quotients, then e4m3_round), each group's float32 sum scaled by both scales.
+
+    PREFETCH: the kernel was launched early (ops/triton_setup.py); the rows are prefetched into L2 first
+    (weights are never written during a step), then it waits for the kernel before it to finish."""
+    if PREFETCH:
+        prefetch_rows(w_ptr, n, n_ok, red_dim, stride_wn, ROW_CHUNKS, 32)  # fp8: 32 codes a sector
+        wait_for_inputs(PREFETCH)
     g = tl.arange(0, BLOCK_K // 128)  # [G]
     j = tl.arange(0, 128)  # [128]
     rows = n[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
@@ -94,29 +116,39 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
     SUM_SLOTS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    ROW_CHUNKS: tl.constexpr = 1,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = n < out_cols
+    if MODE != 1:  # DENSE, DOWN: the small kernel after this one may launch (it waits for this one)
+        let_dependents_launch(PDL)
     if MODE == 0:  # DENSE
         y, _ = _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, 0, BLOCK_N, BLOCK_K,
-                          False)  # fmt: skip
+                          False, PDL, ROW_CHUNKS)  # fmt: skip
         tl.store(out_ptr + n, y.to(ACT_DTYPE), mask=n_ok)
     else:  # GATED / DOWN: one slot of the token a program
         slot = tl.program_id(1)
+        if MODE == 1:
+            # GATED follows the routing kernel that writes the ids: wait for it, then let DOWN launch (DOWN may
+            # then read the ids before its own wait, and stream its experts' weights while this one runs)
+            wait_for_inputs(PDL)
+            let_dependents_launch(PDL)
         expert = tl.load(ids_ptr + slot).to(tl.int64)
         valid = expert < num_experts
         expert = tl.where(valid, expert, 0)  # a foreign expert's slot reads expert 0 and stores zeros
         w = w_ptr + expert * stride_we
         s = w_scale_ptr + expert * stride_se
         if MODE == 1:  # GATED: its expert's gate rows n and up rows I + n
-            gate, up = _gemv_rows(a_ptr, w, s, n, n_ok, red_dim, stride_wn, stride_sn, out_cols, BLOCK_N, BLOCK_K, True)
+            gate, up = _gemv_rows(a_ptr, w, s, n, n_ok, red_dim, stride_wn, stride_sn, out_cols, BLOCK_N, BLOCK_K, True,
+                                  False, ROW_CHUNKS)  # fmt: skip
             # both rounded as the tile kernel rounds its linear outputs
             gate = tl.where(valid, gate, 0.0).to(ACT_DTYPE).to(tl.float32)
             up = up.to(ACT_DTYPE).to(tl.float32)
             tl.store(out_ptr + slot * out_cols + n, (gate * tl.sigmoid(gate) * up).to(ACT_DTYPE), mask=n_ok)
         else:  # DOWN: the slot's weighted output; the last slot program of a tile to land sums all, in slot order
             y, _ = _gemv_rows(a_ptr + slot * stride_a, w, s, n, n_ok, red_dim, stride_wn, stride_sn, 0, BLOCK_N,
-                              BLOCK_K, False)  # fmt: skip
+                              BLOCK_K, False, PDL, ROW_CHUNKS)  # fmt: skip
             weight = tl.where(valid, tl.load(topk_weights_ptr + slot), 0.0)
             tl.store(part_ptr + slot * out_cols + n, y.to(ACT_DTYPE).to(tl.float32) * weight, mask=n_ok)
             if SUM_SLOTS:
@@ -131,8 +163,12 @@ def _fp8_gemv_kernel(
                     tl.store(out_ptr + n, total.to(ACT_DTYPE), mask=n_ok)
 
 
-# (BLOCK_N, BLOCK_K, num_warps) of the MoE's launches (tools/bench_fp8.py --modes gemv on the H200)
-GEMV_TILES = {GATED: (16, 512, 4), DOWN: (16, 512, 4)}  # 1.05 ms for 48 layers, the tile kernels 1.14
+# (BLOCK_N, BLOCK_K, num_warps) of the MoE's launches. tools/bench_fp8.py --modes gemv on the H200 (launched
+# back to back, no prefetch): (16, 512, 4) both, 1.05 ms for 48 layers, the tile kernels 1.14. In the
+# engine step, where DOWN prefetches while GATED runs, DOWN with (32, 256, 4) took the batch-1 fp8 step
+# (tools/bench_r3.py, pipelined) from 2.78 to 2.70 ms, three runs each; (32, 128, 4) 2.85; GATED
+# (8, 512, 4) with DOWN (8, 256, 4) 2.99
+GEMV_TILES = {GATED: (16, 512, 4), DOWN: (32, 256, 4)}
 
 
 def _dense_tiles(in_features: int) -> tuple[int, int, int]:
@@ -155,11 +191,15 @@ def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, 
     tiles_n = triton.cdiv(out_cols, block_n)
     arrivals = arrival_counters(a.device, tiles_n) if mode == DOWN else None
     expert_strides = (w.stride(0), w_scale.stride(0)) if mode != DENSE else (0, 0)
+    # launched early (ops/triton_setup.py): DENSE and DOWN stream their first weight tiles before they wait
+    # for the activations; GATED waits for the routing at once
+    use_pdl = pdl(a)
     _fp8_gemv_kernel[(tiles_n, *grid)](
         a, w, w_scale, out, ids, weights, part, arrivals, num_experts, out_cols, red_dim,
         a.stride(0), expert_strides[0], w.stride(-2), expert_strides[1], w_scale.stride(-2),
         MODE=mode, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, ACT_DTYPE=TL_DTYPES[a.dtype],
-        SUM_SLOTS=arrivals is not None, num_warps=warps,
+        SUM_SLOTS=arrivals is not None, PDL=use_pdl, ROW_CHUNKS=triton.next_power_of_2(triton.cdiv(red_dim, 32)),
+        num_warps=warps, launch_pdl=use_pdl,
     )  # fmt: skip
     if mode == DOWN and arrivals is None:  # no counters (first call under graph capture): the slots in one launch
         _sum_slots_kernel[(triton.cdiv(out_cols, 1024),)](part, out, 1, out_cols, TOP_K=top_k, BLOCK=1024)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_tail, max_padded_rows
-from fastdeploy_r3.model_executor.ops.triton_setup import jit, require_triton, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, pdl, pdl_prologue, require_triton, tl, triton
 
 FUSED_ROUTING_ENV = "FDR3_FUSED_ROUTING"  # "0": the torch routers + capture kernel on every device
 # H200, E=128 K=8 (bench_moe.py --routing): one launch 6.8 / 11.0 / 18.4 us a layer at T = 1 / 16 / 32,
@@ -203,10 +203,11 @@ def _fused_routing_kernel(
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, CAPTURE: tl.constexpr, HAS_SLOTS: tl.constexpr, ONE_PROGRAM: tl.constexpr,
     ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """ONE_PROGRAM: route every tile, store counts [E], align (ALIGN). Else: program p routes tile p and
     stores its counts in row p of counts_ptr [P, BE] (the partial table _align_partials_kernel sums)."""
+    pdl_prologue(PDL)  # the experts' kernel may start; it waits for these ids (ops/triton_setup.py)
     e = tl.arange(0, BLOCK_E)  # [BE]
     if ONE_PROGRAM:
         counts = tl.zeros((BLOCK_E,), tl.int32)  # [BE]
@@ -337,7 +338,7 @@ def fused_routing(
         TOPK_GROUP=spec.topk_group, CAPTURE=capture_buffer is not None, HAS_SLOTS=slot_mapping is not None,
         ONE_PROGRAM=one, ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(spec.n_group),
-        num_warps=4,
+        PDL=pdl(router_logits), launch_pdl=pdl(router_logits), num_warps=4,
     )  # fmt: skip
     if not one:
         _align_partials_kernel[(1,)](

@@ -47,7 +47,7 @@ from fastdeploy_r3.model_executor.ops.paged_tiles import (
     online_softmax_step,
     tile_scores,
 )
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, pdl, pdl_prologue, tl, triton
 
 SHORT_QUERY_MAX = 8  # the most query tokens a row may have for the short-query path (k + 1)
 # shortest split: on the H200 (2026-11-30, 32:4 heads, D 128, context 1024) batch 1 took 12.4 µs a layer with 4
@@ -87,7 +87,9 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)  # the output projection may stream its weights meanwhile (ops/triton_setup.py)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -175,7 +177,9 @@ def _reduce_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
@@ -246,12 +250,13 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         BLOCK_G=dot_block(group), BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET,
-        FUSED_REDUCE=arrivals is not None, BLOCK_S=triton.next_power_of_2(splits),
+        FUSED_REDUCE=arrivals is not None, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl(q), launch_pdl=pdl(q),
     )  # fmt: skip
     if splits > 1 and arrivals is None:
         _reduce_splits_kernel[(num_rows, num_heads)](
             part_out, part_lse, query_start_loc, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            PDL=pdl(q), launch_pdl=pdl(q),
         )  # fmt: skip
     return out
 

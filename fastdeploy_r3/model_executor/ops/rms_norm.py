@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.triton_setup import jit, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, pdl, pdl_prologue, tl, triton
 
 
 def rms_norm_ref(
@@ -46,7 +46,9 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)  # the next linear may stream its weights meanwhile (ops/triton_setup.py)
     row = tl.program_id(0).to(tl.int64)
     i0 = row // rows_inner
     i1 = row % rows_inner
@@ -85,6 +87,6 @@ def rms_norm(
         _rms_norm_kernel[(num_rows,)](
             x3, r3, weight, out, residual_out, x3.shape[1],
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), eps,
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, PDL=pdl(x), launch_pdl=pdl(x),
         )  # fmt: skip
     return out if residual is None else (out, residual_out)

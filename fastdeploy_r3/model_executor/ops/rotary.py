@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fastdeploy_r3.model_executor.ops.kv_cache_write import check_kv_write, write_token_kv
-from fastdeploy_r3.model_executor.ops.triton_setup import jit, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, pdl, pdl_prologue, tl, triton
 
 Q_HEADS_PER_PROGRAM = 8
 # (v [T, KVH, D], k_cache [NB, BS, KVH, D], v_cache, slot_mapping [T]): where apply_rotary_ also writes k and v
@@ -124,7 +124,9 @@ def _rotary_kernel(
     WRITE_KV: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)  # launched early after the qkv projection (ops/triton_setup.py)
     # program (t, 0): token t's k heads and the cache write; (t, j > 0): its q heads [(j - 1) BH, j BH)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -190,5 +192,5 @@ def apply_rotary_(
         BLOCK_H=block_h, BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         BLOCK_R=triton.next_power_of_2(max(half, 1)), BLOCK_P=triton.next_power_of_2(max(head_dim - 2 * half, 1)),
         WRITE_KV=kv_target is not None, CACHE_BLOCK_SIZE=k_cache.shape[1] if kv_target is not None else 1,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl(q), launch_pdl=pdl(q),
     )  # fmt: skip
