@@ -137,3 +137,78 @@ def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None
     print(f"\ngemv fused MoE: relative L2 to the tile kernels {rel:.1e}, gemv {_median_ms(gemv):.4f} ms, "
           f"tile {_median_ms(tile):.4f} ms")
     assert rel < 5e-3, rel  # the intermediate's codes can differ where its bf16 rounding did
+
+
+def test_a_decode_layers_kernels_launched_early_in_a_cuda_graph_give_the_bits_of_plain_launches() -> None:
+    """Programmatic dependent launch (ops/triton_setup.py): the one-row GEMVs start while the norm, the
+    attention or the routing before them runs, stream weights, and wait for their inputs. One layer's
+    chain (norm + residual, qkv GEMV, norm, the router gate's GEMV (ops/gemv.py), fused routing with the
+    R3 capture, the experts' two GEMV launches) recorded in a CUDA graph with PDL and replayed on new
+    inputs equals the same chain launched eagerly without PDL, bit for bit."""
+    from fastdeploy_r3.model_executor.ops import triton_setup
+    from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
+    from fastdeploy_r3.model_executor.ops.fused_routing import RouterSpec, fused_routing
+    from fastdeploy_r3.model_executor.ops.gemv import router_gate
+    from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
+
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    hidden, inter, num_experts, top_k = 2048, 768, 128, 8
+    assert triton_setup.pdl(torch.empty(1, device=CUDA)), "the H200 launches these kernels with PDL"
+    codes, scale = quantize_blockwise(torch.randn(5120, hidden, device=CUDA, generator=gen) * 0.02)
+    qkv = (codes, expand_scale_rows(scale, 5120))
+    w13, w2 = _expert_stack(gen, 2 * inter, hidden), _expert_stack(gen, hidden, inter)
+    norm_w = torch.rand(hidden, device=CUDA, generator=gen).bfloat16() + 0.5
+    gate = (torch.randn(num_experts, hidden, device=CUDA, generator=gen) * 0.05).bfloat16()
+    spec = RouterSpec(top_k, "softmax", renormalize=True)
+    x, res = (torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16() for _ in range(2))
+    capture = torch.full((4, 1, top_k), -1, dtype=torch.int32, device=CUDA)
+
+    def layer() -> tuple[torch.Tensor, ...]:
+        h, r = rms_norm(x, norm_w, 1e-6, res)
+        q = fp8_gemv_linear(h, *qkv)  # [1, 5120]
+        h2 = rms_norm(q[:, :hidden], norm_w, 1e-6)
+        routed = fused_routing(router_gate(h2, gate), spec, None, capture, 0)  # the one-row GEMV
+        out = fp8_gemv_experts(h2, w13[0], w13[1], w2[0], w2[1], routed.topk_weights, routed.topk_ids)
+        return r, q, routed.topk_ids, capture[0].clone(), out
+
+    def plain() -> list[torch.Tensor]:
+        triton_setup.PDL_ENABLED = False
+        try:
+            return [t.clone() for t in layer()]
+        finally:
+            triton_setup.PDL_ENABLED = True
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()  # compile (and make the arrival counters) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer()
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn(1, hidden, device=CUDA))
+        res.copy_(torch.randn(1, hidden, device=CUDA))
+        capture.fill_(-1)
+        graph.replay()
+        got = [t.clone() for t in outs]
+        want = plain()
+        for name, g, w in zip(("residual", "qkv", "ids", "capture", "experts"), got, want, strict=True):
+            assert torch.equal(g, w), (seed, name)
+
+
+def test_the_router_gate_gemv_is_torchs_linear_within_one_bf16_ulp() -> None:
+    """ops/gemv.py at the Qwen3-30B-A3B gate shape against cuBLAS: float32 sums in another order, so each
+    logit is torch's or a neighbouring bf16 value; the times are printed."""
+    from fastdeploy_r3.model_executor.ops.gemv import one_row_gemv
+
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    gate = (torch.randn(128, 2048, device=CUDA, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(1, 2048, device=CUDA, generator=gen).bfloat16()
+    got, want = one_row_gemv(x, gate).float(), F.linear(x, gate).float()
+    exact = (x.double() @ gate.double().T).float()
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp(min=1e-3)
+    assert ((got - exact).abs() <= ulp).all() and ((want - exact).abs() <= ulp).all()
+    print(f"\nrouter gate 2048->128: gemv {_median_ms(lambda: one_row_gemv(x, gate)):.4f} ms, "
+          f"torch {_median_ms(lambda: F.linear(x, gate)):.4f} ms, {(got != want).sum().item()} of 128 logits differ")

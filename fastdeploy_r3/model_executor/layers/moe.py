@@ -39,6 +39,7 @@ from fastdeploy_r3.model_executor.ops.fused_routing import (
     fused_routing,
     fused_routing_enabled,
 )
+from fastdeploy_r3.model_executor.ops.gemv import router_gate
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 from fastdeploy_r3.model_executor.quantization import MoEMethod, moe_method
@@ -194,6 +195,8 @@ class StackedExperts(nn.Module):
         for it), or None where another backend will run it."""
         if not self.placement.is_identity or choose_backend(self.backend, x, self.batch_invariant) != "triton":
             return None
+        if not self.quant_method.uses_alignment(self, x):
+            return None
         if self.batch_invariant:
             return BATCH_INVARIANT_CONFIG.block_m
         return pick_config(x.shape[0], top_k, self.num_experts).block_m
@@ -336,7 +339,7 @@ class SparseMoeBlock(nn.Module):
         if slot_mapping is not None and slot_mapping.shape != (x.shape[0],):
             slot_mapping = None  # not this forward's tokens (a caller's own batch): write every row
         if self.router == "softmax":
-            router_logits = self.gate(x)  # [T, E]
+            router_logits = router_gate(x, self.gate.weight, self.batch_invariant)  # [T, E]: self.gate(x)
             bias = None
         else:
             # [T, E], float32 like route()

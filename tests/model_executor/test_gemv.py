@@ -1,0 +1,56 @@
+"""ops/gemv.py, the one-row 16-bit GEMV of the router gate: the kernel under TRITON_INTERPRET=1 in a
+subprocess (the interpret switch is read at import), the dispatch here; the GPU side is in
+tests/gpu/test_fp8_w8a8_gpu.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from fastdeploy_r3.model_executor.ops.gemv import one_row_gemv, router_gate, use_one_row_gemv
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_one_row_times_the_weight_is_the_float32_sum_rounded_once() -> None:
+    """7 outputs leave the last program's second row masked; 3000 values take two K steps, the second
+    partly masked. Each output is the exact dot product rounded to bf16 (float32 sums: within one ulp)."""
+    body = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        import torch.nn.functional as F
+        from fastdeploy_r3.model_executor.ops.gemv import one_row_gemv
+
+        gen = torch.Generator().manual_seed(0)
+        for out_cols, red_dim in ((8, 64), (7, 3000)):
+            w = torch.randn(out_cols, red_dim, generator=gen).bfloat16()
+            x = torch.randn(1, red_dim, generator=gen).bfloat16()
+            got = one_row_gemv(x, w)
+            assert got.dtype == torch.bfloat16 and got.shape == (1, out_cols), got.shape
+            exact = (x.double() @ w.double().T).float()
+            ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp(min=1e-3)
+            assert ((got.float() - exact).abs() <= ulp).all(), (got, exact)
+            assert ((F.linear(x, w).float() - exact).abs() <= ulp).all()
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_only_a_single_16_bit_cuda_row_outside_deterministic_mode_takes_it() -> None:
+    """On the CPU the router gate stays torch's linear (what nn.Linear computed before); bad shapes are
+    refused with what to change."""
+    w = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert not use_one_row_gemv(torch.zeros(1, 8, dtype=torch.bfloat16), w)
+    x = torch.randn(3, 8)
+    assert torch.equal(router_gate(x, w.float()), F.linear(x, w.float()))
+    with pytest.raises(ValueError, match="one contiguous row of 8"):
+        one_row_gemv(torch.zeros(2, 8, dtype=torch.bfloat16), w)
