@@ -191,8 +191,8 @@ def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, 
     tiles_n = triton.cdiv(out_cols, block_n)
     arrivals = arrival_counters(a.device, tiles_n) if mode == DOWN else None
     expert_strides = (w.stride(0), w_scale.stride(0)) if mode != DENSE else (0, 0)
-    # launched early (ops/triton_setup.py): DENSE and DOWN stream their first weight tiles before they wait
-    # for the activations; GATED waits for the routing at once
+    # launched early (ops/triton_setup.py): DENSE and DOWN prefetch their weight rows into L2 before they
+    # wait for the activations; GATED waits for the routing at once
     use_pdl = pdl(a)
     _fp8_gemv_kernel[(tiles_n, *grid)](
         a, w, w_scale, out, ids, weights, part, arrivals, num_experts, out_cols, red_dim,
