@@ -112,9 +112,12 @@ def pdl(x: torch.Tensor) -> bool:
 # the step writes (weights, and what a kernel two launches back wrote when the one in between waited
 # before letting it launch); wait_for_inputs returns once every earlier kernel has finished and its
 # writes are visible. So a kernel launched this way waits before its first dependent read and before
-# its first write, and a one-row GEMV streams its first weight tiles while the small kernel before it
-# (a norm, the attention) still runs, instead of after it. Both calls do nothing where PDL is False
-# (their constexpr argument: pass pdl(x)), and where the kernel was launched without launch_pdl.
+# its first write, and a one-row GEMV prefetches its weight rows into L2 (prefetch_rows) while the small
+# kernel before it (a norm, the attention) still runs, instead of after it. Kernels that let the next
+# one launch before they wait themselves (pdl_prologue) let a chain start several launches ahead; each
+# still finishes after the one before it, and a program only waits on a kernel whose programs have all
+# started, so the chain cannot deadlock. Both calls do nothing where PDL is False (their constexpr
+# argument: pass pdl(x)), and where the kernel was launched without launch_pdl.
 
 
 @jit
