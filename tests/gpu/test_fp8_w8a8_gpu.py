@@ -159,6 +159,8 @@ def test_a_decode_layers_kernels_launched_early_in_a_cuda_graph_give_the_bits_of
     w13, w2 = _expert_stack(gen, 2 * inter, hidden), _expert_stack(gen, hidden, inter)
     norm_w = torch.rand(hidden, device=CUDA, generator=gen).bfloat16() + 0.5
     gate = (torch.randn(num_experts, hidden, device=CUDA, generator=gen) * 0.05).bfloat16()
+    gate_linear = torch.nn.Linear(hidden, num_experts, bias=False, device=CUDA, dtype=torch.bfloat16)
+    gate_linear.weight.data.copy_(gate)
     spec = RouterSpec(top_k, "softmax", renormalize=True)
     x, res = (torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16() for _ in range(2))
     capture = torch.full((4, 1, top_k), -1, dtype=torch.int32, device=CUDA)
@@ -167,7 +169,7 @@ def test_a_decode_layers_kernels_launched_early_in_a_cuda_graph_give_the_bits_of
         h, r = rms_norm(x, norm_w, 1e-6, res)
         q = fp8_gemv_linear(h, *qkv)  # [1, 5120]
         h2 = rms_norm(q[:, :hidden], norm_w, 1e-6)
-        routed = fused_routing(router_gate(h2, gate), spec, None, capture, 0)  # the one-row GEMV
+        routed = fused_routing(router_gate(h2, gate_linear), spec, None, capture, 0)  # the one-row GEMV
         out = fp8_gemv_experts(h2, w13[0], w13[1], w2[0], w2[1], routed.topk_weights, routed.topk_ids)
         return r, q, routed.topk_ids, capture[0].clone(), out
 

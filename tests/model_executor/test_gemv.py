@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from triton_interpreted import run_interpreted
 
+from fastdeploy_r3.model_executor.batch_invariant import make_batch_invariant
 from fastdeploy_r3.model_executor.ops.gemv import one_row_gemv, router_gate, use_one_row_gemv
 
 
@@ -34,11 +35,18 @@ def test_one_row_times_the_weight_is_the_float32_sum_rounded_once() -> None:
 
 
 def test_only_a_single_16_bit_cuda_row_outside_deterministic_mode_takes_it() -> None:
-    """On the CPU the router gate stays torch's linear (what nn.Linear computed before); bad shapes are
-    refused with what to change."""
+    """On the CPU the router gate stays the gate module itself (what route_fused called before), and in
+    deterministic mode too: there the module is the fixed-tile linear make_batch_invariant made of it.
+    Bad shapes are refused with what to change."""
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not use_one_row_gemv(torch.zeros(1, 8, dtype=torch.bfloat16), w)
+    gate = torch.nn.Linear(8, 4, bias=False)
     x = torch.randn(3, 8)
-    assert torch.equal(router_gate(x, w.float()), F.linear(x, w.float()))
+    assert torch.equal(router_gate(x, gate), F.linear(x, gate.weight))
+    make_batch_invariant(gate)
+    calls = []
+    gate.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    router_gate(x[:1], gate, batch_invariant=True)
+    assert calls == ["RowTiledLinear"]
     with pytest.raises(ValueError, match="one contiguous row of 8"):
         one_row_gemv(torch.zeros(2, 8, dtype=torch.bfloat16), w)

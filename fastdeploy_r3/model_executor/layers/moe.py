@@ -339,7 +339,7 @@ class SparseMoeBlock(nn.Module):
         if slot_mapping is not None and slot_mapping.shape != (x.shape[0],):
             slot_mapping = None  # not this forward's tokens (a caller's own batch): write every row
         if self.router == "softmax":
-            router_logits = router_gate(x, self.gate.weight, self.batch_invariant)  # [T, E]: self.gate(x)
+            router_logits = router_gate(x, self.gate, self.batch_invariant)  # [T, E]: self.gate(x) or a GEMV
             bias = None
         else:
             # [T, E], float32 like route()

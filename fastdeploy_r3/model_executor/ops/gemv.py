@@ -13,7 +13,7 @@ gate still runs, then the kernel waits for the activation.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+from torch import nn
 
 from fastdeploy_r3.model_executor.ops.triton_setup import (
     jit,
@@ -74,9 +74,10 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def router_gate(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-    """The router logits x [T, H] @ weight [E, H]^T -> [T, E] (nn.Linear without bias): the one-row GEMV
-    where use_one_row_gemv says so, torch's linear otherwise."""
-    if use_one_row_gemv(x, weight, batch_invariant):
-        return one_row_gemv(x, weight)
-    return F.linear(x, weight)
+def router_gate(x: torch.Tensor, gate: nn.Module, batch_invariant: bool = False) -> torch.Tensor:
+    """The router logits x [T, H] -> [T, E] of gate (a bias-free linear holding weight [E, H]): the one-row
+    GEMV where use_one_row_gemv says so, else gate(x) itself, which in deterministic mode is the fixed-tile
+    linear make_batch_invariant made of it (batch_invariant.py's RowTiledLinear)."""
+    if getattr(gate, "bias", None) is None and use_one_row_gemv(x, gate.weight, batch_invariant):
+        return one_row_gemv(x, gate.weight)
+    return gate(x)
