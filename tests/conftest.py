@@ -16,21 +16,20 @@ import pytest  # noqa: E402
 from fake_model import make_fake_model  # noqa: E402
 from mooncake_server import MooncakeMissing, mooncake_holder, mooncake_master, mooncake_url  # noqa: E402
 from redis_server import RedisServerMissing, redis_server  # noqa: E402
+from xdist_order import file_rank  # noqa: E402
 
-# The directories whose files take longest (servers, several processes, tool runs), run first: under
-# `make test` (pytest-xdist, whole files per worker, handed out in collection order) a long file started
-# last keeps one worker busy alone at the end. The order inside each file is kept (a stable sort).
-_LONG_FIRST = ("tools", "worker", "reliability", "pd", "examples")
+
+def pytest_configure(config: pytest.Config) -> None:
+    # keep the files in the order pytest_collection_modifyitems gives them (xdist's own: most tests first)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first (tests/xdist_order.py), so that no long file starts last and keeps one xdist
+    worker busy alone at the end; the order inside each file is kept (a stable sort)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-
-    def rank(item: pytest.Item) -> int:
-        top = os.path.relpath(str(item.path), tests_dir).split(os.sep)[0]
-        return _LONG_FIRST.index(top) if top in _LONG_FIRST else len(_LONG_FIRST)
-
-    items.sort(key=rank)
+    items.sort(key=lambda item: file_rank(os.path.relpath(str(item.path), tests_dir).replace(os.sep, "/")))
 
 
 @pytest.fixture(scope="session")
