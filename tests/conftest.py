@@ -1,27 +1,35 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
 
-import pytest
-from fake_model import make_fake_model
-from mooncake_server import MooncakeMissing, mooncake_holder, mooncake_master, mooncake_url
-from redis_server import RedisServerMissing, redis_server
+# Before anything imports torch (fake_model does), so that this process and every server, engine, worker and
+# tool the tests start (they inherit the environment) have it: an OpenMP thread that finds no work spins for a
+# while before it sleeps (libgomp's default), and on the 2-core CI machine, where the two pytest-xdist workers,
+# their servers' workers and the tests' own torch code all compute at once, those spinning threads take the
+# cores from the processes that have work: a request that takes 0.2 s took 1-3 s beside one busy torch process.
+# PASSIVE makes them sleep at once; it changes no result, only who waits on the CPU.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# The directories whose files take longest (servers, several processes, tool runs), run first: under
-# `make test` (pytest-xdist, whole files per worker, handed out in collection order) a long file started
-# last keeps one worker busy alone at the end. The order inside each file is kept (a stable sort).
-_LONG_FIRST = ("tools", "worker", "reliability", "pd", "examples")
+from collections.abc import Callable, Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+from fake_model import make_fake_model  # noqa: E402
+from mooncake_server import MooncakeMissing, mooncake_holder, mooncake_master, mooncake_url  # noqa: E402
+from redis_server import RedisServerMissing, redis_server  # noqa: E402
+from xdist_order import file_rank  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # keep the files in the order pytest_collection_modifyitems gives them (xdist's own: most tests first)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first (tests/xdist_order.py), so that no long file starts last and keeps one xdist
+    worker busy alone at the end; the order inside each file is kept (a stable sort)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-
-    def rank(item: pytest.Item) -> int:
-        top = os.path.relpath(str(item.path), tests_dir).split(os.sep)[0]
-        return _LONG_FIRST.index(top) if top in _LONG_FIRST else len(_LONG_FIRST)
-
-    items.sort(key=rank)
+    items.sort(key=lambda item: file_rank(os.path.relpath(str(item.path), tests_dir).replace(os.sep, "/")))
 
 
 @pytest.fixture(scope="session")
