@@ -39,7 +39,7 @@ def test_only_a_single_16_bit_cuda_row_outside_deterministic_mode_takes_it() -> 
     deterministic mode too: there the module is the fixed-tile linear make_batch_invariant made of it.
     Bad shapes are refused with what to change."""
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
-    assert not use_one_row_gemv(torch.zeros(1, 8, dtype=torch.bfloat16), w)
+    assert not use_one_row_gemv(torch.zeros(1, 8, dtype=torch.bfloat16))
     gate = torch.nn.Linear(8, 4, bias=False)
     x = torch.randn(3, 8)
     assert torch.equal(router_gate(x, gate), F.linear(x, gate.weight))

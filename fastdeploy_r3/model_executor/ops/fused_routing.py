@@ -326,6 +326,7 @@ def fused_routing(
     # a decode batch of a few tokens takes a tile its size (>= 2: no one-lane tiles), not 16 mostly-masked rows
     block_t = BLOCK_T if not one else max(2, min(BLOCK_T, triton.next_power_of_2(num_tokens)))
     programs = 1 if one else triton.cdiv(num_tokens, BLOCK_T)
+    early = pdl(router_logits)
     partial = counts if one else torch.empty(programs, block_e, dtype=torch.int32, device=dev)  # [P, BE]
     _fused_routing_kernel[(programs,)](
         router_logits, e_score_correction_bias if sigmoid else router_logits, weights, ids, partial,
@@ -338,7 +339,7 @@ def fused_routing(
         TOPK_GROUP=spec.topk_group, CAPTURE=capture_buffer is not None, HAS_SLOTS=slot_mapping is not None,
         ONE_PROGRAM=one, ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(spec.n_group),
-        PDL=pdl(router_logits), launch_pdl=pdl(router_logits), num_warps=4,
+        PDL=early, launch_pdl=early, num_warps=4,
     )  # fmt: skip
     if not one:
         _align_partials_kernel[(1,)](

@@ -50,11 +50,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, BLOCK_N: t
     tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def use_one_row_gemv(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> bool:
-    """x is one 16-bit row on CUDA, in weight's dtype, outside deterministic mode (whose linears keep a
-    fixed reduction order for every batch size: batch_invariant.py)."""
+def use_one_row_gemv(x: torch.Tensor, batch_invariant: bool = False) -> bool:
+    """x is one 16-bit row on CUDA outside deterministic mode (whose linears keep a fixed reduction order
+    for every batch size: batch_invariant.py): a one-row GEMV's case, here and in ops/fp8_gemv.py."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and not batch_invariant)  # fmt: skip
+            and not batch_invariant)  # fmt: skip
 
 
 def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -76,8 +76,9 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def router_gate(x: torch.Tensor, gate: nn.Module, batch_invariant: bool = False) -> torch.Tensor:
     """The router logits x [T, H] -> [T, E] of gate (a bias-free linear holding weight [E, H]): the one-row
-    GEMV where use_one_row_gemv says so, else gate(x) itself, which in deterministic mode is the fixed-tile
-    linear make_batch_invariant made of it (batch_invariant.py's RowTiledLinear)."""
-    if getattr(gate, "bias", None) is None and use_one_row_gemv(x, gate.weight, batch_invariant):
-        return one_row_gemv(x, gate.weight)
+    GEMV where use_one_row_gemv says so and the weight has x's dtype, else gate(x) itself, which in
+    deterministic mode is the fixed-tile linear make_batch_invariant made of it (RowTiledLinear)."""
+    weight = gate.weight
+    if getattr(gate, "bias", None) is None and weight.dtype == x.dtype and use_one_row_gemv(x, batch_invariant):
+        return one_row_gemv(x, weight)
     return gate(x)

@@ -243,6 +243,7 @@ def paged_decode_attention(
         part_out = part_lse = out  # never touched
     block_d = dot_block(head_dim)
     arrivals = arrival_counters(q.device, num_rows * num_kv_heads) if splits > 1 and fused_reduce else None
+    early = pdl(q)
     _decode_kernel[(num_rows, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
         part_lse if arrivals is None else arrivals, scale * LOG2E,
@@ -250,13 +251,13 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         BLOCK_G=dot_block(group), BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=INTERPRET,
-        FUSED_REDUCE=arrivals is not None, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl(q), launch_pdl=pdl(q),
+        FUSED_REDUCE=arrivals is not None, BLOCK_S=triton.next_power_of_2(splits), PDL=early, launch_pdl=early,
     )  # fmt: skip
     if splits > 1 and arrivals is None:
         _reduce_splits_kernel[(num_rows, num_heads)](
             part_out, part_lse, query_start_loc, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-            PDL=pdl(q), launch_pdl=pdl(q),
+            PDL=early, launch_pdl=early,
         )  # fmt: skip
     return out
 

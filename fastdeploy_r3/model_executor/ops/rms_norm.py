@@ -84,9 +84,10 @@ def rms_norm(
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     num_rows = x3.shape[0] * x3.shape[1]
     if num_rows:
+        early = pdl(x)
         _rms_norm_kernel[(num_rows,)](
             x3, r3, weight, out, residual_out, x3.shape[1],
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), eps,
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, PDL=pdl(x), launch_pdl=pdl(x),
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, PDL=early, launch_pdl=early,
         )  # fmt: skip
     return out if residual is None else (out, residual_out)

@@ -184,6 +184,7 @@ def apply_rotary_(
     # q heads in groups of up to 8 a program, beside one program for k (at batch 1 one program per token,
     # walking all 32 + 4 heads of Qwen3-30B-A3B, took 3.2 us a layer on the H200)
     block_h = min(triton.next_power_of_2(num_heads), Q_HEADS_PER_PROGRAM)
+    early = pdl(q)
     _rotary_kernel[(num_tokens, 1 + triton.cdiv(num_heads, block_h))](
         q, k, cos, sin, q_weight, k_weight, v, k_cache, v_cache, slots, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -192,5 +193,5 @@ def apply_rotary_(
         BLOCK_H=block_h, BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         BLOCK_R=triton.next_power_of_2(max(half, 1)), BLOCK_P=triton.next_power_of_2(max(head_dim - 2 * half, 1)),
         WRITE_KV=kv_target is not None, CACHE_BLOCK_SIZE=k_cache.shape[1] if kv_target is not None else 1,
-        BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl(q), launch_pdl=pdl(q),
+        BLOCK_D=triton.next_power_of_2(head_dim), PDL=early, launch_pdl=early,
     )  # fmt: skip

@@ -27,6 +27,7 @@ from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv
 from fastdeploy_r3.model_executor.ops.fp8_linear import MAX_ROWS as FP8_LINEAR_MAX_ROWS
 from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
+from fastdeploy_r3.model_executor.ops.gemv import use_one_row_gemv
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.quantization.base import LinearMethod, MoEMethod
 
@@ -170,5 +171,4 @@ class Fp8MoEMethod(MoEMethod):
 def _one_row(layer: nn.Module, x: torch.Tensor) -> bool:
     """A batch-1 decode row of 16-bit activations on CUDA outside deterministic mode: the one-row W8A8
     GEMV's case (ONE_ROW_GEMV)."""
-    return (ONE_ROW_GEMV and x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and not layer.batch_invariant)  # fmt: skip
+    return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant)
