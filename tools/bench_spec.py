@@ -2,6 +2,7 @@
 step, per batch size, and the tokens/s it would give at a per-draft acceptance rate.
 
     python tools/bench_spec.py --preset qwen3-30b-a3b --device cuda [--layers 48] [--batches 1,8,32] [--ks 1,2,3,4,5]
+        [--quantization fp8]
     python tools/bench_spec.py --preset glm-4.5-air --device cuda
     python tools/bench_spec.py --preset glm-4.5-air --device cuda --method mtp [--layers 8]
     python tools/bench_spec.py --device cpu        # the fake tiny qwen3_moe (tests/tools/test_bench_spec.py)
@@ -76,7 +77,7 @@ def _step_bench(args: argparse.Namespace, model_dir: str, load_format: str, spec
     per_req = -(-(args.prompt_len + _extra(args)) // BLOCK_SIZE)
     return StepBench(model_dir, args.device, args.dtype, load_format, max(batches), args.prompt_len + _extra(args),
                      max(batches) * per_req + 1, BLOCK_SIZE, max(8192, max(batches) * (max(ks) + 1)),
-                     args.enforce_eager, speculative_config=spec)  # fmt: skip
+                     args.enforce_eager, quantization=args.quantization, speculative_config=spec)  # fmt: skip
 
 
 def _extra(args: argparse.Namespace) -> int:
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None, help="default 1024 on CUDA, 16 on the CPU")
     ap.add_argument("--steps", type=int, default=16, help="timed steps per (batch, k)")
     ap.add_argument("--enforce-eager", action="store_true", help="plain decode without CUDA graphs too")
+    ap.add_argument("--quantization", choices=("fp8",), default=None,
+                    help="fp8: block-wise fp8 weights quantized at load, for the plain and the verify steps alike")
     ap.add_argument("--method", choices=("ngram", "mtp"), default="ngram",
                     help="mtp: verify steps also run GLM's draft layer (a GLM preset, or the fake GLM on the CPU)")
     ap.add_argument("--out", default=None, help="write bench_spec.json here")
@@ -186,7 +189,8 @@ def main() -> None:
         cuda = args.device == "cuda"
         args.batches = args.batches or ("1,8,32" if cuda else "1,2")
         args.prompt_len = args.prompt_len or (1024 if cuda else 16)
-        title += f", {args.dtype}, {args.device}, prompt {args.prompt_len}"
+        weights = ", fp8 weights" if args.quantization else ""
+        title += f", {args.dtype}{weights}, {args.device}, prompt {args.prompt_len}"
         res = bench(args, model_dir, load_format)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
