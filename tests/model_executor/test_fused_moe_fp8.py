@@ -8,23 +8,22 @@ scale blocks on both dimensions, as tiny checkpoints do."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interpreted import run_interpreted
 
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# imported once by the file's interpreter process (tests/triton_interpreted.py), before each body
+PRELUDE = """
+import torch
+from fastdeploy_r3.model_executor.ops import fp8_gemv, fp8_linear, fused_moe_triton
+from fastdeploy_r3.model_executor.quantization import fp8
+"""
 
 
 def test_fp8_tiles_dequantised_in_the_kernel_equal_the_kernel_on_dequantised_weights() -> None:
-    body = textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
+    run_interpreted("""
         import torch
         from fastdeploy_r3.model_executor.layers.moe import loop_experts
         from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
@@ -55,20 +54,14 @@ def test_fp8_tiles_dequantised_in_the_kernel_equal_the_kernel_on_dequantised_wei
             got = triton_experts(xb, w13[0], w2[0], w, ids, TritonMoeConfig(16, 32, 64, 4, 1),
                                  w13_scale=w13[1], w2_scale=w2[1]).float()
             assert ((got - ref).norm() / ref.norm()).item() < 5e-2, ((got - ref).norm() / ref.norm()).item()
-        print("OK")
-    """)
-    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    """, PRELUDE)
 
 
 def test_the_fp8_dense_linear_equals_a_matmul_on_the_dequantised_weight() -> None:
     """y = x @ dequantize(W)^T for 1, 5, 20 and 70 rows (each tile shape of ops/fp8_linear._tiles), W 200 x 136
     (partial scale blocks), in float32: equal to torch's matmul within float32 summation order, and the
     padded rows of the last tile write nothing (the output is exactly [M, O])."""
-    body = textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
+    run_interpreted("""
         import torch
         from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
         from fastdeploy_r3.model_executor.quantization.fp8 import dequantize, expand_scale_rows, quantize_blockwise
@@ -84,11 +77,7 @@ def test_the_fp8_dense_linear_equals_a_matmul_on_the_dequantised_weight() -> Non
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (m, (got - want).abs().max().item())
             strided = torch.randn(m, 272)[:, ::2]  # a non-contiguous x is copied, not misread
             assert torch.allclose(fp8_linear(strided, codes, rows), strided @ w.T, rtol=1e-5, atol=1e-5)
-        print("OK")
-    """)
-    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    """, PRELUDE)
 
 
 def test_fp8_weights_need_both_scales_and_whole_k_tiles_of_a_scale_block() -> None:
@@ -106,9 +95,7 @@ def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of
     as quantize_groups_reference does it in torch (an all-zero group gets the floor scale); the dense linear
     and the fused MoE (x, then the intermediate, quantized) equal float32 torch on the dequantised operands
     within float32 summation order. The CUDA side: tests/gpu/test_fp8_w8a8_gpu.py."""
-    body = textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
+    run_interpreted("""
         import torch
         import torch.nn.functional as F
         from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
@@ -156,11 +143,7 @@ def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of
         assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item(), (got - want).abs().max().item()
         # auto (16-bit activations): W8A8 at every batch, in blocks of pick_config's block_m
         assert pick_fp8_config(1, 8, 128).block_k == 128 and pick_fp8_config(4096, 8, 128).block_m == 64
-        print("OK")
-    """)
-    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    """, PRELUDE)
 
 
 def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_experts() -> None:
@@ -168,9 +151,7 @@ def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_expe
     subnormals, ties to even); the dense GEMV and the fused MoE of one token equal the W8A8 tile kernels on
     the same row within float32 summation order (same codes, same scales, same rounding points), for every
     tile shape; a slot whose expert is not on this rank (id E) adds nothing."""
-    body = textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
+    run_interpreted("""
         import torch
         import torch.nn.functional as F
         from fastdeploy_r3.model_executor.ops.fp8_gemv import DOWN, GATED, fp8_gemv_experts, fp8_gemv_linear
@@ -218,8 +199,4 @@ def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_expe
         act = dequantize(*quantize_groups_reference((F.silu(g[:I]) * g[I:])[None]), torch.float32)[0]
         want = weights[0, 0] * (act @ p2[3].T)
         assert (got[0] - want).abs().max() <= 1e-5 * want.abs().max()
-        print("OK")
-    """)
-    proc = subprocess.run([sys.executable, "-c", body], check=False, capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    """, PRELUDE)
