@@ -43,3 +43,22 @@ def test_mtp_spec_bench_runs_on_cpu_with_the_fake_glm(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "bench_spec.json").read_text())
     assert res["method"] == "mtp" and "MTP drafts" in res["title"]
     assert [(r["batch"], r["k"]) for r in res["rows"]] == [(1, 0), (1, 2)]
+
+
+def test_quantization_fp8_reaches_the_runner_the_steps_are_timed_on(tmp_path: Path) -> None:
+    """--quantization fp8: the runner that times the plain and verify steps holds float8 weights (the experts'
+    stacks and the dense linears), and the table's title says so."""
+    import argparse
+
+    import torch
+    from bench_spec import _step_bench
+    from fake_model import make_fake_model
+
+    args = argparse.Namespace(batches="1", ks="1", prompt_len=8, steps=1, device="cpu", dtype="float32",
+                              enforce_eager=True, quantization="fp8")  # fmt: skip
+    sb = _step_bench(args, make_fake_model("qwen3_moe", str(tmp_path), preset="tiny"), "auto", None)
+    try:
+        dtypes = {p.dtype for p in sb.runner.model.parameters()} | {b.dtype for b in sb.runner.model.buffers()}
+    finally:
+        sb.close()
+    assert torch.float8_e4m3fn in dtypes, dtypes
