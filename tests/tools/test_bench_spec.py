@@ -46,8 +46,7 @@ def test_mtp_spec_bench_runs_on_cpu_with_the_fake_glm(tmp_path: Path) -> None:
 
 
 def test_quantization_fp8_reaches_the_runner_the_steps_are_timed_on(tmp_path: Path) -> None:
-    """--quantization fp8: the runner that times the plain and verify steps holds float8 weights (the experts'
-    stacks and the dense linears), and the table's title says so."""
+    """--quantization fp8: the runner that times the plain and verify steps holds float8 weights."""
     import argparse
 
     import torch
