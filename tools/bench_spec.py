@@ -2,7 +2,7 @@
 step, per batch size, and the tokens/s it would give at a per-draft acceptance rate.
 
     python tools/bench_spec.py --preset qwen3-30b-a3b --device cuda [--layers 48] [--batches 1,8,32] [--ks 1,2,3,4,5]
-        [--quantization fp8]
+        [--quantization fp8] [--profile-k 3 --out DIR]
     python tools/bench_spec.py --preset glm-4.5-air --device cuda
     python tools/bench_spec.py --preset glm-4.5-air --device cuda --method mtp [--layers 8]
     python tools/bench_spec.py --device cpu        # the fake tiny qwen3_moe (tests/tools/test_bench_spec.py)
@@ -84,7 +84,23 @@ def _extra(args: argparse.Namespace) -> int:
     """Positions per request past its prompt: warm-ups and timed plain steps, then per k its warm-up and
     timed steps, plus k lookahead."""
     ks = [int(k) for k in args.ks.split(",")]
-    return (args.steps + 1) * (len(ks) + 1) + max(ks) + 1
+    profiled = 2 * PROFILE_STEPS if getattr(args, "profile_k", None) else 0
+    return (args.steps + 1) * (len(ks) + 1) + max(ks) + 1 + profiled
+
+
+PROFILE_STEPS = 3
+
+
+def _profile(steps, device: str, path: str) -> None:  # noqa: ANN001
+    """torch.profiler over steps() (a callable running the profiled steps); its table, by device time, to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        steps()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=60))  # fmt: skip
 
 
 def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> dict[int, float]:
@@ -125,6 +141,11 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
             plain = plain_steps[b] if mtp else statistics.median(sb.decode([True] * args.steps))
             if mtp:
                 sb.decode([True] * args.steps)  # the positions the plain steps would have used
+            profile_here = args.profile_k and args.out and b == batches[0]
+            if profile_here:
+                os.makedirs(args.out, exist_ok=True)
+                _profile(lambda: sb.decode([True] * PROFILE_STEPS), args.device,
+                         os.path.join(args.out, f"profile_plain_bs{b}.txt"))  # fmt: skip
             rows.append({"batch": b, "k": 0, "step_ms": plain * 1e3, "cost": 1.0,
                          "tok_s": {str(a): b / plain for a in RATES}, "speedup": {str(a): 1.0 for a in RATES}})
             for k in ks:
@@ -134,6 +155,9 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
                     sb.runner.capture_decode_graphs(verify_query_len=k + 1)
                 _verify_steps(sb, k, 1, rng, vocab)  # warm-up at this shape
                 t = statistics.median(_verify_steps(sb, k, args.steps, rng, vocab))
+                if profile_here and k == args.profile_k:
+                    _profile(lambda k=k: _verify_steps(sb, k, PROFILE_STEPS, rng, vocab), args.device,
+                             os.path.join(args.out, f"profile_verify_k{k}_bs{b}.txt"))  # fmt: skip
                 graphs = sb.runner.decode_graphs
                 verify_graph_steps += graphs.replays.get(k + 1, 0) if graphs is not None else 0
                 tok_s = {str(a): b * expected_tokens(a, k) / t for a in RATES}
@@ -173,6 +197,9 @@ def main() -> None:
                     help="fp8: block-wise fp8 weights quantized at load, for the plain and the verify steps alike")
     ap.add_argument("--method", choices=("ngram", "mtp"), default="ngram",
                     help="mtp: verify steps also run GLM's draft layer (a GLM preset, or the fake GLM on the CPU)")
+    ap.add_argument("--profile-k", type=int, default=None,
+                    help=f"with --out: torch.profiler tables of {PROFILE_STEPS} plain and {PROFILE_STEPS} verify steps "
+                    "of this k at the first batch (profile_plain_bsB.txt, profile_verify_kK_bsB.txt)")
     ap.add_argument("--out", default=None, help="write bench_spec.json here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,14 +20,17 @@ def test_expected_tokens_per_verify_step() -> None:
 
 
 def test_spec_bench_runs_on_cpu_and_writes_the_table(tmp_path: Path) -> None:
-    """batch 1 and 2, k 1 and 2, 2 timed steps each: a plain row and a row per k for each batch."""
+    """batch 1 and 2, k 1 and 2, 2 timed steps each: a plain row and a row per k for each batch; the profiler
+    tables of batch 1's plain and k = 2 steps."""
     cmd = [sys.executable, "tools/bench_spec.py", "--device", "cpu", "--batches", "1,2", "--ks", "1,2", "--steps", "2",
-           "--prompt-len", "8", "--out", str(tmp_path)]  # fmt: skip
+           "--prompt-len", "8", "--profile-k", "2", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "| batch | k | step ms | cost x plain |" in proc.stdout
     res = json.loads((tmp_path / "bench_spec.json").read_text())
     assert [(r["batch"], r["k"]) for r in res["rows"]] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert sorted(p.name for p in tmp_path.glob("profile_*")) == ["profile_plain_bs1.txt", "profile_verify_k2_bs1.txt"]
+    assert "aten::" in (tmp_path / "profile_verify_k2_bs1.txt").read_text()
     for r in res["rows"]:
         assert r["step_ms"] > 0
         for a, tok_s in r["tok_s"].items():
