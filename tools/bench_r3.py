@@ -145,20 +145,12 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def profile_steps(bench, steps: int, path: str) -> dict:  # noqa: ANN001
     """torch.profiler over `steps` decode steps: the table goes to `path`; returns the headline counts."""
-    from torch.profiler import ProfilerActivity, profile
+    from step_bench import profile_table
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.runner.device.type == "cuda" else [])
     bench.decode([True])  # warm
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        bench.decode([True] * steps)
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
+    events, wall = profile_table(lambda: bench.decode([True] * steps), bench.runner.device.type, path)
     cuda = bench.runner.device.type == "cuda"
-    sort_key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"  # FunctionEventAvg's name for it
-    with open(path, "w") as f:
-        f.write(events.table(sort_by=sort_key, row_limit=60))
     count = {e.key: e.count for e in events}
     gpu_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type.name == "CUDA")
     return {

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
 from model_presets import add_model_args, bench_model
-from step_bench import StepBench
+from step_bench import StepBench, profile_table
 
 from fastdeploy_r3.worker.messages import ScheduledRequestData
 
@@ -82,25 +82,13 @@ def _step_bench(args: argparse.Namespace, model_dir: str, load_format: str, spec
 
 def _extra(args: argparse.Namespace) -> int:
     """Positions per request past its prompt: warm-ups and timed plain steps, then per k its warm-up and
-    timed steps, plus k lookahead."""
+    timed steps, plus k lookahead, plus the --profile-k steps."""
     ks = [int(k) for k in args.ks.split(",")]
-    profiled = 2 * PROFILE_STEPS if getattr(args, "profile_k", None) else 0
+    profiled = 2 * PROFILE_STEPS if args.profile_k else 0
     return (args.steps + 1) * (len(ks) + 1) + max(ks) + 1 + profiled
 
 
 PROFILE_STEPS = 3
-
-
-def _profile(steps, device: str, path: str) -> None:  # noqa: ANN001
-    """torch.profiler over steps() (a callable running the profiled steps); its table, by device time, to path."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        steps()
-    with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                          row_limit=60))  # fmt: skip
 
 
 def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> dict[int, float]:
@@ -142,10 +130,10 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
             if mtp:
                 sb.decode([True] * args.steps)  # the positions the plain steps would have used
             profile_here = args.profile_k and args.out and b == batches[0]
-            if profile_here:
+            if profile_here and not mtp:  # (an MTP runner's decode steps draft too: not plain steps)
                 os.makedirs(args.out, exist_ok=True)
-                _profile(lambda: sb.decode([True] * PROFILE_STEPS), args.device,
-                         os.path.join(args.out, f"profile_plain_bs{b}.txt"))  # fmt: skip
+                profile_table(lambda: sb.decode([True] * PROFILE_STEPS), args.device,
+                              os.path.join(args.out, f"profile_plain_bs{b}.txt"))  # fmt: skip
             rows.append({"batch": b, "k": 0, "step_ms": plain * 1e3, "cost": 1.0,
                          "tok_s": {str(a): b / plain for a in RATES}, "speedup": {str(a): 1.0 for a in RATES}})
             for k in ks:
@@ -156,8 +144,9 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
                 _verify_steps(sb, k, 1, rng, vocab)  # warm-up at this shape
                 t = statistics.median(_verify_steps(sb, k, args.steps, rng, vocab))
                 if profile_here and k == args.profile_k:
-                    _profile(lambda k=k: _verify_steps(sb, k, PROFILE_STEPS, rng, vocab), args.device,
-                             os.path.join(args.out, f"profile_verify_k{k}_bs{b}.txt"))  # fmt: skip
+                    os.makedirs(args.out, exist_ok=True)
+                    profile_table(lambda k=k: _verify_steps(sb, k, PROFILE_STEPS, rng, vocab), args.device,
+                                  os.path.join(args.out, f"profile_verify_k{k}_bs{b}.txt"))  # fmt: skip
                 graphs = sb.runner.decode_graphs
                 verify_graph_steps += graphs.replays.get(k + 1, 0) if graphs is not None else 0
                 tok_s = {str(a): b * expected_tokens(a, k) / t for a in RATES}

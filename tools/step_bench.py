@@ -19,7 +19,8 @@ cache of every request's context.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,22 @@ from fastdeploy_r3.worker.messages import PLACEHOLDER_TOKEN, ScheduledRequestDat
 from fastdeploy_r3.worker.model_runner import LaunchedStep, ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+def profile_table(run: Callable[[], object], device_type: str, path: str) -> tuple[Any, float]:
+    """torch.profiler over run() (CPU, and CUDA on a GPU); its table, sorted by device time (CPU time on the
+    CPU), written to path; -> (the profiler's key_averages(), seconds from starting the profiler to its stop)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device_type == "cuda"
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=60))
+    return events, wall
 
 
 class StepBench:

@@ -57,7 +57,7 @@ def test_quantization_fp8_reaches_the_runner_the_steps_are_timed_on(tmp_path: Pa
     from fake_model import make_fake_model
 
     args = argparse.Namespace(batches="1", ks="1", prompt_len=8, steps=1, device="cpu", dtype="float32",
-                              enforce_eager=True, quantization="fp8")  # fmt: skip
+                              enforce_eager=True, quantization="fp8", profile_k=None)  # fmt: skip
     sb = _step_bench(args, make_fake_model("qwen3_moe", str(tmp_path), preset="tiny"), "auto", None)
     try:
         dtypes = {p.dtype for p in sb.runner.model.parameters()} | {b.dtype for b in sb.runner.model.buffers()}
