@@ -207,7 +207,10 @@ def test_the_router_gate_gemv_is_torchs_linear_within_one_bf16_ulp() -> None:
 
     gen = torch.Generator(device=CUDA).manual_seed(2)
     gate = (torch.randn(128, 2048, device=CUDA, generator=gen) * 0.05).bfloat16()
-    x = torch.randn(1, 2048, device=CUDA, generator=gen).bfloat16()
+    x = torch.randn(4, 2048, device=CUDA, generator=gen).bfloat16()  # a k = 3 verify step's rows
+    rows = one_row_gemv(x, gate)
+    assert torch.equal(rows, torch.cat([one_row_gemv(x[i : i + 1], gate) for i in range(4)]))
+    x = x[:1]
     got, want = one_row_gemv(x, gate).float(), F.linear(x, gate).float()
     exact = (x.double() @ gate.double().T).float()
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp(min=1e-3)

@@ -1,4 +1,4 @@
-"""ops/gemv.py, the one-row 16-bit GEMV of the router gate: the kernel under TRITON_INTERPRET=1 in a
+"""ops/gemv.py, the 16-bit GEMV of the router gate at one to eight rows: the kernel under TRITON_INTERPRET=1 in a
 subprocess (the interpret switch is read at import), the dispatch here; the GPU side is in
 tests/gpu/test_fp8_w8a8_gpu.py."""
 
@@ -13,10 +13,13 @@ from fastdeploy_r3.model_executor.batch_invariant import make_batch_invariant
 from fastdeploy_r3.model_executor.ops.gemv import one_row_gemv, router_gate, use_one_row_gemv
 
 
-def test_one_row_times_the_weight_is_the_float32_sum_rounded_once() -> None:
+def test_rows_times_the_weight_are_the_float32_sums_rounded_once_each_row_as_alone() -> None:
     """7 outputs leave the last program's second row masked; 3000 values take two K steps, the second
-    partly masked. Each output is the exact dot product rounded to bf16 (float32 sums: within one ulp)."""
+    partly masked. Each output is the exact dot product rounded to bf16 (float32 sums: within one ulp).
+    Three rows (a verify step's k + 1 = 3, padded to four in the kernel) read the weight once and give
+    each row the bits it gets alone; nine rows are refused."""
     run_interpreted("""
+        import pytest
         import torch
         import torch.nn.functional as F
         from fastdeploy_r3.model_executor.ops.gemv import one_row_gemv
@@ -24,22 +27,30 @@ def test_one_row_times_the_weight_is_the_float32_sum_rounded_once() -> None:
         gen = torch.Generator().manual_seed(0)
         for out_cols, red_dim in ((8, 64), (7, 3000)):
             w = torch.randn(out_cols, red_dim, generator=gen).bfloat16()
-            x = torch.randn(1, red_dim, generator=gen).bfloat16()
-            got = one_row_gemv(x, w)
-            assert got.dtype == torch.bfloat16 and got.shape == (1, out_cols), got.shape
+            x = torch.randn(3, red_dim, generator=gen).bfloat16()
+            alone = [one_row_gemv(x[i : i + 1], w) for i in range(3)]
+            assert alone[0].dtype == torch.bfloat16 and alone[0].shape == (1, out_cols), alone[0].shape
             exact = (x.double() @ w.double().T).float()
             ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp(min=1e-3)
+            got = one_row_gemv(x, w)
+            assert got.shape == (3, out_cols) and torch.equal(got, torch.cat(alone))
             assert ((got.float() - exact).abs() <= ulp).all(), (got, exact)
             assert ((F.linear(x, w).float() - exact).abs() <= ulp).all()
+        with pytest.raises(ValueError, match="1 to 8 rows of 64"):
+            one_row_gemv(torch.zeros(9, 64).bfloat16(), torch.zeros(4, 64).bfloat16())
     """)
 
 
-def test_only_a_single_16_bit_cuda_row_outside_deterministic_mode_takes_it() -> None:
+def test_only_few_16_bit_cuda_rows_outside_deterministic_mode_take_it() -> None:
     """On the CPU the router gate stays the gate module itself (what route_fused called before), and in
     deterministic mode too: there the module is the fixed-tile linear make_batch_invariant made of it.
     Bad shapes are refused with what to change."""
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
-    assert not use_one_row_gemv(torch.zeros(1, 8, dtype=torch.bfloat16))
+    assert not use_one_row_gemv(torch.zeros(1, 8, dtype=torch.bfloat16))  # the CPU
+    if torch.cuda.is_available():
+        rows = torch.zeros(4, 8, dtype=torch.bfloat16, device="cuda")
+        assert use_one_row_gemv(rows, max_rows=4) and not use_one_row_gemv(rows, max_rows=3)
+        assert not use_one_row_gemv(rows, batch_invariant=True, max_rows=4)
     gate = torch.nn.Linear(8, 4, bias=False)
     x = torch.randn(3, 8)
     assert torch.equal(router_gate(x, gate), F.linear(x, gate.weight))
@@ -48,5 +59,5 @@ def test_only_a_single_16_bit_cuda_row_outside_deterministic_mode_takes_it() -> 
     gate.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
     router_gate(x[:1], gate, batch_invariant=True)
     assert calls == ["RowTiledLinear"]
-    with pytest.raises(ValueError, match="one contiguous row of 8"):
-        one_row_gemv(torch.zeros(2, 8, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="1 to 8 rows of 8 contiguous values"):
+        one_row_gemv(torch.zeros(2, 7, dtype=torch.bfloat16), w)

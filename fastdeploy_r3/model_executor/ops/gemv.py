@@ -1,10 +1,14 @@
-"""One row times a 16-bit weight, for the small linears of a batch-1 decode step (the MoE router gate).
+"""A few rows times a 16-bit weight, for the router gate of a batch-1 decode step or a speculative verify
+step (its k + 1 rows).
 
 At one row cuBLAS picks a split-K kernel for the router gate [E, H] that took 5 us a layer on the H200
-(48 layers of Qwen3-30B-A3B: 0.24 ms of a 3.3 ms fp8 step) for 512 KB of weight. Here a program owns
-BLOCK_N output rows and walks the whole reduction in BLOCK_K steps, float32 sums of 16-bit products, one
-rounding to the output dtype at the end, as cuBLAS rounds (its summation order differs: a logit can land
-one ulp away, which moves a router choice only where two experts were within that ulp).
+(48 layers of Qwen3-30B-A3B: 0.24 ms of a 3.3 ms fp8 step) for 512 KB of weight, and about as long at 2 to
+8 rows. Here a program owns BLOCK_N output rows and walks the whole reduction in BLOCK_K steps, float32
+sums of 16-bit products, one rounding to the output dtype at the end, as cuBLAS rounds (its summation
+order differs: a logit can land one ulp away, which moves a router choice only where two experts were
+within that ulp). Each weight tile is loaded once for all the rows; each row's sums are the ones it gets
+alone. 48 gate layers in one CUDA graph on the H200 (early launches off): 1 row 0.082 ms against cuBLAS
+0.230, 4 rows 0.139 against 0.232, 8 rows 0.232 against 0.245.
 
 Launched early (ops/triton_setup.py): the weight rows are prefetched into L2 while the norm before the
 gate still runs, then the kernel waits for the activation.
@@ -28,11 +32,13 @@ from fastdeploy_r3.model_executor.ops.triton_setup import (
 
 BLOCK_N = 2  # output rows a program: the gate's 128 experts in 64 programs
 MAX_BLOCK_K = 2048
+MAX_ROWS = 8  # the most rows one_row_gemv takes
+GATE_GEMV_ROWS = 8  # router_gate takes the GEMV up to this many rows (cuBLAS beyond)
 
 
 @jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_CHUNKS: tl.constexpr):  # fmt: skip
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, rows_x, stride_x, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_CHUNKS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = n < out_cols
     let_dependents_launch(PDL)  # the routing kernel may launch; it waits for these logits
@@ -41,35 +47,45 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, BLOCK_N: t
         wait_for_inputs(PDL)
     k = tl.arange(0, BLOCK_K)  # [BK]
     rows = n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    r_idx = tl.arange(0, ROWS)  # [R]
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, red_dim, BLOCK_K):
         k_ok = k0 + k < red_dim
         w = tl.load(w_ptr + rows + k0 + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0)  # [BK]
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        w = w.to(tl.float32)
+        for r in tl.static_range(ROWS):  # the weight tile read once for every row; the rows never mix
+            x = tl.load(x_ptr + r * stride_x + k0 + k, mask=k_ok & (k * 0 + r < rows_x), other=0.0)  # [BK]
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BN]
+            acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
+    tl.store(out_ptr + r_idx[:, None] * out_cols + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(r_idx < rows_x)[:, None] & n_ok[None, :])
 
 
-def use_one_row_gemv(x: torch.Tensor, batch_invariant: bool = False) -> bool:
-    """x is one 16-bit row on CUDA outside deterministic mode (whose linears keep a fixed reduction order
-    for every batch size: batch_invariant.py): a one-row GEMV's case, here and in ops/fp8_gemv.py."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and not batch_invariant)  # fmt: skip
+def use_one_row_gemv(x: torch.Tensor, batch_invariant: bool = False, max_rows: int = 1) -> bool:
+    """x is 1 to max_rows 16-bit rows on CUDA outside deterministic mode (whose linears keep a fixed
+    reduction order for every batch size: batch_invariant.py): a GEMV's case, here and in ops/fp8_gemv.py
+    (max_rows > 1: the few rows of a speculative verify step or a tiny batch, the weight read once)."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= max_rows
+            and x.dtype in (torch.bfloat16, torch.float16) and not batch_invariant)  # fmt: skip
 
 
 def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ weight [O, K]^T -> [1, O] in x.dtype, one launch (float32 sums)."""
+    """x [T, K] (1 <= T <= MAX_ROWS) @ weight [O, K]^T -> [T, O] in x.dtype, one launch (float32 sums; each
+    row's are those it gets alone)."""
     require_triton("one_row_gemv")
     out_cols, red_dim = weight.shape
-    if x.shape != (1, red_dim) or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"one_row_gemv: x {tuple(x.shape)} must be one contiguous row of {red_dim} values "
-                         f"and weight {tuple(weight.shape)} contiguous along K")
-    out = torch.empty(1, out_cols, dtype=x.dtype, device=x.device)
+    rows = x.shape[0]
+    contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1
+    if x.dim() != 2 or x.shape[1] != red_dim or not 1 <= rows <= MAX_ROWS or not contiguous:
+        raise ValueError(f"one_row_gemv: x {tuple(x.shape)} must be 1 to {MAX_ROWS} rows of {red_dim} contiguous "
+                         f"values and weight {tuple(weight.shape)} contiguous along K")
+    out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
     use_pdl = pdl(x)
     _gemv_kernel[(triton.cdiv(out_cols, BLOCK_N),)](
-        x, weight, out, out_cols, red_dim, weight.stride(0),
+        x, weight, out, out_cols, red_dim, weight.stride(0), rows, x.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_K=min(MAX_BLOCK_K, triton.next_power_of_2(red_dim)), PDL=use_pdl,
-        ROW_CHUNKS=triton.next_power_of_2(triton.cdiv(red_dim, 16)), num_warps=4, launch_pdl=use_pdl,
+        ROW_CHUNKS=triton.next_power_of_2(triton.cdiv(red_dim, 16)), ROWS=triton.next_power_of_2(rows),
+        num_warps=4, launch_pdl=use_pdl,
     )  # fmt: skip
     return out
 
@@ -79,6 +95,7 @@ def router_gate(x: torch.Tensor, gate: nn.Module, batch_invariant: bool = False)
     GEMV where use_one_row_gemv says so and the weight has x's dtype, else gate(x) itself, which in
     deterministic mode is the fixed-tile linear make_batch_invariant made of it (RowTiledLinear)."""
     weight = gate.weight
-    if getattr(gate, "bias", None) is None and weight.dtype == x.dtype and use_one_row_gemv(x, batch_invariant):
+    if (getattr(gate, "bias", None) is None and weight.dtype == x.dtype
+            and use_one_row_gemv(x, batch_invariant, GATE_GEMV_ROWS)):  # fmt: skip
         return one_row_gemv(x, weight)
     return gate(x)
