@@ -17,6 +17,12 @@ independently, a verify step appends E(a, k) = (1 - a^(k+1)) / (1 - a) tokens pe
 
     tokens/s = B * E(a, k) / verify step        speedup = that / (B / plain step)
 
+Both steps are timed one at a time (each ends at its sampled-token sync), as an engine runs verify steps:
+the next step's drafts need this step's accepted tokens, so overlap scheduling is off under speculation.
+Without speculation a server launches each decode step before the previous one finishes; the plain row
+also carries that pipelined step (StepBench.decode_pipelined) and each k row its speedup against it
+("x pipelined plain at a=0.7"): the gain a user sees when turning speculation on.
+
 R3 capture stays on throughout (the engine's configuration for RL rollouts).
 
 --method mtp (a GLM preset, or the fake tiny glm4_moe with a draft layer on the CPU): the plain rows are a
@@ -45,6 +51,7 @@ from step_bench import StepBench, profile_table
 from fastdeploy_r3.worker.messages import ScheduledRequestData
 
 RATES = (0.5, 0.7, 0.9)
+PIPELINED_RATE = 0.7  # the acceptance rate of the table's speedup against the pipelined plain step
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -85,22 +92,31 @@ def _extra(args: argparse.Namespace) -> int:
     timed steps, plus k lookahead, plus the --profile-k steps."""
     ks = [int(k) for k in args.ks.split(",")]
     profiled = 2 * PROFILE_STEPS if args.profile_k else 0
-    return (args.steps + 1) * (len(ks) + 1) + max(ks) + 1 + profiled
+    pipelined = args.steps + PIPELINE_WARMUP
+    return (args.steps + 1) * (len(ks) + 1) + max(ks) + 1 + profiled + pipelined
 
 
 PROFILE_STEPS = 3
+PIPELINE_WARMUP = 2  # pipelined steps before the timed ones (the first has no overlap)
 
 
-def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> dict[int, float]:
-    """--method mtp: a plain engine's median decode step per batch, in its own runner (an MTP runner's
-    decode steps draft too)."""
+def _plain(sb: StepBench, steps: int) -> tuple[float, float]:
+    """(median synchronous decode step, median pipelined one) of the whole batch, after a warm-up each."""
+    sb.decode([True])  # warm-up
+    sync = statistics.median(sb.decode([True] * steps))
+    sb.decode_pipelined(PIPELINE_WARMUP)
+    return sync, statistics.median(sb.decode_pipelined(steps))
+
+
+def _plain_steps(args: argparse.Namespace, model_dir: str, load_format: str) -> dict[int, tuple[float, float]]:
+    """--method mtp: a plain engine's median decode steps per batch (_plain), in its own runner (an MTP
+    runner's decode steps draft too)."""
     sb = _step_bench(args, model_dir, load_format, None)
     rng, vocab, out = np.random.default_rng(0), sb.runner.model.vocab_size, {}
     try:
         for b in (int(b) for b in args.batches.split(",")):
             sb.prefill([rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)], reserve=_extra(args))
-            sb.decode([True])  # warm-up
-            out[b] = statistics.median(sb.decode([True] * args.steps))
+            out[b] = _plain(sb, args.steps)
     finally:
         sb.close()
     return out
@@ -125,17 +141,20 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
         for b in batches:
             prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
             sb.prefill(prompts, reserve=extra)
-            sb.decode([True])  # warm-up
-            plain = plain_steps[b] if mtp else statistics.median(sb.decode([True] * args.steps))
             if mtp:
-                sb.decode([True] * args.steps)  # the positions the plain steps would have used
+                plain, piped = plain_steps[b]
+                # the positions the plain runner's steps used (sync and pipelined), decoded here
+                sb.decode([True] * (1 + 2 * args.steps + PIPELINE_WARMUP))
+            else:
+                plain, piped = _plain(sb, args.steps)
             profile_here = args.profile_k and args.out and b == batches[0]
             if profile_here and not mtp:  # (an MTP runner's decode steps draft too: not plain steps)
                 os.makedirs(args.out, exist_ok=True)
                 profile_table(lambda: sb.decode([True] * PROFILE_STEPS), args.device,
                               os.path.join(args.out, f"profile_plain_bs{b}.txt"))  # fmt: skip
-            rows.append({"batch": b, "k": 0, "step_ms": plain * 1e3, "cost": 1.0,
-                         "tok_s": {str(a): b / plain for a in RATES}, "speedup": {str(a): 1.0 for a in RATES}})
+            rows.append({"batch": b, "k": 0, "step_ms": plain * 1e3, "cost": 1.0, "pipelined_ms": piped * 1e3,
+                         "tok_s": {str(a): b / plain for a in RATES}, "speedup": {str(a): 1.0 for a in RATES},
+                         "speedup_vs_pipelined": {str(a): piped / plain for a in RATES}})
             for k in ks:
                 if sb.runner.drafter is not None:  # k drafts per step (its cache holds max(ks))
                     sb.runner.drafter.num_drafts = k
@@ -151,8 +170,9 @@ def bench(args: argparse.Namespace, model_dir: str, load_format: str) -> dict:
                 verify_graph_steps += graphs.replays.get(k + 1, 0) if graphs is not None else 0
                 tok_s = {str(a): b * expected_tokens(a, k) / t for a in RATES}
                 rows.append({"batch": b, "k": k, "step_ms": t * 1e3, "cost": t / plain, "tok_s": tok_s,
-                             "speedup": {a: v / (b / plain) for a, v in tok_s.items()}})
-            print(f"batch {b}: plain {plain * 1e3:.2f} ms, verify "
+                             "speedup": {a: v / (b / plain) for a, v in tok_s.items()},
+                             "speedup_vs_pipelined": {a: v / (b / piped) for a, v in tok_s.items()}})
+            print(f"batch {b}: plain {plain * 1e3:.2f} ms (pipelined {piped * 1e3:.2f}), verify "
                   + ", ".join(f"k={r['k']} {r['step_ms']:.2f} ms" for r in rows if r["batch"] == b and r["k"]),
                   flush=True)
     finally:
@@ -167,11 +187,13 @@ def print_table(res: dict, title: str) -> None:
     print(f"\n{title}; plain decode and verify {where}{drafts} ({res['verify_graph_steps']} verify steps replayed a "
           "graph)")
     head = " | ".join(f"tok/s a={a} (x)" for a in RATES)
-    print(f"| batch | k | step ms | cost x plain | {head} |")
-    print("|---|---|---|---|" + "---|" * len(RATES))
+    print(f"| batch | k | step ms | cost x plain | {head} | x pipelined plain at a={PIPELINED_RATE} |")
+    print("|---|---|---|---|" + "---|" * (len(RATES) + 1))
     for r in res["rows"]:
         cells = " | ".join(f"{r['tok_s'][str(a)]:.0f} ({r['speedup'][str(a)]:.2f})" for a in RATES)
-        print(f"| {r['batch']} | {r['k'] or 'plain'} | {r['step_ms']:.2f} | {r['cost']:.2f} | {cells} |")
+        step = f"{r['step_ms']:.2f}" + (f" (pipelined {r['pipelined_ms']:.2f})" if not r["k"] else "")
+        vs_piped = r["speedup_vs_pipelined"][str(PIPELINED_RATE)]
+        print(f"| {r['batch']} | {r['k'] or 'plain'} | {step} | {r['cost']:.2f} | {cells} | {vs_piped:.2f} |")
 
 
 def main() -> None:
