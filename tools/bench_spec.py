@@ -88,8 +88,8 @@ def _step_bench(args: argparse.Namespace, model_dir: str, load_format: str, spec
 
 
 def _extra(args: argparse.Namespace) -> int:
-    """Positions per request past its prompt: warm-ups and timed plain steps, then per k its warm-up and
-    timed steps, plus k lookahead, plus the --profile-k steps."""
+    """Positions per request past its prompt: warm-ups and timed plain steps (synchronous, then pipelined),
+    then per k its warm-up and timed steps, plus k lookahead, plus the --profile-k steps."""
     ks = [int(k) for k in args.ks.split(",")]
     profiled = 2 * PROFILE_STEPS if args.profile_k else 0
     pipelined = args.steps + PIPELINE_WARMUP

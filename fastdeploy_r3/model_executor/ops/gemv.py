@@ -32,8 +32,7 @@ from fastdeploy_r3.model_executor.ops.triton_setup import (
 
 BLOCK_N = 2  # output rows a program: the gate's 128 experts in 64 programs
 MAX_BLOCK_K = 2048
-MAX_ROWS = 8  # the most rows one_row_gemv takes
-GATE_GEMV_ROWS = 8  # router_gate takes the GEMV up to this many rows (cuBLAS beyond)
+MAX_ROWS = 8  # the most rows one_row_gemv takes, and router_gate sends it (cuBLAS beyond)
 
 
 @jit
@@ -54,6 +53,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, rows_x, st
         w = tl.load(w_ptr + rows + k0 + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         w = w.to(tl.float32)
         for r in tl.static_range(ROWS):  # the weight tile read once for every row; the rows never mix
+            # the row test as a [BK] tensor (a scalar one breaks the interpreter's mask)
             x = tl.load(x_ptr + r * stride_x + k0 + k, mask=k_ok & (k * 0 + r < rows_x), other=0.0)  # [BK]
             part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BN]
             acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
@@ -74,11 +74,11 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     row's are those it gets alone)."""
     require_triton("one_row_gemv")
     out_cols, red_dim = weight.shape
-    rows = x.shape[0]
     contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1
-    if x.dim() != 2 or x.shape[1] != red_dim or not 1 <= rows <= MAX_ROWS or not contiguous:
+    if x.dim() != 2 or x.shape[1] != red_dim or not 1 <= x.shape[0] <= MAX_ROWS or not contiguous:
         raise ValueError(f"one_row_gemv: x {tuple(x.shape)} must be 1 to {MAX_ROWS} rows of {red_dim} contiguous "
                          f"values and weight {tuple(weight.shape)} contiguous along K")
+    rows = x.shape[0]
     out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
     use_pdl = pdl(x)
     _gemv_kernel[(triton.cdiv(out_cols, BLOCK_N),)](
@@ -96,6 +96,6 @@ def router_gate(x: torch.Tensor, gate: nn.Module, batch_invariant: bool = False)
     deterministic mode is the fixed-tile linear make_batch_invariant made of it (RowTiledLinear)."""
     weight = gate.weight
     if (getattr(gate, "bias", None) is None and weight.dtype == x.dtype
-            and use_one_row_gemv(x, batch_invariant, GATE_GEMV_ROWS)):  # fmt: skip
+            and use_one_row_gemv(x, batch_invariant, MAX_ROWS)):  # fmt: skip
         return one_row_gemv(x, weight)
     return gate(x)
