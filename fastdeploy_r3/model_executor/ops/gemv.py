@@ -74,8 +74,8 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     row's are those it gets alone)."""
     require_triton("one_row_gemv")
     out_cols, red_dim = weight.shape
-    contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1
-    if x.dim() != 2 or x.shape[1] != red_dim or not 1 <= x.shape[0] <= MAX_ROWS or not contiguous:
+    if (x.dim() != 2 or x.shape[1] != red_dim or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1
+            or weight.stride(-1) != 1):  # fmt: skip
         raise ValueError(f"one_row_gemv: x {tuple(x.shape)} must be 1 to {MAX_ROWS} rows of {red_dim} contiguous "
                          f"values and weight {tuple(weight.shape)} contiguous along K")
     rows = x.shape[0]
