@@ -30,7 +30,8 @@ class Deployment:
     decode: ServerHandle
     colocated: ServerHandle
     bootstrap_port: int
-    store_url: str  # the redis-server P and D share
+    store_url: str  # the redis-server P and D share ("" with the mooncake backend)
+    log_dir: str = ""  # the servers' logs; with the mooncake backend also their file stores, {p,d}_store
 
 
 @contextlib.contextmanager
@@ -77,7 +78,7 @@ def pd_deployment(model: str, log_dir: str, common: tuple[str, ...], decode_args
                     if r.status_code == 200:
                         break
                 time.sleep(0.3)
-            yield Deployment(url_router, p, d, colocated, bootstrap_port, url)
+            yield Deployment(url_router, p, d, colocated, bootstrap_port, url, log_dir)
         finally:
             stop_process(router, 10)
             log.close()

@@ -12,8 +12,8 @@ own file store, blocks moving P -> D over Mooncake Transfer Engine):
   handoff    per fresh prompt sent to P alone: P's prefill until its handoff is published (the
              write-through of its blocks included), then D's first token once the handoff is there
              (fetch, the transfer, storage loads, the partial block and the first token computed on D);
-             mooncake: also the transfer itself (P's writes into the blocks a CPU D's engine reserved
-             and D's checks; on CUDA into D's arena, then D's store)
+             mooncake: also the transfer itself (P's writes into the blocks D's engine reserved and
+             D's checks; on CUDA into its CTM's landing buffer, checked, then one copy to the device)
   bytes      per prompt token moved: KV and R3 rows (rows: the blob's bytes beyond the KV, header and
              checksum included), from the blobs P stored for the transfer
   load       TTFT and TPOT p50 / p99 of a mixed load (random prompt lengths, shared prefixes across

@@ -213,10 +213,11 @@ class CacheTransferManager:
         assert self.copier is not None and task.remote is not None
         with self._pd_lock:
             if self.pd is None:
-                if not isinstance(self.copier.kv, CpuKVTiers):
-                    raise CacheTransferError("PD writes into device memory are not built; the decode server "
-                                             "moves blocks through its store on CUDA")
-                self.pd = PdReceiver(self.copier.kv.gpu_kv, self.copier.routing_host, self.layout, self.block_size)
+                kv = self.copier.kv  # host-memory blocks take P's writes directly; device blocks through a landing
+                direct = isinstance(kv, CpuKVTiers)
+                self.pd = PdReceiver(self.copier.routing_host, self.layout, self.block_size,
+                                     gpu_kv=kv.gpu_kv if direct else None,
+                                     host_to_blocks=None if direct else kv.host_to_blocks)  # fmt: skip
         return self.pd.receive(task.gpu_block_ids, task.routing_tags, task.remote, task.first_block)
 
     def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:

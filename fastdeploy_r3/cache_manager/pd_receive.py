@@ -16,20 +16,31 @@ CTM (cache_transfer_manager.py lets it through), the engine's supervisor fails e
 (the requests compute those blocks) and starts a new CTM. A clean refusal (P unreachable before the
 request, a room P does not hold, a failed write P reports) is an ordinary failed load.
 
-CPU devices only: on CUDA the blocks are device memory, which this engine does not register with the
-transfer engine (the API process then moves the blocks through its store, entrypoints/pd/te_blocks.py).
+Two ways for the bytes to land:
+- direct (CPU engines): the workers' KV caches and the routing rows are host memory, registered with the
+  transfer engine once; P writes every piece (each rank's K and V slice of each layer, then the rows) to
+  its address in the engine's blocks, and D hashes the blocks where they landed.
+- landing (CUDA engines): the blocks are device memory, which this transfer engine (TCP) cannot address.
+  D registers a host buffer of the room's size for this transfer only; P writes each blob's body (KV of
+  every rank, then the rows) into it; D hashes each body, copies the good leading blocks' KV into the
+  device blocks (KVTiers.host_to_blocks, one H2D copy per rank) and their rows into the routing rows,
+  then unregisters the buffer: a block that failed its check never reaches the engine's memory. This is
+  the hop Mooncake's own TCP transport makes for device memory; GPUDirect RDMA into the KV cache is not
+  built.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from fastdeploy_r3.blobstore.base import CHECKSUM_NBYTES
 from fastdeploy_r3.cache_manager.routing_buffer import RoutingBuffer
 from fastdeploy_r3.cache_manager.storage import HEADER_NBYTES, BlockLayout
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
@@ -87,22 +98,42 @@ class KvWritten:
             raise ValueError(f"the prefill server sent a malformed completion ({e})") from None
 
 
-class PdReceiver:
-    """One transfer engine with the workers' KV caches and the routing rows registered (once)."""
+HostToBlocks = Callable[[list[int], list[list[np.ndarray]]], None]  # KVTiers.host_to_blocks
 
-    def __init__(self, gpu_kv: list[np.ndarray], routing: RoutingBuffer | None, layout: BlockLayout,
-                 block_size: int, host: str = "127.0.0.1") -> None:  # fmt: skip
+
+class PdReceiver:
+    """One transfer engine of the CTM's. Direct (gpu_kv: the workers' host-memory KV caches, registered
+    with the routing rows once) or landing (host_to_blocks: how KV bytes reach device blocks; a host
+    buffer registered per transfer)."""
+
+    def __init__(self, routing: RoutingBuffer | None, layout: BlockLayout, block_size: int, host: str = "127.0.0.1",
+                 *, gpu_kv: list[np.ndarray] | None = None,
+                 host_to_blocks: HostToBlocks | None = None) -> None:  # fmt: skip
         from mooncake.engine import TransferEngine
 
-        self.gpu_kv, self.routing, self.layout, self.block_size = gpu_kv, routing, layout, block_size
+        if (gpu_kv is None) == (host_to_blocks is None):
+            raise ValueError("PdReceiver: pass gpu_kv (host-memory blocks P writes into) or host_to_blocks (a "
+                             "landing buffer, then a copy into device blocks), exactly one")
+        self.gpu_kv, self.host_to_blocks = gpu_kv or [], host_to_blocks
+        self.routing, self.layout, self.block_size = routing, layout, block_size
+        self.body_nbytes = layout.blob_nbytes - HEADER_NBYTES - CHECKSUM_NBYTES  # KV of every rank, then rows
+        self._kept: list[np.ndarray] = []  # landing buffers a late write may still reach: never freed
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise RuntimeError(f"Mooncake Transfer Engine did not start on {host} (tcp, P2P handshake)")
-        self._regions = [a for a in gpu_kv] + ([routing.rows] if routing is not None else [])
-        for a in self._regions:
-            if self.engine.register_memory(int(a.ctypes.data), a.nbytes) != 0:
-                raise RuntimeError(f"Mooncake Transfer Engine refused to register {a.nbytes} bytes")
+        self._regions: list[np.ndarray] = []
+        for a in (self.gpu_kv + ([routing.rows] if routing is not None else [])) if gpu_kv is not None else []:
+            self._register(a)
         self.segment = f"{host}:{self.engine.get_rpc_port()}"
+
+    def _register(self, a: np.ndarray) -> None:
+        if self.engine.register_memory(int(a.ctypes.data), a.nbytes) != 0:
+            raise RuntimeError(f"Mooncake Transfer Engine refused to register {a.nbytes} bytes")
+        self._regions.append(a)
+
+    def _unregister(self, a: np.ndarray) -> None:
+        self.engine.unregister_memory(int(a.ctypes.data))
+        self._regions = [r for r in self._regions if r is not a]
 
     def _pieces(self, block_id: int) -> list[tuple[int, np.ndarray]]:
         """(offset in the blob, the block's memory here) per piece, in blob order."""
@@ -118,56 +149,106 @@ class PdReceiver:
 
     def digest(self, block_id: int) -> int:
         """The xxh3_64 a stored blob of this block's bytes as they are now would end with."""
+        return self._hash([mem for _, mem in self._pieces(block_id)])
+
+    def _hash(self, parts: list[np.ndarray]) -> int:
+        """The xxh3_64 of a blob of this layout whose body is `parts` (its trailer)."""
         h = xxhash.xxh3_64(self.layout.header())
-        for _, mem in self._pieces(block_id):
+        for mem in parts:
             h.update(np.ascontiguousarray(mem).data)
         return h.intdigest()
 
     def receive(self, gpu_ids: list[int], tags: list[int], remote: RemoteBlocks,
                 first: int) -> tuple[int, list[int], str | None]:  # fmt: skip
         """(bytes landed, indices of the blocks not in place, why); raises PeerWriteUnknown."""
-        import httpx
-
         n, t0 = len(gpu_ids), time.perf_counter()
         if remote.blob_nbytes != self.layout.blob_nbytes:
             return 0, list(range(n)), (f"the prefill server's blocks are {remote.blob_nbytes} bytes, this engine's "
                                        f"{self.layout.blob_nbytes}: another model, dtype, block size or TP size")
-        n_remote = min(n, len(remote.block_digests) - first)
-        blocks = [[[off, mem.nbytes, int(mem.ctypes.data)] for off, mem in self._pieces(g)] for g in gpu_ids[:n_remote]]
+        n_remote = max(0, min(n, len(remote.block_digests) - first))
+        if self.host_to_blocks is None:
+            blocks = [[[off, mem.nbytes, int(mem.ctypes.data)] for off, mem in self._pieces(g)]
+                      for g in gpu_ids[:n_remote]]  # fmt: skip
+            written, error = self._request(remote, first, blocks)
+            good = self._good_leading(written, [self.digest(g) for g in gpu_ids[:written]], remote, first)
+        else:
+            land = np.empty((max(n_remote, 1), self.body_nbytes), np.uint8)
+            try:
+                self._register(land)
+            except RuntimeError as e:
+                return 0, list(range(n)), f"room {remote.room}: no landing buffer ({e})"
+            try:
+                base = int(land.ctypes.data)
+                blocks = [[[HEADER_NBYTES, self.body_nbytes, base + i * self.body_nbytes]] for i in range(n_remote)]
+                written, error = self._request(remote, first, blocks)
+            except PeerWriteUnknown:
+                self._kept.append(land)  # registered and alive for good: a late write lands only here
+                raise
+            self._unregister(land)
+            digests = [self._hash([land[i]]) for i in range(written)]
+            good = self._good_leading(written, digests, remote, first)
+            self._land(gpu_ids[:good], land[:good])
+        if self.routing is not None:
+            for g, tag in zip(gpu_ids[:good], tags[:good], strict=True):
+                self.routing.tags[g * self.block_size:(g + 1) * self.block_size] = tag
+        if good < n and error is None:
+            error = f"room {remote.room}: {good} of {n} blocks in place"
+        landed = good * (self.layout.num_ranks * self.layout.kv_nbytes + self.layout.rows_nbytes)
+        if good < n:
+            logger.warning("room %d: %d of %d blocks in place (%d asked of the prefill server, %d written): %s",
+                           remote.room, good, n, n_remote, written, error)
+        if written:
+            logger.info("room %d: %d blocks (%d bytes) over the transfer engine in %.4f s, in place", remote.room, good,
+                        landed, time.perf_counter() - t0)  # tools/bench_pd.py reads this line
+        return landed, list(range(good, n)), error if good < n else None
+
+    def _request(self, remote: RemoteBlocks, first: int, blocks: list[list[list[int]]]) -> tuple[int, str | None]:
+        """Ask P to write the room's blocks first, first + 1, ... as `blocks` says: (blocks P wrote, why not
+        all); a clean refusal writes none. Raises PeerWriteUnknown when the transfer's end is unknown."""
+        import httpx
+
         target = KvTarget(remote.room, self.segment, first, blocks)
         url = f"http://{remote.host}:{remote.port}/pd/rooms/{remote.room}/kv"
         try:
             r = httpx.post(url, json=target.to_json(), timeout=remote.timeout_s)
         except httpx.ConnectError as e:  # refused before anything was sent: nothing can land
-            return 0, list(range(n)), f"room {remote.room}: the prefill server's bootstrap is unreachable ({e})"
+            return 0, f"room {remote.room}: the prefill server's bootstrap is unreachable ({e})"
         except httpx.HTTPError as e:
             why = f"{type(e).__name__}: {e}"
             raise PeerWriteUnknown(f"room {remote.room}: the transfer's end is unknown ({why})") from e
         if r.status_code != 200:
-            return 0, list(range(n)), f"room {remote.room}: the prefill server answered {r.status_code}: {r.text[:200]}"
+            return 0, f"room {remote.room}: the prefill server answered {r.status_code}: {r.text[:200]}"
         try:
             written = KvWritten.from_json(r.json())
         except ValueError as e:
             raise PeerWriteUnknown(f"room {remote.room}: {e}") from None
-        good = 0
-        for i in range(min(written.num_written, n_remote)):
-            if self.digest(gpu_ids[i]) != remote.block_digests[first + i]:
+        return max(0, min(written.num_written, len(blocks))), written.error
+
+    @staticmethod
+    def _good_leading(written: int, digests: list[int], remote: RemoteBlocks, first: int) -> int:
+        """How many of the written blocks, from the first, hash to what P stored."""
+        for i in range(written):
+            if digests[i] != remote.block_digests[first + i]:
                 logger.warning("room %d: block %d arrived with other bytes than P stored; computing the prompt from "
                                "there", remote.room, first + i)
-                break
-            good += 1
+                return i
+        return written
+
+    def _land(self, gpu_ids: list[int], bodies: np.ndarray) -> None:
+        """Landing: the checked bodies' KV into the device blocks, their rows into the routing rows."""
+        if not gpu_ids:
+            return
+        kv_nbytes, ranks = self.layout.kv_nbytes, self.layout.num_ranks
+        assert self.host_to_blocks is not None
+        self.host_to_blocks(gpu_ids, [[body[r * kv_nbytes:(r + 1) * kv_nbytes] for r in range(ranks)]
+                                      for body in bodies])  # fmt: skip
         if self.routing is not None:
-            for g, tag in zip(gpu_ids[:good], tags[:good], strict=True):
-                self.routing.tags[g * self.block_size:(g + 1) * self.block_size] = tag
-        error = written.error if good < n else None
-        if good < n and error is None:
-            error = f"room {remote.room}: {good} of {n} blocks in place"
-        landed = good * (self.layout.num_ranks * self.layout.kv_nbytes + self.layout.rows_nbytes)
-        logger.info("room %d: %d blocks (%d bytes) over the transfer engine in %.4f s, in place", remote.room, good,
-                    landed, time.perf_counter() - t0)  # tools/bench_pd.py reads this line
-        return landed, list(range(good, n)), error
+            rows = self.routing.rows
+            for g, body in zip(gpu_ids, bodies, strict=True):
+                src = body[ranks * kv_nbytes:ranks * kv_nbytes + self.layout.rows_nbytes]
+                rows[g * self.block_size:(g + 1) * self.block_size] = src.view(rows.dtype).reshape(
+                    self.block_size, *rows.shape[1:])
 
     def close(self) -> None:
-        for a in self._regions:
-            self.engine.unregister_memory(int(a.ctypes.data))
-        self._regions = []
+        for a in list(self._regions):
+            self._unregister(a)

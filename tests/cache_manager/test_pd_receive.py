@@ -5,7 +5,10 @@ loopback (cache_manager/pd_receive.py, entrypoints/pd/te_in_place.py).
 
 Tiny layout: 2 ranks, 2 layers, blocks of 2 tokens, 1 KV head of 2 float32 (16 bytes per layer and
 K|V), rows [2 tokens, 2 layers, top-2] int32; D has 6 blocks. Each story asserts which of D's blocks
-hold which blob, the tags stamped, and that nothing else was written."""
+hold which blob, the tags stamped, and that nothing else was written. The stories run both ways a
+receiver lands bytes: direct (P writes into the blocks, a CPU engine) and landing (P writes into a
+buffer registered for the transfer, D copies the checked blocks in: how a CUDA engine receives, here
+with a copy into host arrays standing in for KVTiers.host_to_blocks)."""
 
 from __future__ import annotations
 
@@ -44,11 +47,21 @@ def _digest(blob: bytes) -> int:
 class _D:
     """D's engine memory: zeroed KV per rank [layers, 2, blocks, slice bytes], rows and tags per slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, landing: bool = False) -> None:
         self.kv = [np.zeros((LAYERS, 2, NUM_BLOCKS, SLICE), np.uint8) for _ in range(RANKS)]
         self.routing = SimpleNamespace(rows=np.zeros((NUM_BLOCKS * BLOCK, LAYERS, 2), np.int32),
                                        tags=np.zeros(NUM_BLOCKS * BLOCK, np.int64))
-        self.receiver = PdReceiver(self.kv, self.routing, LAYOUT, BLOCK)
+        self.copied: list[list[int]] = []  # landing: the block ids of each copy into the blocks
+        if landing:
+            self.receiver = PdReceiver(self.routing, LAYOUT, BLOCK, host_to_blocks=self._host_to_blocks)
+        else:
+            self.receiver = PdReceiver(self.routing, LAYOUT, BLOCK, gpu_kv=self.kv)
+
+    def _host_to_blocks(self, block_ids: list[int], parts: list[list[np.ndarray]]) -> None:
+        self.copied.append(list(block_ids))
+        for b, per_rank in zip(block_ids, parts, strict=True):
+            for kv, part in zip(self.kv, per_rank, strict=True):
+                kv[:, :, b] = part.reshape(LAYERS, 2, SLICE)
 
     def holds(self, block_id: int, kv: list[np.ndarray], rows: np.ndarray) -> bool:
         same_kv = all(np.array_equal(self.kv[r][:, :, block_id].reshape(-1), kv[r]) for r in range(RANKS))
@@ -92,8 +105,18 @@ def test_targets_and_completions_survive_their_json() -> None:
         KvTarget.from_json({"room": 3, "segment": "s", "first": 0, "blocks": [[[1, 2]]]})
 
 
-def test_p_writes_each_blob_into_the_blocks_d_reserved_and_d_stamps_its_tags(p_arena) -> None:
-    d = _D()
+@pytest.fixture(params=["direct", "landing"])
+def landing(request) -> bool:
+    return request.param == "landing"
+
+
+def test_the_receiver_takes_one_way_to_land_bytes() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        PdReceiver(None, LAYOUT, BLOCK)
+
+
+def test_p_writes_each_blob_into_the_blocks_d_reserved_and_d_stamps_its_tags(p_arena, landing) -> None:
+    d = _D(landing)
     made = [_blob(s) for s in range(3)]
     blobs = [b for b, _, _ in made]
     room = RemoteBlocks("127.0.0.1", 0, 31, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
@@ -107,10 +130,38 @@ def test_p_writes_each_blob_into_the_blocks_d_reserved_and_d_stamps_its_tags(p_a
     assert [d.holds(g, kv, rows) for g, (_, kv, rows) in zip([4, 1, 5], made)] == [True, True, True]
     assert d.untouched([0, 2, 3]) and d.tags() == [0, 102, 0, 0, 101, 103]
     assert p_arena.used_bytes == 0
+    assert d.copied == ([[4, 1, 5]] if landing else [])  # landing: one copy of the room's blocks
+    assert len(d.receiver._regions) == (0 if landing else RANKS + 1)  # the landing buffer is unregistered
 
 
-def test_a_gpu_hit_first_block_asks_the_room_from_the_next(p_arena) -> None:
-    d = _D()
+def test_a_room_larger_than_p_arena_goes_over_in_batches_and_one_blob_too_large_is_refused_by_flag(landing) -> None:
+    """P's arena holds 4 blobs: a quarter of it is one blob, so the 5 blocks go over in 5 batches, all in
+    place. An arena smaller than one blob writes nothing and names the flag to raise."""
+    d = _D(landing)
+    made = [_blob(s) for s in range(50, 55)]
+    blobs = [b for b, _, _ in made]
+    small, tiny = TeArena(4 * LAYOUT.blob_nbytes), TeArena(LAYOUT.blob_nbytes - 1)
+
+    def body(port: int) -> None:
+        room = RemoteBlocks("127.0.0.1", port, 37, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
+        assert d.receiver.receive([5, 4, 3, 2, 1], [1, 2, 3, 4, 5], room, 0)[1:] == ([], None)
+
+    _with_p(small, {37: blobs}, body)
+    assert all(d.holds(g, *m[1:]) for g, m in zip([5, 4, 3, 2, 1], made)) and small.used_bytes == 0
+
+    def too_small(port: int) -> None:
+        room = RemoteBlocks("127.0.0.1", port, 38, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
+        _, failed, error = d.receiver.receive([0], [9], room, 0)
+        assert failed == [0] and "arena has no" in error and "--disaggregation-te-arena-mb" in error
+
+    _with_p(tiny, {38: blobs}, too_small)
+    assert d.untouched([0]) and d.tags()[0] == 0
+    small.close()
+    tiny.close()
+
+
+def test_a_gpu_hit_first_block_asks_the_room_from_the_next(p_arena, landing) -> None:
+    d = _D(landing)
     made = [_blob(s) for s in range(10, 13)]
     blobs = [b for b, _, _ in made]
 
@@ -123,10 +174,11 @@ def test_a_gpu_hit_first_block_asks_the_room_from_the_next(p_arena) -> None:
     assert d.tags() == [0, 0, 7, 8, 0, 0]
 
 
-def test_a_block_corrupted_in_p_store_ends_the_load_there_and_keeps_no_tag_after_it(p_arena) -> None:
+def test_a_block_corrupted_in_p_store_ends_the_load_there_and_keeps_no_tag_after_it(p_arena, landing) -> None:
     """P's stored blob 1 has a flipped byte (its own trailer no longer matches): it lands, D's check
-    refuses it, block 0 counts, blocks 1 and 2 are computed (their tags stay the engine's business)."""
-    d = _D()
+    refuses it, block 0 counts, blocks 1 and 2 are computed (their tags stay the engine's business).
+    Landing, the refused blocks never reach D's blocks at all."""
+    d = _D(landing)
     made = [_blob(s) for s in range(20, 23)]
     blobs = [b for b, _, _ in made]
     digests = tuple(_digest(b) for b in blobs)
@@ -141,10 +193,12 @@ def test_a_block_corrupted_in_p_store_ends_the_load_there_and_keeps_no_tag_after
 
     _with_p(p_arena, {33: blobs}, body)
     assert d.holds(0, *made[0][1:]) and d.tags() == [1, 0, 0, 0, 0, 0]
+    if landing:
+        assert d.untouched([1, 2]) and d.copied == [[0]]
 
 
-def test_clean_refusals_are_failed_loads_and_write_nothing(p_arena) -> None:
-    d = _D()
+def test_clean_refusals_are_failed_loads_and_write_nothing(p_arena, landing) -> None:
+    d = _D(landing)
     blobs = [_blob(30)[0]]
     digests = (_digest(blobs[0]),)
 
@@ -164,11 +218,13 @@ def test_clean_refusals_are_failed_loads_and_write_nothing(p_arena) -> None:
                                                                  digests), 0)
     assert failed == [0] and "unreachable" in error
     assert d.untouched(list(range(NUM_BLOCKS))) and d.tags() == [0] * NUM_BLOCKS
+    assert d.copied == [] and (not landing or d.receiver._regions == [])
 
 
-def test_a_transfer_whose_end_is_unknown_raises_for_the_ctm_to_exit() -> None:
-    """P took the request and never answered: its writes could still land later, so no ack may be given."""
-    d = _D()
+def test_a_transfer_whose_end_is_unknown_raises_for_the_ctm_to_exit(landing) -> None:
+    """P took the request and never answered: its writes could still land later, so no ack may be given.
+    Landing, the buffer stays registered and alive: a late write lands there, never in freed memory."""
+    d = _D(landing)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -177,6 +233,7 @@ def test_a_transfer_whose_end_is_unknown_raises_for_the_ctm_to_exit() -> None:
     room = RemoteBlocks("127.0.0.1", listener.getsockname()[1], 36, LAYOUT.blob_nbytes, (1,), timeout_s=0.5)
     with pytest.raises(PeerWriteUnknown, match="room 36: the transfer's end is unknown"):
         d.receiver.receive([0], [1], room, 0)
+    assert len(d.receiver._kept) == (1 if landing else 0) and d.copied == []
     for s in [*held, listener]:
         s.close()
 

@@ -148,7 +148,7 @@ def test_a_room_d_needs_none_of_is_handed_back_to_p(pd: Deployment) -> None:
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
     assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
     manifest = f"http://127.0.0.1:{pd.bootstrap_port}/pd/rooms/4343/manifest"
-    assert len(httpx.get(manifest, timeout=30).json()["checksums"]) == 2  # P holds the room for D
+    assert len(httpx.get(manifest, timeout=30).json()["block_digests"]) == 2  # P holds the room for D
     out = httpx.post(f"{pd.decode.url}/generate", json={**body, **boot}, timeout=120).json()
     assert out["meta_info"]["cached_tokens"] == 8 and len(out["output_ids"]) == 3
     deadline = time.monotonic() + 10
@@ -185,8 +185,9 @@ def test_a_transfer_that_fails_after_the_handoff_costs_d_recomputation_never_exa
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
     assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
     bootstrap = f"http://127.0.0.1:{pd.bootstrap_port}/pd/rooms/88"
-    assert len(httpx.get(f"{bootstrap}/manifest", timeout=30).json()["checksums"]) == 2
-    taken = httpx.post(f"{bootstrap}/te", timeout=30, json={"room": 88, "segment": "127.0.0.1:1", "addresses": []})
+    assert len(httpx.get(f"{bootstrap}/manifest", timeout=30).json()["block_digests"]) == 2
+    taken = httpx.post(f"{bootstrap}/kv", timeout=30, json={"room": 88, "segment": "127.0.0.1:1", "first": 0,
+                                                             "blocks": []})
     assert taken.json() == {"room": 88, "num_written": 0, "error": None}
     out = httpx.post(f"{pd.decode.url}/generate", json={**body, **boot}, timeout=120).json()
     _same(out, _generate(pd.colocated.url, prompt), prompt, 5)

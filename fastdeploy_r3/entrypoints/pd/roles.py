@@ -12,10 +12,9 @@
               the first token is put back in front of the output (with P's logprob and text)
 
 With --disaggregation-transfer-backend mooncake each server has its own store: P also keeps the blocks
-it stored in an outbox. A CPU D hands the room to its engine with the request: as the engine admits it,
-its cache transfer manager has P write the blocks straight into the blocks it reserved (te_in_place.py,
-cache_manager/pd_receive.py). A CUDA D pulls them over Mooncake Transfer Engine into its store before
-running (te_blocks.py, te_transfer.py).
+it stored in an outbox. D hands the room to its engine with the request: as the engine admits it, its
+cache transfer manager has P write the blocks over Mooncake Transfer Engine into the blocks it reserved
+(te_in_place.py, cache_manager/pd_receive.py; on CUDA through a host landing buffer and one copy).
 
 R3 across the boundary: D's engine holds prompt + first token as its prompt, so its rows are
 [0, P + 1) for that prompt plus one per further token: P + 1 + (N - 1) - 1 = P + N - 1 rows, the
@@ -62,8 +61,9 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                         "writes them into memory D reserved, over Mooncake Transfer Engine (each server keeps "
                         "its own --kv-storage)")
     g.add_argument("--disaggregation-te-arena-mb", type=int, default=DEFAULT_ARENA_MB,
-                   help="mooncake backend: the memory each server registers with its transfer engine (P: "
-                        "blocks being written; a CUDA D: blocks of rooms being received)")
+                   help="mooncake backend, prefill servers: the memory registered with the transfer engine for "
+                        "the blocks being written (a decode server's cache transfer manager registers what it "
+                        "receives into)")
 
 
 def check_pd_flags(args: argparse.Namespace, config: EngineConfig) -> None:
@@ -90,9 +90,9 @@ async def start_pd_role(args: argparse.Namespace, engine: AsyncEngineClient) -> 
         return None
     te = None
     if args.disaggregation_transfer_backend == "mooncake":
-        # a CPU D's CTM takes P's writes into the engine's blocks: only P and a CUDA D need an arena here
-        in_place = args.disaggregation_mode == "decode" and engine.config.device == "cpu"
-        te = TeBlocks(engine.config, None if in_place else TeArena(args.disaggregation_te_arena_mb << 20))
+        # D's CTM takes P's writes (cache_manager/pd_receive.py): only P needs an arena here, its writes' source
+        decode = args.disaggregation_mode == "decode"
+        te = TeBlocks(engine.config, None if decode else TeArena(args.disaggregation_te_arena_mb << 20))
     if args.disaggregation_mode == "prefill":
         rooms = Rooms()
         sender = None if te is None else TeSender(te.arena, Outbox())
@@ -178,11 +178,8 @@ class PdDecode:
         # P's weight version is checked by the engine as the request arrives (no round trip before it, and
         # no update can slip in between); blocks travel under P's version, which must be this engine's
         handoff.check_for(boot.room, prompt_token_ids)
-        remote = None
-        if self.te is not None and self.te.in_place:  # P writes its blocks into the engine's, as it admits it
-            remote = await self.te.remote(boot, deadline)
-        elif self.te is not None:  # P's blocks into this server's own store: its engine loads them as hits
-            await self.te.receive(boot, prompt_token_ids, handoff.weight_version, deadline)
+        # mooncake: P writes its blocks into the engine's as it admits the request (store: they are storage hits)
+        remote = None if self.te is None else await self.te.remote(boot, deadline)
         ends = handoff.finish_reason != "length" or params.max_tokens == 1
         if ends:  # D computes the prompt's rows; its own token is replaced by P's
             run_ids = list(prompt_token_ids)

@@ -18,47 +18,56 @@ from fastdeploy_r3.entrypoints.pd.te_transfer import TeArena, TeSender, take_roo
 
 
 async def write_pieces(arena: TeArena, blobs: list[bytes], target: KvTarget) -> KvWritten:
-    """P: blobs first, first + 1, ... of the room, each piece (offset, bytes) of a blob to its address in
-    D's engine (its KV slices and rows, in place), all in one transfer: written whole or not at all."""
+    """P: blobs first, first + 1, ... of the room, each piece (offset, bytes) of a blob to its address in D
+    (its engine's KV slices and rows, or its landing buffer), in batches of whole blobs that fit P's arena
+    (a quarter of it, at least one blob): one round trip each. A batch is written whole or not at all; one
+    that fails ends the room there (the blocks of the batches before it count)."""
     n = max(0, min(len(blobs) - target.first, len(target.blocks)))
-    if n == 0:
-        return KvWritten(target.room, 0)
     chosen = blobs[target.first:target.first + n]
-    size = sum(len(b) for b in chosen)
-    off = arena.alloc(size)
-    if off is None:
-        return KvWritten(target.room, 0, f"the prefill server's transfer arena has no {size} bytes free")
-    try:
-        starts, pos = [], off
-        for b in chosen:
-            arena.buf[pos:pos + len(b)] = np.frombuffer(b, dtype=np.uint8)
-            starts.append(pos)
-            pos += len(b)
+    for i, pieces in enumerate(target.blocks[:n]):
+        if any(o < 0 or o + k > len(chosen[i]) for o, k, _ in pieces):
+            return KvWritten(target.room, 0, f"block {target.first + i}: a piece lies outside its blob")
+    done = 0
+    while done < n:
+        end, size = done + 1, len(chosen[done])
+        while end < n and size + len(chosen[end]) <= arena.extents.nbytes // 4:
+            size += len(chosen[end])
+            end += 1
+        off = arena.alloc(size)
+        if off is None and end > done + 1:  # other rooms hold the arena: one blob at a time
+            end, size = done + 1, len(chosen[done])
+            off = arena.alloc(size)
+        if off is None:
+            return KvWritten(target.room, done, f"the prefill server's transfer arena has no {size} bytes free; "
+                                                "raise --disaggregation-te-arena-mb")
+        try:
+            rc = await asyncio.to_thread(_send_batch, arena, off, chosen[done:end], target.blocks[done:end],
+                                         target.segment)  # fmt: skip
+        finally:
+            arena.free(off)
+        if rc != 0:  # a batch that fails does not say which piece did: none of it counts
+            return KvWritten(target.room, done, f"transfer to {target.segment} failed (code {rc})")
+        done = end
+    return KvWritten(target.room, n)
 
-        def send() -> KvWritten:
-            srcs, dsts, lens = [], [], []
-            for i, (start, pieces) in enumerate(zip(starts, target.blocks, strict=False)):
-                if any(o < 0 or o + k > len(chosen[i]) for o, k, _ in pieces):
-                    return KvWritten(target.room, 0, f"block {target.first + i}: a piece lies outside its blob")
-                srcs += [arena.base + start + o for o, _, _ in pieces]
-                dsts += [a for _, _, a in pieces]
-                lens += [k for _, k, _ in pieces]
-            # one batch, one round trip; a batch that fails does not say which piece did: none counts
-            rc = arena.engine.batch_transfer_sync_write(target.segment, srcs, dsts, lens)
-            if rc != 0:
-                return KvWritten(target.room, 0, f"transfer to {target.segment} failed (code {rc})")
-            return KvWritten(target.room, n)
 
-        return await asyncio.to_thread(send)
-    finally:
-        arena.free(off)
+def _send_batch(arena: TeArena, off: int, blobs: list[bytes], blocks: list[list[list[int]]], segment: str) -> int:
+    """The blobs copied into the arena at off, then every piece of theirs written in one batch: its code."""
+    srcs, dsts, lens, pos = [], [], [], off
+    for blob, pieces in zip(blobs, blocks, strict=True):
+        arena.buf[pos:pos + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        srcs += [arena.base + pos + o for o, _, _ in pieces]
+        dsts += [a for _, _, a in pieces]
+        lens += [k for _, k, _ in pieces]
+        pos += len(blob)
+    return arena.engine.batch_transfer_sync_write(segment, srcs, dsts, lens)
 
 
 def add_in_place_route(app: FastAPI, te: TeSender) -> None:
     @app.post("/pd/rooms/{room}/kv")
     async def in_place(room: int, request: Request) -> JSONResponse:
         """The room's blocks written piece by piece into the blocks D's engine reserved."""
-        got = await take_room(room, request, te.outbox, KvTarget.from_json)
+        got = await take_room(room, request, te.outbox)
         if isinstance(got, JSONResponse):
             return got
         target, blobs = got
