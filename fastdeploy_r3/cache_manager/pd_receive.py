@@ -207,10 +207,13 @@ class PdReceiver:
         all); a clean refusal writes none. Raises PeerWriteUnknown when the transfer's end is unknown."""
         import httpx
 
+        from fastdeploy_r3.http_clients import sync_client
+
         target = KvTarget(remote.room, self.segment, first, blocks)
         url = f"http://{remote.host}:{remote.port}/pd/rooms/{remote.room}/kv"
         try:
-            r = httpx.post(url, json=target.to_json(), timeout=remote.timeout_s)
+            with sync_client(remote.timeout_s) as client:
+                r = client.post(url, json=target.to_json())
         except httpx.ConnectError as e:  # refused before anything was sent: nothing can land
             return 0, f"room {remote.room}: the prefill server's bootstrap is unreachable ({e})"
         except httpx.HTTPError as e:

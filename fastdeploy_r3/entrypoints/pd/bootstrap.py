@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from fastdeploy_r3.entrypoints.pd.handoff import MAX_ROOM, Bootstrap, Handoff, HandoffError
 from fastdeploy_r3.entrypoints.pd.te_in_place import add_in_place_route
 from fastdeploy_r3.entrypoints.pd.te_transfer import TeSender, add_te_routes
+from fastdeploy_r3.http_clients import async_client
 
 ROOM_TTL_S = 600.0
 MAX_ROOMS = 65536
@@ -144,7 +145,7 @@ async def fetch_handoff(boot: Bootstrap, deadline: float, connect_timeout_s: flo
     loop = asyncio.get_running_loop()
     url = f"http://{boot.host}:{boot.port}/pd/rooms/{boot.room}"
     unreachable_since: float | None = None
-    async with httpx.AsyncClient() as client:
+    async with async_client() as client:
         while True:
             left = deadline - loop.time()
             if left <= 0:

@@ -64,9 +64,11 @@ class TeBlocks:
         computes the prompt). Its transfer is bounded well inside the CTM's own timeout."""
         import httpx
 
+        from fastdeploy_r3.http_clients import async_client
+
         remaining = max(deadline - asyncio.get_running_loop().time(), 0.1)
         try:
-            async with httpx.AsyncClient(timeout=remaining) as client:
+            async with async_client(timeout=remaining) as client:
                 m = await fetch_manifest(client, boot.host, boot.port, boot.room)
         except (httpx.HTTPError, ValueError, TeError) as e:
             logger.warning("room %d: no blocks from the prefill server (%s); computing the prompt here", boot.room, e)
@@ -82,8 +84,10 @@ class TeBlocks:
         would push out the rooms others still need. Best effort: a room already taken is a no-op."""
         import httpx
 
+        from fastdeploy_r3.http_clients import async_client
+
         try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
+            async with async_client(timeout=5.0) as client:
                 await client.delete(f"http://{boot.host}:{boot.port}/pd/rooms/{boot.room}/kv")
         except httpx.HTTPError as e:
             logger.info("room %d: the prefill server did not take back its room (%s); it expires there", boot.room, e)
