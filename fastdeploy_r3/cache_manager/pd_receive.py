@@ -32,6 +32,7 @@ Two ways for the bytes to land:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -122,6 +123,7 @@ class PdReceiver:
         if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise RuntimeError(f"Mooncake Transfer Engine did not start on {host} (tcp, P2P handshake)")
         self._regions: list[np.ndarray] = []
+        self._lock = threading.Lock()  # the CTM receives up to four rooms at once, on threads (ctm_process.py)
         for a in (self.gpu_kv + ([routing.rows] if routing is not None else [])) if gpu_kv is not None else []:
             self._register(a)
         self.segment = f"{host}:{self.engine.get_rpc_port()}"
@@ -129,11 +131,13 @@ class PdReceiver:
     def _register(self, a: np.ndarray) -> None:
         if self.engine.register_memory(int(a.ctypes.data), a.nbytes) != 0:
             raise RuntimeError(f"Mooncake Transfer Engine refused to register {a.nbytes} bytes")
-        self._regions.append(a)
+        with self._lock:
+            self._regions.append(a)
 
     def _unregister(self, a: np.ndarray) -> None:
         self.engine.unregister_memory(int(a.ctypes.data))
-        self._regions = [r for r in self._regions if r is not a]
+        with self._lock:
+            self._regions = [r for r in self._regions if r is not a]
 
     def _pieces(self, block_id: int) -> list[tuple[int, np.ndarray]]:
         """(offset in the blob, the block's memory here) per piece, in blob order."""
@@ -182,7 +186,8 @@ class PdReceiver:
                 blocks = [[[HEADER_NBYTES, self.body_nbytes, base + i * self.body_nbytes]] for i in range(n_remote)]
                 written, error = self._request(remote, first, blocks)
             except PeerWriteUnknown:
-                self._kept.append(land)  # registered and alive for good: a late write lands only here
+                with self._lock:
+                    self._kept.append(land)  # registered and alive for good: a late write lands only here
                 raise
             self._unregister(land)
             digests = [self._hash([land[i]]) for i in range(written)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -158,6 +159,27 @@ def test_a_room_larger_than_p_arena_goes_over_in_batches_and_one_blob_too_large_
     assert d.untouched([0]) and d.tags()[0] == 0
     small.close()
     tiny.close()
+
+
+def test_two_rooms_received_at_once_each_land_in_their_own_blocks(p_arena, landing) -> None:
+    """The CTM receives rooms on threads: two at once, each into its own blocks, all buffers released."""
+    d = _D(landing)
+    made = [_blob(s) for s in range(60, 64)]
+    rooms = {41: [b for b, _, _ in made[:2]], 42: [b for b, _, _ in made[2:]]}
+
+    def body(port: int) -> None:
+        def one(room: int, gpu_ids: list[int]) -> tuple:
+            blobs = rooms[room]
+            remote = RemoteBlocks("127.0.0.1", port, room, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
+            return d.receiver.receive(gpu_ids, [room, room], remote, 0)[1:]
+
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(one, [41, 42], [[0, 1], [2, 3]]))
+        assert got == [([], None), ([], None)]
+
+    _with_p(p_arena, rooms, body)
+    assert all(d.holds(g, *m[1:]) for g, m in zip([0, 1, 2, 3], made)) and d.tags() == [41, 41, 42, 42, 0, 0]
+    assert len(d.receiver._regions) == (0 if landing else RANKS + 1)
 
 
 def test_a_gpu_hit_first_block_asks_the_room_from_the_next(p_arena, landing) -> None:
