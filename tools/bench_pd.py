@@ -18,6 +18,9 @@ own file store, blocks moving P -> D over Mooncake Transfer Engine):
              checksum included), from the blobs P stored for the transfer
   load       TTFT and TPOT p50 / p99 of a mixed load (random prompt lengths, shared prefixes across
              half of the prompts), streamed /generate, through the router vs the colocated server
+Before anything is timed, --warmup-prompts other prompts of the same lengths go through both (kernel
+compiles and first connections would otherwise land in the first figures: p99 TTFT through PD moved
+1.5-5.9 s between two runs without it).
 On one GPU P, D and the colocated server share the device: pass --server-arg=--gpu-memory-utilization=0.25.
 """
 
@@ -115,6 +118,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--backend", choices=("store", "mooncake"), default="store")
+    ap.add_argument("--warmup-prompts", type=int, default=None,
+                    help="other prompts of the same lengths sent through PD and the colocated server before "
+                         "anything is timed (default: --prompts; 0: none), so that neither side's first "
+                         "requests (kernel compiles, first connections) land in the figures")
     args = ap.parse_args()
     logs = tempfile.mkdtemp(prefix="bench_pd_")
     if args.fake:
@@ -129,9 +136,13 @@ def main() -> None:
     shared = [rng.randrange(vocab) for _ in range(lo)]
     prompts = [(shared if i % 2 else []) + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
                for i in range(args.prompts)]
+    n_warm = args.prompts if args.warmup_prompts is None else args.warmup_prompts
+    warm = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n_warm)]
     common = ("--device", args.device, "--routing-replay-config", R3_ON, "--block-size", str(args.block_size),
               *args.server_arg)
     with pd_deployment(args.model, logs, common, timeout=900, backend=args.backend) as dep:
+        for url in (dep.router, dep.colocated.url) if warm else ():
+            asyncio.run(load(url, warm, args.max_tokens, args.concurrency))
         fresh = [[rng.randrange(vocab) for _ in range(hi)] for _ in range(4)]
         moved: list[tuple[int, int, float]] = []
         if args.backend == "store":
