@@ -48,6 +48,8 @@ from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 
 logger = logging.getLogger(__name__)
 
+LAND_CHUNK_BYTES = 64 << 20  # landing: KV bytes copied into the device blocks at a time
+
 
 class PeerWriteUnknown(Exception):  # noqa: N818 - a state, not an error the CTM may absorb
     """A prefill server may still write into this engine's blocks: the CTM must exit before any ack."""
@@ -248,8 +250,12 @@ class PdReceiver:
             return
         kv_nbytes, ranks = self.layout.kv_nbytes, self.layout.num_ranks
         assert self.host_to_blocks is not None
-        self.host_to_blocks(gpu_ids, [[body[r * kv_nbytes:(r + 1) * kv_nbytes] for r in range(ranks)]
-                                      for body in bodies])  # fmt: skip
+        # a few blocks a copy: host_to_blocks stages what it copies on the device, and a long prompt's room
+        # is GBs (32k tokens of Qwen3-30B-A3B: 3 GB) beside a KV cache that fills the rest of the memory
+        step = max(1, LAND_CHUNK_BYTES // (ranks * kv_nbytes))
+        for i in range(0, len(gpu_ids), step):
+            self.host_to_blocks(gpu_ids[i:i + step], [[body[r * kv_nbytes:(r + 1) * kv_nbytes] for r in range(ranks)]
+                                                      for body in bodies[i:i + step]])  # fmt: skip
         if self.routing is not None:
             rows = self.routing.rows
             for g, body in zip(gpu_ids, bodies, strict=True):

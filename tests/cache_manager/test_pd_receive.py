@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from fastdeploy_r3.cache_manager import pd_receive
 from fastdeploy_r3.cache_manager.pd_receive import KvTarget, KvWritten, PdReceiver, PeerWriteUnknown
 from fastdeploy_r3.cache_manager.storage import BlockLayout, encode_block
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
@@ -133,6 +134,21 @@ def test_p_writes_each_blob_into_the_blocks_d_reserved_and_d_stamps_its_tags(p_a
     assert p_arena.used_bytes == 0
     assert d.copied == ([[4, 1, 5]] if landing else [])  # landing: one copy of the room's blocks
     assert len(d.receiver._regions) == (0 if landing else RANKS + 1)  # the landing buffer is unregistered
+
+
+def test_landing_copies_a_room_into_the_device_blocks_a_few_blocks_at_a_time(p_arena, monkeypatch) -> None:
+    """A long prompt's room is GBs: the copy into the device blocks goes two blocks at a time here."""
+    monkeypatch.setattr(pd_receive, "LAND_CHUNK_BYTES", 2 * RANKS * LAYOUT.kv_nbytes)
+    d = _D(landing=True)
+    made = [_blob(s) for s in range(70, 75)]
+    blobs = [b for b, _, _ in made]
+
+    def body(port: int) -> None:
+        room = RemoteBlocks("127.0.0.1", port, 43, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
+        assert d.receiver.receive([5, 4, 3, 2, 1], [1, 2, 3, 4, 5], room, 0)[1:] == ([], None)
+
+    _with_p(p_arena, {43: blobs}, body)
+    assert d.copied == [[5, 4], [3, 2], [1]] and all(d.holds(g, *m[1:]) for g, m in zip([5, 4, 3, 2, 1], made))
 
 
 def test_a_room_larger_than_p_arena_goes_over_in_batches_and_one_blob_too_large_is_refused_by_flag(landing) -> None:
