@@ -27,7 +27,7 @@ from fastdeploy_r3.cache_manager.storage import BlockLayout, encode_block
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.entrypoints.pd.bootstrap import BootstrapServer, Rooms
 from fastdeploy_r3.entrypoints.pd.te_in_place import write_pieces
-from fastdeploy_r3.entrypoints.pd.te_transfer import Outbox, TeArena, TeSender
+from fastdeploy_r3.entrypoints.pd.te_transfer import Outbox, OutboxBlob, TeArena, TeSender
 
 RANKS, LAYERS, BLOCK, HEADS, DIM = 2, 2, 2, 1, 2
 SLICE = BLOCK * HEADS * DIM * 4  # bytes of one (layer, K|V) of a block
@@ -89,7 +89,7 @@ def _with_p(p_arena: TeArena, rooms: dict[int, list[bytes]], body) -> None:
     async def run() -> None:
         outbox = Outbox()
         for room, blobs in rooms.items():
-            outbox.put(room, blobs)
+            outbox.put(room, [OutboxBlob.of(b) for b in blobs])
         server = BootstrapServer(Rooms(), "127.0.0.1", 0, TeSender(p_arena, outbox))
         try:
             await asyncio.to_thread(body, server.port)
@@ -198,6 +198,32 @@ def test_two_rooms_received_at_once_each_land_in_their_own_blocks(p_arena, landi
     assert len(d.receiver._regions) == (0 if landing else RANKS + 1)
 
 
+def test_a_block_gone_from_p_store_since_it_was_published_ends_the_room_there(landing) -> None:
+    """P names its blocks in its outbox and reads them again for the transfer: block 1 was evicted from
+    its store in between, so blocks 0 lands and D computes from block 1 on."""
+    d = _D(landing)
+    made = [_blob(s) for s in range(80, 83)]
+    blobs = [b for b, _, _ in made]
+    held = [OutboxBlob.of(blobs[0]), OutboxBlob(len(blobs[1]), _digest(blobs[1]), lambda: None),
+            OutboxBlob.of(blobs[2])]
+    arena = TeArena(1 << 16)
+
+    async def run() -> None:
+        outbox = Outbox()
+        outbox.put(44, held)
+        server = BootstrapServer(Rooms(), "127.0.0.1", 0, TeSender(arena, outbox))
+        try:
+            room = RemoteBlocks("127.0.0.1", server.port, 44, LAYOUT.blob_nbytes, tuple(_digest(b) for b in blobs))
+            _, failed, error = await asyncio.to_thread(d.receiver.receive, [3, 4, 5], [7, 8, 9], room, 0)
+            assert failed == [1, 2] and "block 1 is no longer in the prefill server's store" in error
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+    assert d.holds(3, *made[0][1:]) and d.untouched([4, 5]) and d.tags() == [0, 0, 0, 7, 0, 0]
+    arena.close()
+
+
 def test_a_gpu_hit_first_block_asks_the_room_from_the_next(p_arena, landing) -> None:
     d = _D(landing)
     made = [_blob(s) for s in range(10, 13)]
@@ -283,9 +309,10 @@ def test_a_write_the_target_engine_refuses_counts_no_block_and_a_piece_outside_i
     blob = _blob(40)[0]
     good = [[off, mem.nbytes, int(mem.ctypes.data)] for off, mem in d.receiver._pieces(0)]
     outside = KvTarget(41, d.receiver.segment, 0, [good[:-1] + [[good[-1][0], good[-1][1], 4096]]])
-    written = asyncio.run(write_pieces(p_arena, [blob], outside))
+    written = asyncio.run(write_pieces(p_arena, [OutboxBlob.of(blob)], outside))
     assert written.num_written == 0 and "failed (code" in written.error
     past_blob = KvTarget(41, d.receiver.segment, 0, [[[len(blob) - 4, 16, good[0][2]]]])
-    written = asyncio.run(write_pieces(p_arena, [blob], past_blob))
+    written = asyncio.run(write_pieces(p_arena, [OutboxBlob.of(blob)], past_blob))
     assert written == KvWritten(41, 0, "block 0: a piece lies outside its blob") and p_arena.used_bytes == 0
-    assert asyncio.run(write_pieces(p_arena, [blob], KvTarget(41, d.receiver.segment, 1, [good]))) == KvWritten(41, 0)
+    assert asyncio.run(write_pieces(p_arena, [OutboxBlob.of(blob)], KvTarget(41, d.receiver.segment, 1, [good]))) == (
+        KvWritten(41, 0))

@@ -11,7 +11,7 @@ import pytest
 
 from fastdeploy_r3.cache_manager.pd_receive import KvTarget, KvWritten
 from fastdeploy_r3.entrypoints.pd.te_in_place import write_pieces
-from fastdeploy_r3.entrypoints.pd.te_transfer import Extents, Manifest, Outbox, TeArena, TeError
+from fastdeploy_r3.entrypoints.pd.te_transfer import Extents, Manifest, Outbox, OutboxBlob, TeArena, TeError
 
 BLOB = 96  # bytes per block blob in these tests
 
@@ -45,12 +45,26 @@ def test_messages_survive_their_json_and_malformed_ones_are_refused() -> None:
             Manifest.from_json(bad)
 
 
+def test_the_outbox_keeps_rooms_by_reference_up_to_a_count_and_a_ttl() -> None:
+    """P's outbox holds no block bytes (a room is read again from P's store when D asks): it is bounded by
+    a number of rooms, the oldest leaving first, and by their age."""
+    outbox = Outbox(ttl_s=3600, max_rooms=2)
+    for room in (1, 2, 3):
+        outbox.put(room, [OutboxBlob.of(b) for b in _blobs(2, room)])
+    assert (outbox.manifest(1), len(outbox)) == (None, 2)
+    assert outbox.manifest(3) == Manifest(3, BLOB, [int.from_bytes(b[-8:], "little") for b in _blobs(2, 3)])
+    stale = Outbox(ttl_s=-1.0)  # everything older than now: a room leaves as the next one arrives
+    stale.put(1, [])
+    stale.put(2, [])
+    assert len(stale) == 0
+
+
 def test_a_write_to_a_dead_peer_fails_with_a_clear_error_and_frees_p_arena() -> None:
     p, dead = TeArena(1 << 12), TeArena(4096)
     segment, base = dead.segment, dead.base
     dead.close()
     target = KvTarget(3, "127.0.0.1:1", 0, [[[0, BLOB, base]], [[0, BLOB, base + BLOB]]])
-    written = asyncio.run(write_pieces(p, _blobs(2, 2), target))
+    written = asyncio.run(write_pieces(p, [OutboxBlob.of(b) for b in _blobs(2, 2)], target))
     assert (written.num_written, p.used_bytes) == (0, 0) and "transfer to 127.0.0.1:1 failed" in written.error
     assert segment != "127.0.0.1:1"
     p.close()
@@ -66,7 +80,7 @@ def test_the_transfer_route_refuses_a_bad_target_and_an_unknown_room_and_keeps_t
     from fastdeploy_r3.entrypoints.pd.te_transfer import TeSender, add_te_routes
 
     outbox = Outbox()
-    outbox.put(5, [b"x" * 16])
+    outbox.put(5, [OutboxBlob.of(b"x" * 16)])
     app = FastAPI()
     sender = TeSender(arena=None, outbox=outbox)  # type: ignore[arg-type]  # no route here reaches the arena
     add_te_routes(app, sender)

@@ -11,10 +11,11 @@
               of any stored block), the tail of the prompt and the first token are computed here, and
               the first token is put back in front of the output (with P's logprob and text)
 
-With --disaggregation-transfer-backend mooncake each server has its own store: P also keeps the blocks
-it stored in an outbox. D hands the room to its engine with the request: as the engine admits it, its
-cache transfer manager has P write the blocks over Mooncake Transfer Engine into the blocks it reserved
-(te_in_place.py, cache_manager/pd_receive.py; on CUDA through a host landing buffer and one copy).
+With --disaggregation-transfer-backend mooncake each server has its own store: P also names the blocks
+it stored in an outbox (read again from its store when D asks for them). D hands the room to its engine
+with the request: as the engine admits it, its cache transfer manager has P write the blocks over
+Mooncake Transfer Engine into the blocks it reserved (te_in_place.py, cache_manager/pd_receive.py; on
+CUDA through a host landing buffer and one copy).
 
 R3 across the boundary: D's engine holds prompt + first token as its prompt, so its rows are
 [0, P + 1) for that prompt plus one per further token: P + 1 + (N - 1) - 1 = P + N - 1 rows, the

@@ -1,5 +1,5 @@
-"""The mooncake backend's blocks on each side: P reading a prompt's full blocks from its own store into
-its outbox (keyed as its engine keys them, cache_manager/block_hash.py: the chain rooted at model
+"""The mooncake backend's blocks on each side: P naming a prompt's full blocks in its own store for its
+outbox (keyed as its engine keys them, cache_manager/block_hash.py: the chain rooted at model
 identity + weight version, under the storage namespace of its start-up weights, engine/builder.py), and
 D naming the room its engine loads them from (P then writes them into the blocks D's engine reserved,
 cache_manager/pd_receive.py) and handing it back once admitted.
@@ -8,6 +8,7 @@ cache_manager/pd_receive.py) and handing it back once admitted.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from fastdeploy_r3.blobstore import open_blob_store
@@ -16,7 +17,7 @@ from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap
-from fastdeploy_r3.entrypoints.pd.te_transfer import TeArena, TeError, fetch_manifest
+from fastdeploy_r3.entrypoints.pd.te_transfer import OutboxBlob, TeArena, TeError, fetch_manifest, trailer
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +39,30 @@ class TeBlocks:
         root = root_hash(self.model_identity, weight_version)
         return [h.hex() for h in hash_block_chain(root, prompt_token_ids, self.block_size, n)]
 
-    async def read(self, prompt_token_ids: list[int], weight_version: str) -> list[bytes]:
-        """P: the leading full prompt blocks its store holds (a missing one ends the run: D computes from it)."""
+    async def read(self, prompt_token_ids: list[int], weight_version: str) -> list[OutboxBlob]:
+        """P: the leading full prompt blocks its store holds (a missing one ends the run: D computes from it),
+        each read once for its size and trailer; the transfer reads it again (te_in_place.py)."""
         keys, store = self.keys(prompt_token_ids, weight_version), self.store
         assert store is not None  # a prefill server's
 
-        def get() -> list[bytes]:
+        def get(key: str) -> bytes | None:
+            try:
+                blob = store.get(key)
+            except StorageError as e:
+                logger.warning("cannot read block %s for the transfer: %s", key, e)
+                return None
+            return None if blob is None else bytes(blob)
+
+        def scan() -> list[OutboxBlob]:
             out = []
             for k in keys:
-                try:
-                    blob = store.get(k)
-                except StorageError as e:
-                    logger.warning("cannot read block %s for the transfer: %s", k, e)
-                    break
+                blob = get(k)
                 if blob is None:
                     break
-                out.append(bytes(blob))
+                out.append(OutboxBlob(len(blob), trailer(blob), functools.partial(get, k)))
             return out
 
-        return await asyncio.to_thread(get)
+        return await asyncio.to_thread(scan)
 
     async def remote(self, boot: Bootstrap, deadline: float) -> RemoteBlocks | None:
         """D: the room as the engine's remote source, P writing its blocks into the ones the engine reserves

@@ -14,53 +14,62 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from fastdeploy_r3.cache_manager.pd_receive import KvTarget, KvWritten
-from fastdeploy_r3.entrypoints.pd.te_transfer import TeArena, TeSender, take_room
+from fastdeploy_r3.entrypoints.pd.te_transfer import OutboxBlob, TeArena, TeSender, take_room, trailer
 
 
-async def write_pieces(arena: TeArena, blobs: list[bytes], target: KvTarget) -> KvWritten:
+async def write_pieces(arena: TeArena, blobs: list[OutboxBlob], target: KvTarget) -> KvWritten:
     """P: blobs first, first + 1, ... of the room, each piece (offset, bytes) of a blob to its address in D
     (its engine's KV slices and rows, or its landing buffer), in batches of whole blobs that fit P's arena
     (a quarter of it, at least one blob): one round trip each. A batch is written whole or not at all; one
-    that fails ends the room there (the blocks of the batches before it count)."""
+    that fails, or a blob no longer in P's store as it was published, ends the room there (the blocks of
+    the batches before it count)."""
     n = max(0, min(len(blobs) - target.first, len(target.blocks)))
     chosen = blobs[target.first:target.first + n]
     for i, pieces in enumerate(target.blocks[:n]):
-        if any(o < 0 or o + k > len(chosen[i]) for o, k, _ in pieces):
+        if any(o < 0 or o + k > chosen[i].nbytes for o, k, _ in pieces):
             return KvWritten(target.room, 0, f"block {target.first + i}: a piece lies outside its blob")
     done = 0
     while done < n:
-        end, size = done + 1, len(chosen[done])
-        while end < n and size + len(chosen[end]) <= arena.extents.nbytes // 4:
-            size += len(chosen[end])
+        end, size = done + 1, chosen[done].nbytes
+        while end < n and size + chosen[end].nbytes <= arena.extents.nbytes // 4:
+            size += chosen[end].nbytes
             end += 1
         off = arena.alloc(size)
         if off is None and end > done + 1:  # other rooms hold the arena: one blob at a time
-            end, size = done + 1, len(chosen[done])
+            end, size = done + 1, chosen[done].nbytes
             off = arena.alloc(size)
         if off is None:
             return KvWritten(target.room, done, f"the prefill server's transfer arena has no {size} bytes free; "
                                                 "raise --disaggregation-te-arena-mb")
         try:
-            rc = await asyncio.to_thread(_send_batch, arena, off, chosen[done:end], target.blocks[done:end],
-                                         target.segment)  # fmt: skip
+            copied, rc = await asyncio.to_thread(_send_batch, arena, off, chosen[done:end], target.blocks[done:end],
+                                                 target.segment)  # fmt: skip
         finally:
             arena.free(off)
         if rc != 0:  # a batch that fails does not say which piece did: none of it counts
             return KvWritten(target.room, done, f"transfer to {target.segment} failed (code {rc})")
+        if copied < end - done:
+            return KvWritten(target.room, done + copied, f"block {target.first + done + copied} is no longer in the "
+                                                         "prefill server's store as it was published")
         done = end
     return KvWritten(target.room, n)
 
 
-def _send_batch(arena: TeArena, off: int, blobs: list[bytes], blocks: list[list[list[int]]], segment: str) -> int:
-    """The blobs copied into the arena at off, then every piece of theirs written in one batch: its code."""
-    srcs, dsts, lens, pos = [], [], [], off
+def _send_batch(arena: TeArena, off: int, blobs: list[OutboxBlob], blocks: list[list[list[int]]],
+                segment: str) -> tuple[int, int]:  # fmt: skip
+    """The blobs read into the arena at off, then every piece of theirs written in one batch: (blobs read as
+    published, the batch's code). A blob gone or changed ends the batch before it."""
+    srcs, dsts, lens, pos, read = [], [], [], off, 0
     for blob, pieces in zip(blobs, blocks, strict=True):
-        arena.buf[pos:pos + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        data = blob.read()
+        if data is None or len(data) != blob.nbytes or trailer(data) != blob.digest:
+            break
+        arena.buf[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
         srcs += [arena.base + pos + o for o, _, _ in pieces]
         dsts += [a for _, _, a in pieces]
         lens += [k for _, k, _ in pieces]
-        pos += len(blob)
-    return arena.engine.batch_transfer_sync_write(segment, srcs, dsts, lens)
+        pos, read = pos + len(data), read + 1
+    return read, arena.engine.batch_transfer_sync_write(segment, srcs, dsts, lens) if srcs else 0
 
 
 def add_in_place_route(app: FastAPI, te: TeSender) -> None:

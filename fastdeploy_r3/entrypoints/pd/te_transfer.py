@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -140,18 +141,40 @@ class TeArena:
             self.engine.unregister_memory(self.base)
 
 
+@dataclass(frozen=True)
+class OutboxBlob:
+    """One block of a published room as P holds it: its size and trailer (what D checks what lands
+    against) and how to read it again. P keeps the blobs in its store, not in memory: a room of a long
+    prompt is GBs (32k tokens of Qwen3-30B-A3B: 3 GB), and rooms waiting for their D would push each
+    other out of any memory cap."""
+
+    nbytes: int
+    digest: int
+    read: Callable[[], bytes | None]  # None: no longer where it was kept (evicted, expired)
+
+    @classmethod
+    def of(cls, blob: bytes) -> OutboxBlob:
+        """A blob held in memory."""
+        return cls(len(blob), trailer(blob), lambda: blob)
+
+
+def trailer(blob: bytes) -> int:
+    """A stored blob's xxh3_64 checksum, its last bytes (cache_manager/storage.py)."""
+    return int.from_bytes(blob[-CHECKSUM_NBYTES:], "little")
+
+
 class Outbox:
-    """P: the blobs of each published room, until D has pulled them (or OUTBOX_TTL_S passed)."""
+    """P: the blocks of each published room, until D has taken them (or OUTBOX_TTL_S passed)."""
 
-    def __init__(self, ttl_s: float = OUTBOX_TTL_S, max_bytes: int = 1 << 30) -> None:
-        self.ttl_s, self.max_bytes = ttl_s, max_bytes
-        self._rooms: OrderedDict[int, tuple[float, list[bytes]]] = OrderedDict()
+    def __init__(self, ttl_s: float = OUTBOX_TTL_S, max_rooms: int = 4096) -> None:
+        self.ttl_s, self.max_rooms = ttl_s, max_rooms
+        self._rooms: OrderedDict[int, tuple[float, list[OutboxBlob]]] = OrderedDict()
 
-    def put(self, room: int, blobs: list[bytes]) -> None:
+    def put(self, room: int, blobs: list[OutboxBlob]) -> None:
         now = time.monotonic()
         self._rooms[room] = (now, blobs)
         self._rooms.move_to_end(room)
-        while self._rooms and (self.nbytes() > self.max_bytes
+        while self._rooms and (len(self._rooms) > self.max_rooms
                                or next(iter(self._rooms.values()))[0] < now - self.ttl_s):
             self._rooms.popitem(last=False)
 
@@ -160,15 +183,11 @@ class Outbox:
         if entry is None:
             return None
         blobs = entry[1]
-        digests = [int.from_bytes(b[-CHECKSUM_NBYTES:], "little") for b in blobs]  # each blob's own trailer
-        return Manifest(room, len(blobs[0]) if blobs else 0, digests)
+        return Manifest(room, blobs[0].nbytes if blobs else 0, [b.digest for b in blobs])
 
-    def take(self, room: int) -> list[bytes] | None:
+    def take(self, room: int) -> list[OutboxBlob] | None:
         entry = self._rooms.pop(room, None)
         return None if entry is None else entry[1]
-
-    def nbytes(self) -> int:
-        return sum(len(b) for _, blobs in self._rooms.values() for b in blobs)
 
     def __len__(self) -> int:
         return len(self._rooms)
@@ -191,7 +210,7 @@ class TeSender:
     outbox: Outbox
 
 
-async def take_room(room: int, request: Request, outbox: Outbox) -> tuple[KvTarget, list[bytes]] | JSONResponse:
+async def take_room(room: int, request: Request, outbox: Outbox) -> tuple[KvTarget, list[OutboxBlob]] | JSONResponse:
     """P, the transfer route (/kv: te_in_place.py): D's target for `room`, parsed and checked against the
     path, and the room's blobs taken from the outbox; or the answer that says why not (400, 404)."""
     try:
