@@ -21,8 +21,6 @@ def _blobs(n: int, seed: int) -> list[bytes]:
     return [rng.integers(0, 256, BLOB, dtype=np.uint8).tobytes() for _ in range(n)]
 
 
-
-
 def test_extents_allocate_first_fit_and_merge_on_free() -> None:
     e = Extents(100)
     a, b, c = e.alloc(30), e.alloc(30), e.alloc(30)
@@ -53,9 +51,8 @@ def test_the_outbox_keeps_rooms_by_reference_up_to_a_count_and_a_ttl() -> None:
         outbox.put(room, [OutboxBlob.of(b) for b in _blobs(2, room)])
     assert (outbox.manifest(1), len(outbox)) == (None, 2)
     assert outbox.manifest(3) == Manifest(3, BLOB, [int.from_bytes(b[-8:], "little") for b in _blobs(2, 3)])
-    stale = Outbox(ttl_s=-1.0)  # everything older than now: a room leaves as the next one arrives
+    stale = Outbox(ttl_s=-1.0)  # a negative TTL: every room is too old as it is put, so none stays
     stale.put(1, [])
-    stale.put(2, [])
     assert len(stale) == 0
 
 
