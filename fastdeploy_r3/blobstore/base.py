@@ -86,12 +86,17 @@ def checksummed(parts: Sequence[bytes | memoryview]) -> bytes:
     return b"".join([*parts, _CHECKSUM.pack(h.intdigest())])
 
 
-def verify_checksum(blob: bytes) -> memoryview:
-    """The payload of a checksummed blob (a view, trailer stripped); ChecksumError if it does not match."""
+def stored_checksum(blob: bytes) -> int:
+    """The xxh3_64 a checksummed blob ends with (not verified: verify_checksum does that)."""
     if len(blob) < _CHECKSUM.size:
         raise ChecksumError(f"blob of {len(blob)} bytes has no checksum: truncated")
+    return _CHECKSUM.unpack_from(blob, len(blob) - _CHECKSUM.size)[0]
+
+
+def verify_checksum(blob: bytes) -> memoryview:
+    """The payload of a checksummed blob (a view, trailer stripped); ChecksumError if it does not match."""
+    stored = stored_checksum(blob)
     mv = memoryview(blob)
-    (stored,) = _CHECKSUM.unpack_from(blob, len(blob) - _CHECKSUM.size)
     if xxhash.xxh3_64_intdigest(mv[: -_CHECKSUM.size]) != stored:
         raise ChecksumError("checksum mismatch: the stored value is corrupt")
     return mv[: -_CHECKSUM.size]

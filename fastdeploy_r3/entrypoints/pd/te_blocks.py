@@ -12,12 +12,13 @@ import functools
 import logging
 
 from fastdeploy_r3.blobstore import open_blob_store
+from fastdeploy_r3.blobstore.base import ChecksumError, stored_checksum
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap
-from fastdeploy_r3.entrypoints.pd.te_transfer import OutboxBlob, TeArena, TeError, fetch_manifest, trailer
+from fastdeploy_r3.entrypoints.pd.te_transfer import OutboxBlob, TeArena, TeError, fetch_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,14 @@ class TeBlocks:
             out = []
             for k in keys:
                 blob = get(k)
-                if blob is None:
+                try:
+                    digest = None if blob is None else stored_checksum(blob)
+                except ChecksumError as e:  # truncated: D would refuse it anyway, and compute from here
+                    logger.warning("block %s in the store is no blob (%s); the transfer stops before it", k, e)
+                    digest = None
+                if blob is None or digest is None:
                     break
-                out.append(OutboxBlob(len(blob), trailer(blob), functools.partial(get, k)))
+                out.append(OutboxBlob(len(blob), digest, functools.partial(get, k)))
             return out
 
         return await asyncio.to_thread(scan)

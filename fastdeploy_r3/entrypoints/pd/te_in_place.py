@@ -13,8 +13,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from fastdeploy_r3.blobstore.base import stored_checksum
 from fastdeploy_r3.cache_manager.pd_receive import KvTarget, KvWritten
-from fastdeploy_r3.entrypoints.pd.te_transfer import OutboxBlob, TeArena, TeSender, take_room, trailer
+from fastdeploy_r3.entrypoints.pd.te_transfer import OutboxBlob, TeArena, TeSender, take_room
 
 
 async def write_pieces(arena: TeArena, blobs: list[OutboxBlob], target: KvTarget) -> KvWritten:
@@ -62,7 +63,7 @@ def _send_batch(arena: TeArena, off: int, blobs: list[OutboxBlob], blocks: list[
     srcs, dsts, lens, pos, read = [], [], [], off, 0
     for blob, pieces in zip(blobs, blocks, strict=True):
         data = blob.read()
-        if data is None or len(data) != blob.nbytes or trailer(data) != blob.digest:
+        if data is None or len(data) != blob.nbytes or stored_checksum(data) != blob.digest:
             break
         arena.buf[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
         srcs += [arena.base + pos + o for o, _, _ in pieces]

@@ -5,8 +5,8 @@ for them, over Mooncake Transfer Engine (TCP on loopback here), instead of throu
 servers share. P's API process registers one arena, the bytes it is writing (a writer registers its
 source, the target its destination).
 
-    P  computes the prompt, waits for its write-through, reads the prompt's blobs from its own store
-       into its Outbox, publishes the room's handoff
+    P  computes the prompt, waits for its write-through, names the prompt's blobs in its own store in
+       its Outbox (their sizes and trailers: read again for the transfer), publishes the room's handoff
     D  GET  P:bootstrap/pd/rooms/R/manifest   -> Manifest (blob size, one xxh3_64 per blob)
        its engine admits the request with the room; its CTM asks P for the blocks:
        POST P:bootstrap/pd/rooms/R/kv KvTarget -> P writes them over TE -> KvWritten (the completion)
@@ -28,7 +28,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from fastdeploy_r3.blobstore.base import CHECKSUM_NBYTES
+from fastdeploy_r3.blobstore.base import stored_checksum
 from fastdeploy_r3.cache_manager.pd_receive import KvTarget
 
 if TYPE_CHECKING:
@@ -155,12 +155,7 @@ class OutboxBlob:
     @classmethod
     def of(cls, blob: bytes) -> OutboxBlob:
         """A blob held in memory."""
-        return cls(len(blob), trailer(blob), lambda: blob)
-
-
-def trailer(blob: bytes) -> int:
-    """A stored blob's xxh3_64 checksum, its last bytes (cache_manager/storage.py)."""
-    return int.from_bytes(blob[-CHECKSUM_NBYTES:], "little")
+        return cls(len(blob), stored_checksum(blob), lambda: blob)
 
 
 class Outbox:
