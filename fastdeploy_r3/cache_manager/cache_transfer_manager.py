@@ -49,6 +49,7 @@ from fastdeploy_r3.cache_manager.transfer import (
     TransferKind,
     TransferTask,
 )
+from fastdeploy_r3.r3.errors import sentinel_of
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,10 @@ class CacheTransferManager:
     def _validate(self, task: TransferTask) -> None:
         n = len(task.gpu_block_ids)
         _check_ids("gpu_block_ids", task.gpu_block_ids, self.num_gpu_blocks, unique=True)
+        if task.tail_tokens and (task.kind != TransferKind.GPU2STORAGE or not n
+                                 or not 0 < task.tail_tokens < self.block_size):  # fmt: skip
+            raise ValueError(f"task {task.task_id}: tail_tokens {task.tail_tokens} names a partial last block of a "
+                             f"GPU2STORAGE task, 1 to {self.block_size - 1} tokens")
         if task.kind in (TransferKind.SWAP2CPU, TransferKind.SWAP2GPU):
             if not self.num_cpu_blocks:
                 raise CacheTransferError("swap task but the CPU tier is off (num_cpu_blocks=0 or kv_cpu_name=None)")
@@ -190,6 +195,8 @@ class CacheTransferManager:
         nbytes, failed, reasons = 0, [], []
         blocks = self.copier.read(task.gpu_block_ids)
         for i, (block_id, key, data) in enumerate(zip(task.gpu_block_ids, task.storage_keys, blocks, strict=True)):
+            if task.tail_tokens and i == len(blocks) - 1:
+                data = _tail_only(data, task.tail_tokens, self.block_size)
             tags = data.tags
             if tags is not None:
                 # Fail closed: rows that are unwritten or from two computations would be served as data by
@@ -260,6 +267,22 @@ class CacheTransferManager:
         if self.storage is not None:
             self.storage.close()
             self.storage = None
+
+
+def _tail_only(data: BlockData, num_tokens: int, block_size: int) -> BlockData:
+    """A partial block as it is stored: its first num_tokens slots; after them KV zeros and rows "no route"
+    (what those slots hold belongs to no one: the blob carries no bytes of another request, and a row read
+    there before the decode server computes it fails R3's check), tags of the first slots only."""
+    parts = []
+    for part in data.kv_parts:  # [num_layers, 2, block_bytes], slot-major: block_size x (heads, head_dim)
+        part = np.array(part)  # a copy: on a CPU engine these are views of its KV cache
+        part[:, :, num_tokens * (part.shape[2] // block_size):] = 0
+        parts.append(part)
+    rows = None
+    if data.rows is not None:
+        rows = data.rows.copy()
+        rows[num_tokens:] = sentinel_of(rows.dtype)
+    return BlockData(parts, rows, None if data.tags is None else data.tags[:num_tokens])
 
 
 def _check_ids(what: str, ids: list[int], num_blocks: int, unique: bool) -> None:

@@ -19,7 +19,8 @@ prefill server, land in place over the transfer engine, KV and rows in the same 
 
 How the prefill/decode transfer plugs in (built into the storage tier, whose loads it shares):
   expect_remote on D, the request P handed over: the room, and each of its blocks' blob digest
-  lookup       every full prompt block of the room is "found" (P computed it)
+  lookup       every full prompt block of the room is "found" (P computed it), and its partial last
+               block when P sent one (TierHit.partial_tokens)
   start_load   a PD2GPU task: the CTM asks P to write the blocks' pieces (KV of every rank and layer,
                the rows) straight into the GPU blocks D reserved; it checks each block's digest and
                stamps the good leading ones with their fresh tags (cache_manager/pd_receive.py)
@@ -34,6 +35,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field, fields
 
+from fastdeploy_r3.cache_manager.block_pool import KVBlock
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 
 
@@ -63,7 +65,31 @@ class TierHit:
     connector: KVConnector
     keys: list[BlockKey] = field(default_factory=list)
     sources: list = field(default_factory=list)  # the connector's own handles (CPU tier: its blocks)
+    # a prefill server's room only (PD): after keys, one more block to load, the prompt's partial last
+    # block with this many tokens; the request computes from the prompt's end
+    partial_tokens: int = 0
     pending: object = None  # the connector's, from start_load to finish_load (e.g. its task's ack)
+
+
+@dataclass
+class PrefixHit:
+    """Leading full blocks of a request found in some tier, in order: GPU, then each connector's."""
+
+    gpu_blocks: list[KVBlock] = field(default_factory=list)
+    tiers: list[TierHit] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        """Full blocks found."""
+        return len(self.gpu_blocks) + sum(len(t.keys) for t in self.tiers)
+
+    @property
+    def partial_tokens(self) -> int:
+        """Tokens of the prompt's partial last block found after the full ones (a prefill server's, PD)."""
+        return self.tiers[-1].partial_tokens if self.tiers else 0
+
+    def num_tokens(self, block_size: int) -> int:
+        return self.num_blocks * block_size + self.partial_tokens
 
 
 @dataclass(frozen=True)
@@ -148,6 +174,12 @@ class KVConnector(abc.ABC):
     def save(self, blocks: list[CachedBlock]) -> int | None:
         """Newly cached GPU blocks (write-through). Returns a save id while the tier reads them in the
         background (the manager pins them until poll() returns the id), None when it took nothing."""
+        return None
+
+    def save_tail(self, block: CachedBlock) -> int | None:
+        """A prefill server's partial last prompt block (PD), its token_ids the ones it holds, stored under
+        block_hash (the chain hash of those tokens) for the decode server: a save id as save() gives, or
+        None when the tier keeps no such blocks."""
         return None
 
     def evicted(self, blocks: list[CachedBlock]) -> int:

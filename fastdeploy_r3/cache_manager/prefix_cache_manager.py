@@ -20,12 +20,11 @@ LOADING, its blocks held and not yet usable, until finish_loads() reports its nu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
-from fastdeploy_r3.cache_manager.kv_connector import BlockKey, CacheCounters, CachedBlock, KVConnector, TierHit
+from fastdeploy_r3.cache_manager.kv_connector import BlockKey, CacheCounters, CachedBlock, KVConnector, PrefixHit
 from fastdeploy_r3.cache_manager.tier_loads import PendingAdmission, advance, check_loading, hashes_in_flight
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 
@@ -44,18 +43,6 @@ class Request(Protocol):
 
     @property
     def num_computed_tokens(self) -> int: ...
-
-
-@dataclass
-class PrefixHit:
-    """Leading full blocks of a request found in some tier, in order: GPU, then each connector's."""
-
-    gpu_blocks: list[KVBlock] = field(default_factory=list)
-    tiers: list[TierHit] = field(default_factory=list)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.gpu_blocks) + sum(len(t.keys) for t in self.tiers)
 
 
 class PrefixCacheManager:
@@ -84,6 +71,8 @@ class PrefixCacheManager:
         self._loading: dict[str, PendingAdmission] = {}  # admitted, some tier's load still running
         self._loaded: dict[str, int] = {}  # loads finished since finish_loads(): num_computed_tokens
         self._abandoned: list[PendingAdmission] = []  # freed while loading: blocks held until it answers
+        self._remote: set[str] = set()  # requests a prefill server's room may serve a partial block to (PD)
+        self._tails: dict[str, int] = {}  # prefill server (PD): request id -> its prompt's length (save_tail)
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -121,13 +110,22 @@ class PrefixCacheManager:
     def expect_remote(self, request_id: str, remote: RemoteBlocks) -> bool:
         """A prefill server will write the request's prompt blocks (PD); False: no tier can take them
         (prefix caching or the storage tier off), and the request computes its prompt."""
-        return any(c.expect_remote(request_id, remote) for c in self.connectors)
+        taken = any(c.expect_remote(request_id, remote) for c in self.connectors)
+        self._remote.update([request_id] if taken else [])
+        return taken
+
+    def keep_prompt_tail(self, request_id: str, num_prompt_tokens: int) -> None:
+        """A prefill server's request (PD): when it ends with its prompt computed, the prompt's partial last
+        block is saved too (KVConnector.save_tail), for its decode server to load with the full ones."""
+        if self.enable_prefix_caching and num_prompt_tokens % self.block_size:
+            self._tails[request_id] = num_prompt_tokens
 
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:
-        """The longest run of leading full blocks found in some tier, capped so that at least the last
-        token is computed (its logits sample the next token); None while a connector cannot say yet (a
-        storage lookup still running: the first call starts it; try again next step), or while another
-        request loads the first block missing from the GPU pool (it will be a GPU hit then)."""
+        """The longest run of leading full blocks found in some tier (and the partial block after them a
+        prefill server sent), capped so that at least the last token is computed (its logits sample the
+        next token); None while a connector cannot say yet (a storage lookup still running: the first call
+        starts it; try again next step), or while another request loads the first block missing from the
+        GPU pool (it will be a GPU hit then)."""
         hit = PrefixHit()
         if not self.enable_prefix_caching:
             return hit
@@ -138,23 +136,27 @@ class PrefixCacheManager:
         while i < len(hashes) and (b := self.gpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None:
             hit.gpu_blocks.append(b)
             i += 1
-        if i == len(hashes) or not self.connectors:
+        if not self.connectors or (i == len(hashes) and req.request_id not in self._remote):
             return hit
-        if self._loading and hashes[i] in set().union(*(hashes_in_flight(a) for a in self._loading.values())):
+        if i < len(hashes) and hashes[i] in set().union(*map(hashes_in_flight, self._loading.values())):
             return None
         keys = [BlockKey(h, self._block_tokens(tokens, j)) for j, h in enumerate(hashes)]
         for connector in self.connectors:
             tier_hit = connector.lookup(req.request_id, keys, i)
             if tier_hit is None:
                 return None
-            if tier_hit.keys:
+            if tier_hit.keys or tier_hit.partial_tokens:
                 hit.tiers.append(tier_hit)
                 i += len(tier_hit.keys)
+        last = hit.tiers[-1] if hit.tiers else None
+        if last is not None and last.partial_tokens and i * self.block_size + last.partial_tokens >= req.num_tokens:
+            last.partial_tokens = 0  # it would leave no token to compute (D's request ends with P's token)
+            if not last.keys:
+                hit.tiers.pop()
         return hit
 
     def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
-        hit_tokens = hit.num_blocks * self.block_size
-        need = self.blocks_needed(hit_tokens + num_new_tokens) - len(hit.gpu_blocks)
+        need = self.blocks_needed(hit.num_tokens(self.block_size) + num_new_tokens) - len(hit.gpu_blocks)
         revived = sum(1 for b in hit.gpu_blocks if b.ref_cnt == 0)  # leave the free list when touched
         return need <= self.gpu.num_free_blocks - revived
 
@@ -189,8 +191,8 @@ class PrefixCacheManager:
         self.gpu.touch(hit.gpu_blocks)
         for tier_hit in hit.tiers:
             tier_hit.connector.hold(tier_hit)  # before allocating: its swap-outs may evict the sources
-        n_load = hit.num_blocks - len(hit.gpu_blocks)
-        n_new = self.blocks_needed(hit.num_blocks * self.block_size + num_new_tokens) - hit.num_blocks
+        n_load = hit.num_blocks - len(hit.gpu_blocks)  # the partial block, if any, is the first of the new ones
+        n_new = self.blocks_needed(hit.num_tokens(self.block_size) + num_new_tokens) - hit.num_blocks
         blocks = list(hit.gpu_blocks) + self._allocate(n_load + n_new)
         self._counters.gpu_hit_blocks += len(hit.gpu_blocks)
         self._blocks[req.request_id] = blocks
@@ -284,8 +286,12 @@ class PrefixCacheManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first; cached ones stay cached. A LOADING request's blocks
         are released only once its load answered (the CTM may still write them)."""
+        num_prompt = self._tails.pop(req.request_id, None)
+        if num_prompt is not None:
+            self._save_tail(req, num_prompt)
         self._stale.discard(req.request_id)
         self._loaded.pop(req.request_id, None)
+        self._remote.discard(req.request_id)
         blocks = self._blocks.pop(req.request_id, [])
         adm = self._loading.pop(req.request_id, None)
         if adm is not None:
@@ -326,12 +332,26 @@ class PrefixCacheManager:
 
     def _admitted(self, adm: PendingAdmission) -> int:
         """Every load of the admission answered: blocks from the first one not in place are computed."""
-        for b in adm.blocks[adm.usable :]:
+        for b in adm.blocks[adm.usable + (1 if adm.partial_tokens else 0) :]:
             # computed here: blocks after a failed load lose whatever a partial load left behind
             self.gpu.uncache(b)
             b.routing_tag = self._new_tag()
         self._num_cached[adm.request_id] = adm.usable
-        return adm.usable * self.block_size
+        return adm.usable * self.block_size + adm.partial_tokens
+
+    def _save_tail(self, req: Request, num_prompt: int) -> None:
+        """keep_prompt_tail's save as the request frees its blocks (pinned until the connector read it)."""
+        rid, full = req.request_id, num_prompt // self.block_size
+        blocks = self._blocks.get(rid, [])
+        if rid in self._stale or rid in self._loading or req.num_computed_tokens < num_prompt or len(blocks) <= full:
+            return
+        b, tokens, parent = blocks[full], req.all_token_ids[full * self.block_size : num_prompt], self.root_hash
+        tail = chain_hash(self._request_hashes(req, full)[-1] if full else parent, tokens)  # < a full block
+        for index, connector in enumerate(self.connectors):
+            save_id = connector.save_tail(CachedBlock(b.block_id, tail, tuple(tokens), b.routing_tag))
+            if save_id is not None:
+                self.gpu.touch([b])
+                self._pinned[(index, save_id)] = [b]
 
     def _advance_loads(self, block: bool) -> None:
         for rid, adm in list(self._loading.items()):

@@ -7,8 +7,10 @@ under their hash, and a prefix found there is loaded into fresh GPU blocks.
     finish_load(block=False) → None until its ack       submitted, not waited for: the loop runs on
 
 A request a prefill server handed over (PD, expect_remote) finds its prompt blocks here too: the
-room's blocks count as present, and their load is a PD2GPU task, P writing them straight into the
-blocks (cache_manager/pd_receive.py); everything after start_load is a storage load's.
+room's blocks count as present, its partial last block with them (TierHit.partial_tokens), and their
+load is a PD2GPU task, P writing them straight into the blocks (cache_manager/pd_receive.py);
+everything after start_load is a storage load's. On the prefill server, save_tail stores that partial
+block at the request's end (GPU2STORAGE with tail_tokens), for its outbox to send.
 
 A load's ack is told from a put's by its task id (both come back through the same acks()). A load
 ends as failed (its blocks are computed) when the CTM is lost, but only once that CTM can no longer
@@ -66,12 +68,18 @@ class StorageTier(KVConnector):
 
     def lookup(self, request_id: str, keys: list[BlockKey], start: int) -> TierHit | None:
         hit = TierHit(self)
-        if start >= len(keys) or not self.available or not self.transfers.usable:
+        if not self.available or not self.transfers.usable:
             return hit
         remote = self._remote.get(request_id)
         if remote is not None:  # block i of the request is block i of P's prompt: the same chain hash
-            hit.keys = keys[start:min(len(keys), len(remote.block_digests))]
-            hit.sources = [_FromPeer(remote, start)]
+            full = len(remote.block_digests) - (1 if remote.tail_tokens else 0)
+            hit.keys = keys[start:min(len(keys), full)]
+            if remote.tail_tokens and start + len(hit.keys) == full == len(keys):
+                hit.partial_tokens = remote.tail_tokens  # the prompt's last block, right after its full ones
+            if hit.keys or hit.partial_tokens:
+                hit.sources = [_FromPeer(remote, start)]
+            return hit
+        if start >= len(keys):
             return hit
         found = self.lookups.found(request_id, _keys(keys))  # asked for all, so that the answer is kept whole
         if found is None:
@@ -140,6 +148,16 @@ class StorageTier(KVConnector):
                                         tags=[b.routing_tag for b in blocks])  # the CTM refuses rows not under it
         if task_id is not None:
             self._saves[task_id] = keys
+        return task_id
+
+    def save_tail(self, block: CachedBlock) -> int | None:
+        if not self.available:
+            return None
+        key = block.block_hash.hex()
+        task_id = self.transfers.submit(TransferKind.GPU2STORAGE, gpu=[block.block_id], keys=[key],
+                                        tags=[block.routing_tag], tail_tokens=len(block.token_ids))  # fmt: skip
+        if task_id is not None:
+            self._saves[task_id] = [key]
         return task_id
 
     def poll(self, block: bool = False) -> list[int]:

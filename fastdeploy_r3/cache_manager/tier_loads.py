@@ -33,7 +33,8 @@ class PendingAdmission:
     request_id: str
     blocks: list[KVBlock]  # the whole table: GPU hits, then the blocks loads write, then new ones
     tiers: list[TierHit]
-    usable: int  # leading blocks in place so far: GPU hits, then every block of finished loads
+    usable: int  # leading full blocks in place so far: GPU hits, then every block of finished loads
+    partial_tokens: int = 0  # after them, the prompt's partial last block a prefill server sent (PD) is in place
     tier: int = 0  # the tier whose load runs now (or starts next)
     started: bool = False
     loaded_ok: bool = True  # every block of every finished load arrived: later tiers may load
@@ -52,21 +53,25 @@ def advance(adm: PendingAdmission, gpu: BlockPool, new_tag: Callable[[], int], b
     has none of this engine (storage)."""
     while not adm.done:
         tier_hit = adm.tiers[adm.tier]
+        n = len(tier_hit.keys) + (1 if tier_hit.partial_tokens else 0)  # a partial block comes last
         if not adm.started:
             start = adm.usable
-            adm.dst = adm.blocks[start : start + len(tier_hit.keys)] if adm.loaded_ok and not adm.abandoned else []
+            adm.dst = adm.blocks[start : start + n] if adm.loaded_ok and not adm.abandoned else []
             tags = [new_tag() for _ in adm.dst]
             tier_hit.connector.start_load(tier_hit, [b.block_id for b in adm.dst], tags)
             adm.started = True
         result = tier_hit.connector.finish_load(tier_hit, block=block)
         if result is None:
             return False
-        for b, key, tag in zip(adm.dst, tier_hit.keys, result.tags):
+        for b, tag in zip(adm.dst, result.tags):
             b.routing_tag = tag
+        for b, key in zip(adm.dst[: result.num_loaded], tier_hit.keys):  # never the partial block: not full
             if adm.cache:
                 gpu.cache(b, key.block_hash, key.token_ids)
-        adm.usable += result.num_loaded
-        adm.loaded_ok = adm.loaded_ok and result.num_loaded == len(tier_hit.keys)
+        adm.usable += min(result.num_loaded, len(tier_hit.keys))
+        if tier_hit.partial_tokens and result.num_loaded == n:
+            adm.partial_tokens = tier_hit.partial_tokens
+        adm.loaded_ok = adm.loaded_ok and result.num_loaded == n
         adm.tier, adm.started, adm.dst = adm.tier + 1, False, []
     return True
 
@@ -81,7 +86,7 @@ def hashes_in_flight(adm: PendingAdmission) -> set[bytes]:
 
 def check_loading(adm: PendingAdmission) -> None:
     """Raise AssertionError if a load in flight could be read: its blocks hold, uncached, tag-less."""
-    assert adm.usable <= len(adm.blocks), adm
+    assert adm.usable + (1 if adm.partial_tokens else 0) <= len(adm.blocks), adm
     for b in adm.dst:
         assert b.ref_cnt > 0, f"{b} is written by the load of {adm.request_id} but nobody holds it"
         assert b.block_hash is None, f"{b} is cached while the load of {adm.request_id} writes it"

@@ -57,6 +57,9 @@ class RemoteBlocks:
     room: int
     blob_nbytes: int  # one stored block blob (cache_manager/storage.py): this engine's layout or nothing
     block_digests: tuple[int, ...]  # per prompt block, the xxh3_64 trailer of its blob (header, KV, rows)
+    # > 0: the last of block_digests is the prompt's partial last block, holding this many tokens (its
+    # slots after them are zeros); D loads it with the full blocks and computes from the prompt's end
+    tail_tokens: int = 0
     timeout_s: float = 30.0  # the whole transfer; past it the outcome is unknown (pd_receive.py)
 
 
@@ -70,6 +73,9 @@ class TransferTask:
     routing_tags: list[int] = field(default_factory=list)
     remote: RemoteBlocks | None = None  # PD2GPU: the room, its blocks from first_block on
     first_block: int = 0
+    # GPU2STORAGE of a prefill server's partial last prompt block (PD): the task's last block holds only
+    # this many tokens; their rows must carry its tag, and what its slots after them hold is stored as zeros
+    tail_tokens: int = 0
 
 
 @dataclass

@@ -102,14 +102,16 @@ class TransferSupervisor:
 
     def submit(self, kind: TransferKind, gpu: list[int], cpu: list[int] | None = None,
                keys: list[str] | None = None, tags: list[int] | None = None,
-               remote: RemoteBlocks | None = None, first_block: int = 0) -> int | None:  # fmt: skip
+               remote: RemoteBlocks | None = None, first_block: int = 0,
+               tail_tokens: int = 0) -> int | None:  # fmt: skip
         """Queue a task; its id, or None when there is no usable CTM (now marked lost if it just went)."""
         if not self.usable:
             return None
         assert self.client is not None
         task_id, self._next_task_id = self._next_task_id, self._next_task_id + 1
         try:
-            self.client.submit(TransferTask(task_id, kind, gpu, cpu or [], keys or [], tags or [], remote, first_block))
+            self.client.submit(TransferTask(task_id, kind, gpu, cpu or [], keys or [], tags or [], remote, first_block,
+                                            tail_tokens))
         except CacheTransferError as e:
             self.lose(str(e))
             return None

@@ -95,10 +95,9 @@ class EngineService:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        weight_version: str | None = None, remote_blocks: RemoteBlocks | None = None,
+        weight_version: str | None = None, remote_blocks: RemoteBlocks | None = None, keep_prompt_tail: bool = False,
     ) -> None:
-        """Queue a request; weight_version: refuse it (WeightVersionError) unless these are the weights held;
-        remote_blocks: a prefill server writes its prompt blocks (PD), a KV tier loads them."""
+        """Queue a request; weight_version, remote_blocks, keep_prompt_tail: as AddRequest's (PD)."""
         self._check_alive()
         self.control.check_weights_usable()
         if weight_version is not None and weight_version != self.weight_version:
@@ -112,6 +111,8 @@ class EngineService:
         for req in group.children:
             if remote_blocks is not None:
                 self.kv.expect_remote(req.request_id, remote_blocks)
+            elif keep_prompt_tail:
+                self.kv.keep_prompt_tail(req.request_id, len(prompt_token_ids))
             self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str, message: str | None = None) -> None:
@@ -297,10 +298,8 @@ class EngineService:
         return out
 
     def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._closed:
-            raise EngineDeadError("the engine was shut down")
+        if self._dead is not None or self._closed:
+            raise EngineDeadError(self._dead or "the engine was shut down")
 
     def _die(self, reason: str) -> None:
         """Fail every in-flight request with the reason and stop the children."""

@@ -50,6 +50,9 @@ class AddRequest:
     weight_version: str | None = None
     # PD: the prefill server's room that writes the prompt's full blocks into this engine's (pd_receive.py)
     remote_blocks: RemoteBlocks | None = None
+    # PD's prefill server (mooncake backend): as the request ends, its prompt's partial last block is stored
+    # too, for the decode server to load with the full ones (PrefixCacheManager.keep_prompt_tail)
+    keep_prompt_tail: bool = False
 
 
 @dataclass

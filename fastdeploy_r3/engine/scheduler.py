@@ -176,7 +176,7 @@ class Scheduler:
             hit = PrefixHit() if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req)
             if hit is None:
                 continue
-            hit_tokens = hit.num_blocks * self.kv.block_size
+            hit_tokens = hit.num_tokens(self.kv.block_size)  # a partial block only from a prefill server
             num_new = req.num_tokens - hit_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:

@@ -308,6 +308,7 @@ class AsyncEngineClient:
         rewrite: Callable[[RequestDelta], RequestDelta] | None = None,
         weight_version: str | None = None,
         remote_blocks: RemoteBlocks | None = None,
+        keep_prompt_tail: bool = False,
     ) -> AsyncIterator[RequestDelta]:
         """Yield the RequestDelta of each step that advanced the request (what is new: assemble
         with outputs.OutputAssembler), ending with the finished one. Raises InvalidRequestError
@@ -315,7 +316,8 @@ class AsyncEngineClient:
         request in the engine. `rewrite` sees each delta before it is detokenized (a decode server puts
         the first token a prefill server sampled in front: entrypoints/pd/roles.py). `weight_version`: the
         engine refuses the request (EngineWeightVersionError) unless it holds these weights; `remote_blocks`: a
-        prefill server writes the prompt's blocks into the engine's (PD)."""
+        prefill server writes the prompt's blocks into the engine's (PD); `keep_prompt_tail`: a prefill
+        server's request, whose prompt's partial last block the engine stores too as it ends."""
         self._check_alive()
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -326,7 +328,7 @@ class AsyncEngineClient:
         finished = False
         try:
             await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt, weight_version,
-                                        remote_blocks))
+                                        remote_blocks, keep_prompt_tail))
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -213,6 +213,38 @@ def test_untagged_rows_are_never_stored_and_bad_tasks_do_not_kill_the_ctm(tmp_pa
         _stop_engine(e)
 
 
+def test_a_partial_last_block_is_stored_with_its_tokens_only(tmp_path) -> None:
+    """PD's prefill server stores its prompt's partial last block (tail_tokens): GPU block 1 holds 2 tokens
+    of the request (tag 11); its slots 2 and 3 hold what another request left (tag 77). Stored with
+    tail_tokens=2 and loaded into block 4: slots 0-1 are the request's KV and rows, slots 2-3 zero KV and
+    "no route" rows, all under the load's tag. Without tail_tokens the block is refused (two writers); a tail of a whole
+    block or more is a bad task."""
+    e = _start_engine(f"file://{tmp_path}")
+    try:
+        e.fill(1, tag=11, seed=21)
+        e.fill(2, tag=77, seed=22)
+        slot = slice(2, BS)
+        for kv in e.kv:
+            kv[:, :, 1, slot] = kv[:, :, 2, slot]  # another request's KV in the block's last two slots
+        e.host.write(e.snapshot(2)[1][slot], block_slots([1], BS)[slot], np.full(BS - 2, 77, np.int64))
+        kv_before, rows_before, _ = e.snapshot(1)
+        assert "not all tagged" in e.run(TransferKind.GPU2STORAGE, [1], storage_keys=["c0" * 16]).error
+        ack = e.run(TransferKind.GPU2STORAGE, [1], storage_keys=["c1" * 16], routing_tags=[11], tail_tokens=2)
+        assert ack.ok, ack.error
+        assert e.run(TransferKind.STORAGE2GPU, [4], storage_keys=["c1" * 16], routing_tags=[31]).ok
+        kv_after, rows_after, tags = e.snapshot(4)
+        for rank in range(TP):
+            want = np.frombuffer(kv_before[rank], np.uint8).reshape(LAYERS, 2, BS, -1).copy()
+            want[:, :, 2:] = 0
+            assert kv_after[rank] == want.tobytes()
+        np.testing.assert_array_equal(rows_after[:2], rows_before[:2])
+        assert (rows_after[2:] == e.host.sentinel).all() and tags.tolist() == [31] * BS
+        bad = e.run(TransferKind.GPU2STORAGE, [1], storage_keys=["c2" * 16], routing_tags=[11], tail_tokens=BS)
+        assert not bad.ok and "tail_tokens" in bad.error and e.client.is_alive()
+    finally:
+        _stop_engine(e)
+
+
 def test_killed_ctm_makes_wait_raise_promptly_and_shutdown_cleans_its_shm() -> None:
     """SIGKILL the CTM mid-flight: wait() raises within seconds, is_alive() is False, no segment is left."""
     e = _start_engine(None)

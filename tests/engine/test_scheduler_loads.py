@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from fastdeploy_r3.blobstore.health import StoreHealth
-from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
+from fastdeploy_r3.cache_manager.block_hash import block_hash, hash_block_chain, root_hash
 from fastdeploy_r3.cache_manager.kv_connector import BlockKey
 from fastdeploy_r3.cache_manager.prefix_cache_manager import PrefixCacheManager
 from fastdeploy_r3.cache_manager.storage_lookup import StorageLookup
@@ -324,3 +324,87 @@ def test_a_prefill_servers_room_loads_as_pd2gpu_from_the_first_block_the_gpu_poo
     assert len(tier.lookup("r3", keys, 0).keys) == 2  # the room answers at once, without the store
     tier.on_free("r3")  # the request released its blocks (finished, aborted, preempted): the room is forgotten
     assert tier.lookup("r3", keys, 0) is None  # the store is asked now (its lookup runs off the loop)
+
+
+TAIL_PROMPT = list(range(60, 70))  # two full blocks, then a partial one of 2 tokens (60..67 | 68, 69)
+
+
+def _room(room: int, digests: tuple[int, ...], tail_tokens: int = 2) -> RemoteBlocks:
+    return RemoteBlocks("127.0.0.1", 8998, room, 4096, digests, tail_tokens=tail_tokens)
+
+
+def _admit_loading(s: Scheduler, r: Request) -> None:
+    s.add_request(r)
+    while r.status is RequestStatus.WAITING:
+        step(s)
+    assert r.status is RequestStatus.LOADING
+
+
+def test_a_rooms_partial_last_block_loads_with_its_full_ones_and_only_ps_token_is_computed():
+    """D's request is P's 10-token prompt plus P's first token (99). The room holds two full blocks and the
+    partial last one (2 tokens): one PD2GPU task writes all three, the request joins at token 10 and
+    computes P's token alone, its tail block keeps the tag its rows landed under. A second request of
+    the same prompt finds both full blocks in the GPU pool and asks the room for the partial block only;
+    it did not arrive whole there, so that request computes its 2 tokens itself."""
+    s, ctm, _ = make()
+    assert s.kv.expect_remote("r", _room(41, (11, 12, 13)))
+    r = req("r", TAIL_PROMPT + [99])
+    _admit_loading(s, r)
+    (task,) = ctm.loads
+    assert (task.kind, task.gpu_block_ids, task.first_block) == (TransferKind.PD2GPU, [0, 1, 2], 0)
+    assert s.kv.block_table("r") == [0, 1, 2]  # 11 tokens: the partial block takes P's token as well
+    ctm.ack(task)
+    assert step(s) == [("r", 1)]
+    assert (r.num_cached_tokens, s.kv.block_tags("r")) == (10, task.routing_tags)
+
+    assert s.kv.expect_remote("r2", _room(42, (21, 22, 23)))
+    r2 = req("r2", TAIL_PROMPT + [98])
+    _admit_loading(s, r2)
+    task2 = ctm.loads[-1]
+    assert (task2.first_block, len(task2.gpu_block_ids)) == (2, 1)
+    assert s.kv.block_table("r2")[:2] == s.kv.block_table("r")[:2]
+    ctm.ack(task2, failed=(0,))
+    assert ("r2", 3) in step(s)  # the 2 tokens of the partial block, then P's token (r decodes beside it)
+    assert r2.num_cached_tokens == 8 and s.kv.block_tags("r2")[2] != task2.routing_tags[0]
+
+
+def test_a_partial_block_that_would_leave_nothing_to_compute_is_not_loaded():
+    """P's token ended the request: D runs the prompt alone (its last token's logits are the step's), so
+    the room's partial block is not asked for, only the full ones."""
+    s, ctm, _ = make()
+    assert s.kv.expect_remote("r", _room(43, (11, 12, 13)))
+    r = req("r", TAIL_PROMPT, max_tokens=1)
+    _admit_loading(s, r)
+    (task,) = ctm.loads
+    assert (task.gpu_block_ids, task.first_block) == ([0, 1], 0)
+    ctm.ack(task)
+    assert step(s) == [("r", 2)]
+
+
+def test_a_prefill_request_stores_its_partial_last_block_as_it_ends_and_pins_it_until_stored():
+    """P: a request with keep_prompt_tail computes its prompt and samples; as it ends, its partial last
+    block (GPU block 2, tokens 68 and 69) is stored under the chain hash of those two tokens, from the
+    hash of the full blocks before it, with tail_tokens=2; the block stays held until the put answered.
+    A request that did not compute its prompt (aborted while waiting) stores nothing."""
+    s, ctm, _ = make()
+    s.kv.keep_prompt_tail("p", len(TAIL_PROMPT))
+    p = req("p", TAIL_PROMPT, max_tokens=1)
+    s.add_request(p)
+    while not p.output_token_ids:
+        step(s)
+    assert ctm._puts and all(t.tail_tokens == 0 for t in ctm._puts)  # the full blocks, written through
+    s.release(p, RequestStatus.FINISHED_LENGTH)
+    (put,) = [t for t in ctm._puts if t.tail_tokens]
+    full = hash_block_chain(ROOT, TAIL_PROMPT, 4, 2)
+    assert (put.kind, put.gpu_block_ids, put.tail_tokens) == (TransferKind.GPU2STORAGE, [2], 2)
+    assert put.storage_keys == [block_hash(full[-1], [68, 69]).hex()]
+    assert s.kv.gpu.blocks[2].ref_cnt == 1  # pinned: the CTM reads it after the request let go
+    s.kv.check_integrity()
+    step(s)  # the put answers
+    assert s.kv.gpu.blocks[2].ref_cnt == 0 and not s.kv.saves_in_flight()
+
+    s.kv.keep_prompt_tail("q", len(TAIL_PROMPT))
+    q = req("q", TAIL_PROMPT[:9] + [5], max_tokens=1)
+    s.add_request(q)
+    s.release(q, RequestStatus.FINISHED_ABORTED)
+    assert not ctm._puts and not s.kv.saves_in_flight()

@@ -174,7 +174,7 @@ class _FakeEngine:
     def __init__(self, deltas: list[RequestDelta], fail: BaseException | None = None) -> None:
         self.deltas, self.fail, self.commands = deltas, fail, []
 
-    async def generate(self, request_id, prompt_token_ids, params, prompt=None, rewrite=None):
+    async def generate(self, request_id, prompt_token_ids, params, prompt=None, rewrite=None, keep_prompt_tail=False):
         for delta in self.deltas:
             yield delta if rewrite is None else rewrite(delta)
         if self.fail is not None:

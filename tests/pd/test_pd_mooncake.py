@@ -91,7 +91,8 @@ def test_generate_equals_colocated_and_d_computes_none_of_the_blocks_that_arrive
             out = _generate(pd.router, prompt, stream=stream)
             _same(out, _generate(pd.colocated.url, prompt), prompt, 5)
             if not stream:  # D's GPU cache serves the streamed repeats; the first time, the blocks arrived
-                assert out["meta_info"]["cached_tokens"] == len(prompt) // BLOCK * BLOCK
+                # every prompt token, the partial last block's too: D computes from P's first token on
+                assert out["meta_info"]["cached_tokens"] == len(prompt)
     # the full prompt blocks crossed into D's engine blocks, not through its store: D's store holds only
     # blocks D computed (they end in output tokens), none of P's
     p_blocks, d_blocks = ({os.path.basename(b) for b in _blobs(logs, side)} for side in ("p", "d"))
@@ -142,7 +143,7 @@ def test_a_room_d_needs_none_of_is_handed_back_to_p(pd: Deployment) -> None:
     """D's GPU pool holds the prompt's blocks (the router's request just before): D's engine asks P for
     none of room 4343's, and D hands the room back once its engine admitted the request, so that P's
     outbox keeps no room nobody will pull (it would push out rooms others still need)."""
-    prompt = [500 + i for i in range(9)]
+    prompt = [500 + i for i in range(8)]  # whole blocks: D needs no partial one either
     _generate(pd.router, prompt)
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 4343}
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
@@ -158,23 +159,42 @@ def test_a_room_d_needs_none_of_is_handed_back_to_p(pd: Deployment) -> None:
     assert httpx.get(manifest, timeout=30).status_code == 404
 
 
-def test_a_block_corrupted_on_p_costs_d_recomputation_never_exactness(pd: Deployment, logs) -> None:
-    prompt = [200 + i for i in range(9)]
+def _flip_a_byte(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+def _prefill_alone(pd: Deployment, logs: str, prompt: list[int], room: int) -> list[str]:
+    """P alone under a room of its own: it answers once the prompt's blocks are in its store; the blobs it
+    stored, oldest first (the full blocks as they filled, the partial last block as the request ended)."""
     before = set(_blobs(logs, "p"))
-    # P alone under a room of its own: it answers once the prompt's two full blocks are in its store
     r = httpx.post(f"{pd.prefill.url}/generate", timeout=120, json={
         "input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
-        "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 4242})
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": room})
     assert r.status_code == 200, r.text
-    new = sorted(set(_blobs(logs, "p")) - before)
-    assert len(new) == 2
+    return sorted(set(_blobs(logs, "p")) - before, key=os.path.getmtime)
+
+
+def test_a_block_corrupted_on_p_costs_d_recomputation_never_exactness(pd: Deployment, logs) -> None:
+    prompt = [200 + i for i in range(9)]
+    new = _prefill_alone(pd, logs, prompt, 4242)
+    assert len(new) == 3  # two full blocks and the partial last one (1 token)
     for path in new:  # a flipped byte in each: P sends them as stored, D's load refuses them and computes
-        data = bytearray(open(path, "rb").read())
-        data[len(data) // 2] ^= 0x01
-        open(path, "wb").write(bytes(data))
+        _flip_a_byte(path)
     out = _generate(pd.router, prompt)
     _same(out, _generate(pd.colocated.url, prompt), prompt, 5)
     assert out["meta_info"]["cached_tokens"] == 0
+
+
+def test_a_partial_last_block_corrupted_on_p_costs_d_only_its_tokens(pd: Deployment, logs) -> None:
+    prompt = [250 + i for i in range(11)]
+    new = _prefill_alone(pd, logs, prompt, 4244)
+    assert len(new) == 3  # two full blocks, then the partial last one (3 tokens), stored as the request ended
+    _flip_a_byte(new[-1])
+    out = _generate(pd.router, prompt)
+    _same(out, _generate(pd.colocated.url, prompt), prompt, 5)
+    assert out["meta_info"]["cached_tokens"] == 8  # the full blocks arrived; D computed the last 3 tokens
 
 
 def test_a_transfer_that_fails_after_the_handoff_costs_d_recomputation_never_exactness(pd: Deployment) -> None:
@@ -185,7 +205,8 @@ def test_a_transfer_that_fails_after_the_handoff_costs_d_recomputation_never_exa
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
     assert httpx.post(f"{pd.prefill.url}/generate", json={**body, **boot}, timeout=120).status_code == 200
     bootstrap = f"http://127.0.0.1:{pd.bootstrap_port}/pd/rooms/88"
-    assert len(httpx.get(f"{bootstrap}/manifest", timeout=30).json()["block_digests"]) == 2
+    manifest = httpx.get(f"{bootstrap}/manifest", timeout=30).json()
+    assert (len(manifest["block_digests"]), manifest["tail_tokens"]) == (3, 1)  # two full blocks, then 1 token
     taken = httpx.post(f"{bootstrap}/kv", timeout=30, json={"room": 88, "segment": "127.0.0.1:1", "first": 0,
                                                              "blocks": []})
     assert taken.json() == {"room": 88, "num_written": 0, "error": None}

@@ -35,11 +35,12 @@ def test_extents_allocate_first_fit_and_merge_on_free() -> None:
 
 
 def test_messages_survive_their_json_and_malformed_ones_are_refused() -> None:
-    m = Manifest(7, BLOB, [11, 12])
+    m = Manifest(7, BLOB, [11, 12, 13], tail_tokens=3)  # two full blocks, then a partial one of 3 tokens
     assert Manifest.from_json(m.to_json()) == m
     assert KvWritten.from_json(KvWritten(7, 1, "x").to_json()) == KvWritten(7, 1, "x")
-    for bad in ({"room": 7}, {"room": 7, "blob_nbytes": 0, "block_digests": [11]}, [1]):
-        with pytest.raises(TeError, match="malformed manifest|blob_nbytes 0"):
+    for bad in ({"room": 7}, {"room": 7, "blob_nbytes": 0, "block_digests": [11], "tail_tokens": 0}, [1],
+                {"room": 7, "blob_nbytes": BLOB, "block_digests": [], "tail_tokens": 3}):
+        with pytest.raises(TeError, match="malformed manifest|blob_nbytes 0|tail_tokens 3 and 0 blocks"):
             Manifest.from_json(bad)
 
 
@@ -51,6 +52,8 @@ def test_the_outbox_keeps_rooms_by_reference_up_to_a_count_and_a_ttl() -> None:
         outbox.put(room, [OutboxBlob.of(b) for b in _blobs(2, room)])
     assert (outbox.manifest(1), len(outbox)) == (None, 2)
     assert outbox.manifest(3) == Manifest(3, BLOB, [int.from_bytes(b[-8:], "little") for b in _blobs(2, 3)])
+    outbox.put(4, [OutboxBlob.of(b) for b in _blobs(2, 4)], tail_tokens=1)  # its last block a partial one
+    assert outbox.manifest(4).tail_tokens == 1 and outbox.manifest(3).tail_tokens == 0
     stale = Outbox(ttl_s=-1.0)  # a negative TTL: every room is too old as it is put, so none stays
     stale.put(1, [])
     assert len(stale) == 0
@@ -84,7 +87,8 @@ def test_the_transfer_route_refuses_a_bad_target_and_an_unknown_room_and_keeps_t
     add_in_place_route(app, sender)
     client = TestClient(app)
     assert client.get("/pd/rooms/5/manifest").json() == {"room": 5, "blob_nbytes": 16,
-                                                          "block_digests": [int.from_bytes(b"x" * 8, "little")]}
+                                                          "block_digests": [int.from_bytes(b"x" * 8, "little")],
+                                                          "tail_tokens": 0}
     assert client.get("/pd/rooms/6/manifest").status_code == 404
     targets = {"kv": {"room": 5, "segment": "127.0.0.1:1", "first": 0, "blocks": [[[0, 16, 0]]]}}
     for kind, target in targets.items():

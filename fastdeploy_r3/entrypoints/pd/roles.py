@@ -137,7 +137,8 @@ class PdPrefill:
         text: list[str] = []
         logprobs: list = []
         try:
-            async for delta in self.engine.generate(request_id, prompt_token_ids, first, prompt):
+            async for delta in self.engine.generate(request_id, prompt_token_ids, first, prompt,
+                                                    keep_prompt_tail=self.te is not None):  # fmt: skip
                 c = delta.outputs[0]
                 token_ids += c.token_ids
                 text.append(c.text)
@@ -149,7 +150,7 @@ class PdPrefill:
                         publish(weight_version=version, error=c.error or f"finished {c.finish_reason} without a token")
                     else:
                         if self.te is not None and self.sender is not None:  # before D can ask for them
-                            self.sender.outbox.put(boot.room, await self.te.read(prompt_token_ids, version))
+                            self.sender.outbox.put(boot.room, *await self.te.read(prompt_token_ids, version))
                         publish(weight_version=version, token_id=token_ids[0], text="".join(text),
                                 logprob=logprobs[0] if logprobs else None, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason, num_cached_tokens=delta.num_cached_tokens)

@@ -14,7 +14,7 @@ import logging
 from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.blobstore.base import ChecksumError, stored_checksum
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError
-from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
+from fastdeploy_r3.cache_manager.block_hash import block_hash, hash_block_chain, root_hash
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap
@@ -36,14 +36,21 @@ class TeBlocks:
         self.store = store
 
     def keys(self, prompt_token_ids: list[int], weight_version: str) -> list[str]:
-        n = len(prompt_token_ids) // self.block_size
-        root = root_hash(self.model_identity, weight_version)
-        return [h.hex() for h in hash_block_chain(root, prompt_token_ids, self.block_size, n)]
+        """The store keys of the prompt's full blocks, then of its partial last block if it has one (the chain
+        hash of the tokens it holds, as PrefixCacheManager.keep_prompt_tail's save names it)."""
+        n, tail = divmod(len(prompt_token_ids), self.block_size)
+        chain = hash_block_chain(root_hash(self.model_identity, weight_version), prompt_token_ids, self.block_size, n)
+        if tail:
+            chain.append(block_hash(chain[-1] if chain else root_hash(self.model_identity, weight_version),
+                                    prompt_token_ids[n * self.block_size:]))  # fmt: skip
+        return [h.hex() for h in chain]
 
-    async def read(self, prompt_token_ids: list[int], weight_version: str) -> list[OutboxBlob]:
-        """P: the leading full prompt blocks its store holds (a missing one ends the run: D computes from it),
-        each read once for its size and trailer; the transfer reads it again (te_in_place.py)."""
+    async def read(self, prompt_token_ids: list[int], weight_version: str) -> tuple[list[OutboxBlob], int]:
+        """P: the leading prompt blocks its store holds (a missing one ends the run: D computes from it), each
+        read once for its size and trailer (the transfer reads it again: te_in_place.py), and how many tokens
+        the last one holds when it is the prompt's partial last block (else 0)."""
         keys, store = self.keys(prompt_token_ids, weight_version), self.store
+        tail_tokens = len(prompt_token_ids) % self.block_size
         assert store is not None  # a prefill server's
 
         def get(key: str) -> bytes | None:
@@ -68,7 +75,8 @@ class TeBlocks:
                 out.append(OutboxBlob(len(blob), digest, functools.partial(get, k)))
             return out
 
-        return await asyncio.to_thread(scan)
+        blobs = await asyncio.to_thread(scan)
+        return blobs, tail_tokens if len(blobs) == len(keys) else 0
 
     async def remote(self, boot: Bootstrap, deadline: float) -> RemoteBlocks | None:
         """D: the room as the engine's remote source, P writing its blocks into the ones the engine reserves
@@ -88,7 +96,7 @@ class TeBlocks:
         if not m.block_digests:
             return None
         return RemoteBlocks(boot.host, boot.port, boot.room, m.blob_nbytes, tuple(m.block_digests),
-                            timeout_s=min(remaining, self.transfer_timeout_s / 2))
+                            tail_tokens=m.tail_tokens, timeout_s=min(remaining, self.transfer_timeout_s / 2))
 
     async def release(self, boot: Bootstrap) -> None:
         """D, once its engine admitted the request: P drops the room from its outbox. The engine took

@@ -53,6 +53,7 @@ class Manifest:
     # per blob, the xxh3_64 it ends with (over its header, KV and rows): what a block written at D must hash
     # to (cache_manager/pd_receive.py)
     block_digests: list[int] = field(default_factory=list)
+    tail_tokens: int = 0  # > 0: the last blob is the prompt's partial last block, with this many tokens
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,11 +62,14 @@ class Manifest:
     def from_json(cls, raw: Any) -> Manifest:
         try:
             m = cls(room=int(raw["room"]), blob_nbytes=int(raw["blob_nbytes"]),
-                    block_digests=[int(d) for d in raw["block_digests"]])
+                    block_digests=[int(d) for d in raw["block_digests"]], tail_tokens=int(raw["tail_tokens"]))
         except (KeyError, TypeError, ValueError) as e:
             raise TeError(f"the prefill server sent a malformed manifest ({e})") from None
         if m.blob_nbytes < 0 or (m.block_digests and m.blob_nbytes == 0):
             raise TeError(f"the prefill server sent a manifest with blob_nbytes {m.blob_nbytes}")
+        if m.tail_tokens < 0 or (m.tail_tokens and not m.block_digests):
+            raise TeError(f"the prefill server sent a manifest with tail_tokens {m.tail_tokens} and "
+                          f"{len(m.block_digests)} blocks")
         return m
 
 
@@ -163,11 +167,12 @@ class Outbox:
 
     def __init__(self, ttl_s: float = OUTBOX_TTL_S, max_rooms: int = 4096) -> None:
         self.ttl_s, self.max_rooms = ttl_s, max_rooms
-        self._rooms: OrderedDict[int, tuple[float, list[OutboxBlob]]] = OrderedDict()
+        self._rooms: OrderedDict[int, tuple[float, list[OutboxBlob], int]] = OrderedDict()
 
-    def put(self, room: int, blobs: list[OutboxBlob]) -> None:
+    def put(self, room: int, blobs: list[OutboxBlob], tail_tokens: int = 0) -> None:
+        """tail_tokens > 0: the last blob is the prompt's partial last block, holding that many tokens."""
         now = time.monotonic()
-        self._rooms[room] = (now, blobs)
+        self._rooms[room] = (now, blobs, tail_tokens)
         self._rooms.move_to_end(room)
         while self._rooms and (len(self._rooms) > self.max_rooms
                                or next(iter(self._rooms.values()))[0] < now - self.ttl_s):
@@ -177,8 +182,8 @@ class Outbox:
         entry = self._rooms.get(room)
         if entry is None:
             return None
-        blobs = entry[1]
-        return Manifest(room, blobs[0].nbytes if blobs else 0, [b.digest for b in blobs])
+        _, blobs, tail_tokens = entry
+        return Manifest(room, blobs[0].nbytes if blobs else 0, [b.digest for b in blobs], tail_tokens)
 
     def take(self, room: int) -> list[OutboxBlob] | None:
         entry = self._rooms.pop(room, None)
