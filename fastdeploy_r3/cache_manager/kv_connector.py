@@ -19,8 +19,8 @@ prefill server, land in place over the transfer engine, KV and rows in the same 
 
 How the prefill/decode transfer plugs in (built into the storage tier, whose loads it shares):
   expect_remote on D, the request P handed over: the room, and each of its blocks' blob digest
-  lookup       every full prompt block of the room is "found" (P computed it), and its partial last
-               block when P sent one (TierHit.partial_tokens)
+  lookup       every prompt block of the room is "found" (P computed it), its partial last one too when
+               P sent one and the request asks for it (BlockKey.partial)
   start_load   a PD2GPU task: the CTM asks P to write the blocks' pieces (KV of every rank and layer,
                the rows) straight into the GPU blocks D reserved; it checks each block's digest and
                stamps the good leading ones with their fresh tags (cache_manager/pd_receive.py)
@@ -42,10 +42,13 @@ from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 @dataclass(frozen=True)
 class BlockKey:
     """A full block of a request as every tier addresses it: its chain hash, and the token ids a hit
-    must hold (tiers that keep them compare them; a store trusts the 128-bit hash)."""
+    must hold (tiers that keep them compare them; a store trusts the 128-bit hash). Or, partial, the
+    prompt's partial last block a prefill server stored (PD): the chain hash of the fewer tokens it holds,
+    never cached in the GPU or CPU pool, and only ever the last key of a lookup."""
 
     block_hash: bytes
     token_ids: tuple[int, ...]
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,15 @@ class TierHit:
     connector: KVConnector
     keys: list[BlockKey] = field(default_factory=list)
     sources: list = field(default_factory=list)  # the connector's own handles (CPU tier: its blocks)
-    # a prefill server's room only (PD): after keys, one more block to load, the prompt's partial last
-    # block with this many tokens; the request computes from the prompt's end
-    partial_tokens: int = 0
+
+    @property
+    def num_full(self) -> int:
+        return len(self.keys) - (1 if self.partial_tokens else 0)
+
+    @property
+    def partial_tokens(self) -> int:
+        """Tokens of the partial last block the hit ends with (BlockKey.partial), else 0."""
+        return len(self.keys[-1].token_ids) if self.keys and self.keys[-1].partial else 0
     pending: object = None  # the connector's, from start_load to finish_load (e.g. its task's ack)
 
 
@@ -81,7 +90,7 @@ class PrefixHit:
     @property
     def num_blocks(self) -> int:
         """Full blocks found."""
-        return len(self.gpu_blocks) + sum(len(t.keys) for t in self.tiers)
+        return len(self.gpu_blocks) + sum(t.num_full for t in self.tiers)
 
     @property
     def partial_tokens(self) -> int:

@@ -25,6 +25,7 @@ from typing import Protocol
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
 from fastdeploy_r3.cache_manager.kv_connector import BlockKey, CacheCounters, CachedBlock, KVConnector, PrefixHit
+from fastdeploy_r3.cache_manager.prompt_tails import PromptTails
 from fastdeploy_r3.cache_manager.tier_loads import PendingAdmission, advance, check_loading, hashes_in_flight
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 
@@ -71,8 +72,7 @@ class PrefixCacheManager:
         self._loading: dict[str, PendingAdmission] = {}  # admitted, some tier's load still running
         self._loaded: dict[str, int] = {}  # loads finished since finish_loads(): num_computed_tokens
         self._abandoned: list[PendingAdmission] = []  # freed while loading: blocks held until it answers
-        self._remote: set[str] = set()  # requests a prefill server's room may serve a partial block to (PD)
-        self._tails: dict[str, int] = {}  # prefill server (PD): request id -> its prompt's length (save_tail)
+        self.tails = PromptTails(block_size)  # PD: the partial last prompt block (prompt_tails.py)
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -110,15 +110,19 @@ class PrefixCacheManager:
     def expect_remote(self, request_id: str, remote: RemoteBlocks) -> bool:
         """A prefill server will write the request's prompt blocks (PD); False: no tier can take them
         (prefix caching or the storage tier off), and the request computes its prompt."""
-        taken = any(c.expect_remote(request_id, remote) for c in self.connectors)
-        self._remote.update([request_id] if taken else [])
-        return taken
+        return any(c.expect_remote(request_id, remote) for c in self.connectors)
 
     def keep_prompt_tail(self, request_id: str, num_prompt_tokens: int) -> None:
         """A prefill server's request (PD): when it ends with its prompt computed, the prompt's partial last
         block is saved too (KVConnector.save_tail), for its decode server to load with the full ones."""
-        if self.enable_prefix_caching and num_prompt_tokens % self.block_size:
-            self._tails[request_id] = num_prompt_tokens
+        if self.enable_prefix_caching:
+            self.tails.keep(request_id, num_prompt_tokens)
+
+    def expect_prompt_tail(self, request_id: str, num_prompt_tokens: int) -> None:
+        """A decode server's request (PD) continuing a prompt of that length: the prefill server's partial last
+        block is looked up after the full ones (a partial BlockKey), where it stored it or in its room."""
+        if self.enable_prefix_caching:
+            self.tails.expect(request_id, num_prompt_tokens)
 
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:
         """The longest run of leading full blocks found in some tier (and the partial block after them a
@@ -136,23 +140,19 @@ class PrefixCacheManager:
         while i < len(hashes) and (b := self.gpu.lookup(hashes[i], self._block_tokens(tokens, i))) is not None:
             hit.gpu_blocks.append(b)
             i += 1
-        if not self.connectors or (i == len(hashes) and req.request_id not in self._remote):
+        tail = self.tails.expected_key(req.request_id, tokens, hashes, self.root_hash)
+        if not self.connectors or (i == len(hashes) and tail is None):
             return hit
         if i < len(hashes) and hashes[i] in set().union(*map(hashes_in_flight, self._loading.values())):
             return None
-        keys = [BlockKey(h, self._block_tokens(tokens, j)) for j, h in enumerate(hashes)]
+        keys = [BlockKey(h, self._block_tokens(tokens, j)) for j, h in enumerate(hashes)] + ([tail] if tail else [])
         for connector in self.connectors:
             tier_hit = connector.lookup(req.request_id, keys, i)
             if tier_hit is None:
                 return None
-            if tier_hit.keys or tier_hit.partial_tokens:
+            if tier_hit.keys:
                 hit.tiers.append(tier_hit)
                 i += len(tier_hit.keys)
-        last = hit.tiers[-1] if hit.tiers else None
-        if last is not None and last.partial_tokens and i * self.block_size + last.partial_tokens >= req.num_tokens:
-            last.partial_tokens = 0  # it would leave no token to compute (D's request ends with P's token)
-            if not last.keys:
-                hit.tiers.pop()
         return hit
 
     def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
@@ -286,12 +286,12 @@ class PrefixCacheManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first; cached ones stay cached. A LOADING request's blocks
         are released only once its load answered (the CTM may still write them)."""
-        num_prompt = self._tails.pop(req.request_id, None)
+        num_prompt = self.tails.take_kept(req.request_id)
         if num_prompt is not None:
             self._save_tail(req, num_prompt)
         self._stale.discard(req.request_id)
         self._loaded.pop(req.request_id, None)
-        self._remote.discard(req.request_id)
+        self.tails.forget(req.request_id)
         blocks = self._blocks.pop(req.request_id, [])
         adm = self._loading.pop(req.request_id, None)
         if adm is not None:
@@ -345,10 +345,10 @@ class PrefixCacheManager:
         blocks = self._blocks.get(rid, [])
         if rid in self._stale or rid in self._loading or req.num_computed_tokens < num_prompt or len(blocks) <= full:
             return
-        b, tokens, parent = blocks[full], req.all_token_ids[full * self.block_size : num_prompt], self.root_hash
-        tail = chain_hash(self._request_hashes(req, full)[-1] if full else parent, tokens)  # < a full block
+        b, key = blocks[full], self.tails.key(req.all_token_ids[:num_prompt], self._request_hashes(req, full),
+                                              self.root_hash)  # fmt: skip
         for index, connector in enumerate(self.connectors):
-            save_id = connector.save_tail(CachedBlock(b.block_id, tail, tuple(tokens), b.routing_tag))
+            save_id = connector.save_tail(CachedBlock(b.block_id, key.block_hash, key.token_ids, b.routing_tag))
             if save_id is not None:
                 self.gpu.touch([b])
                 self._pinned[(index, save_id)] = [b]

@@ -7,10 +7,11 @@ under their hash, and a prefix found there is loaded into fresh GPU blocks.
     finish_load(block=False) → None until its ack       submitted, not waited for: the loop runs on
 
 A request a prefill server handed over (PD, expect_remote) finds its prompt blocks here too: the
-room's blocks count as present, its partial last block with them (TierHit.partial_tokens), and their
-load is a PD2GPU task, P writing them straight into the blocks (cache_manager/pd_receive.py);
+room's blocks count as present, its partial last block with them (BlockKey.partial), and their load is
+a PD2GPU task, P writing them straight into the blocks (cache_manager/pd_receive.py);
 everything after start_load is a storage load's. On the prefill server, save_tail stores that partial
-block at the request's end (GPU2STORAGE with tail_tokens), for its outbox to send.
+block at the request's end (GPU2STORAGE with tail_tokens), for its outbox to send or, through a shared
+store, for the decode server's lookup to find under its key like any other.
 
 A load's ack is told from a put's by its task id (both come back through the same acks()). A load
 ends as failed (its blocks are computed) when the CTM is lost, but only once that CTM can no longer
@@ -72,12 +73,10 @@ class StorageTier(KVConnector):
             return hit
         remote = self._remote.get(request_id)
         if remote is not None:  # block i of the request is block i of P's prompt: the same chain hash
-            full = len(remote.block_digests) - (1 if remote.tail_tokens else 0)
-            hit.keys = keys[start:min(len(keys), full)]
-            if remote.tail_tokens and start + len(hit.keys) == full == len(keys):
-                hit.partial_tokens = remote.tail_tokens  # the prompt's last block, right after its full ones
-            if hit.keys or hit.partial_tokens:
-                hit.sources = [_FromPeer(remote, start)]
+            hit.keys = keys[start:min(len(keys), len(remote.block_digests))]
+            if hit.keys and hit.keys[-1].partial and len(hit.keys[-1].token_ids) != remote.tail_tokens:
+                hit.keys.pop()  # P's last blob is a full block, or a partial one of other tokens
+            hit.sources = [_FromPeer(remote, start)]
             return hit
         if start >= len(keys):
             return hit

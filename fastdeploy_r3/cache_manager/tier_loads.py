@@ -53,7 +53,7 @@ def advance(adm: PendingAdmission, gpu: BlockPool, new_tag: Callable[[], int], b
     has none of this engine (storage)."""
     while not adm.done:
         tier_hit = adm.tiers[adm.tier]
-        n = len(tier_hit.keys) + (1 if tier_hit.partial_tokens else 0)  # a partial block comes last
+        n = len(tier_hit.keys)  # a partial block (BlockKey.partial) last
         if not adm.started:
             start = adm.usable
             adm.dst = adm.blocks[start : start + n] if adm.loaded_ok and not adm.abandoned else []
@@ -65,10 +65,10 @@ def advance(adm: PendingAdmission, gpu: BlockPool, new_tag: Callable[[], int], b
             return False
         for b, tag in zip(adm.dst, result.tags):
             b.routing_tag = tag
-        for b, key in zip(adm.dst[: result.num_loaded], tier_hit.keys):  # never the partial block: not full
-            if adm.cache:
+        for b, key in zip(adm.dst[: result.num_loaded], tier_hit.keys):
+            if adm.cache and not key.partial:
                 gpu.cache(b, key.block_hash, key.token_ids)
-        adm.usable += min(result.num_loaded, len(tier_hit.keys))
+        adm.usable += min(result.num_loaded, tier_hit.num_full)
         if tier_hit.partial_tokens and result.num_loaded == n:
             adm.partial_tokens = tier_hit.partial_tokens
         adm.loaded_ok = adm.loaded_ok and result.num_loaded == n
@@ -81,7 +81,7 @@ def hashes_in_flight(adm: PendingAdmission) -> set[bytes]:
     request after the same prefix hits them in the GPU pool then, instead of loading a second copy."""
     if not adm.started or not adm.cache:
         return set()
-    return {key.block_hash for key in adm.tiers[adm.tier].keys[: len(adm.dst)]}
+    return {key.block_hash for key in adm.tiers[adm.tier].keys[: len(adm.dst)] if not key.partial}
 
 
 def check_loading(adm: PendingAdmission) -> None:

@@ -49,7 +49,7 @@ class TransferKind(enum.Enum):
 
 @dataclass(frozen=True)
 class RemoteBlocks:
-    """A prefill server's room whose full prompt blocks it writes straight into the GPU blocks this
+    """A prefill server's room whose prompt blocks it writes straight into the GPU blocks this
     engine reserved (PD, docs/pd.md): where to ask, and what each block must hash to once it landed."""
 
     host: str  # P's bootstrap server
@@ -57,8 +57,8 @@ class RemoteBlocks:
     room: int
     blob_nbytes: int  # one stored block blob (cache_manager/storage.py): this engine's layout or nothing
     block_digests: tuple[int, ...]  # per prompt block, the xxh3_64 trailer of its blob (header, KV, rows)
-    # > 0: the last of block_digests is the prompt's partial last block, holding this many tokens (its
-    # slots after them are zeros); D loads it with the full blocks and computes from the prompt's end
+    # > 0: the last of block_digests is the prompt's partial last block, holding this many tokens
+    # (cache_manager/prompt_tails.py); D loads it with the full blocks and computes from the prompt's end
     tail_tokens: int = 0
     timeout_s: float = 30.0  # the whole transfer; past it the outcome is unknown (pd_receive.py)
 

@@ -187,7 +187,7 @@ class _EngineLoop:
         if isinstance(msg, AddRequest):
             try:
                 self.svc.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.prompt, msg.weight_version,
-                                     msg.remote_blocks, msg.keep_prompt_tail)
+                                     msg.remote_blocks, msg.keep_prompt_tail, msg.peer_prompt_tokens)
             except (WeightVersionError, InvalidRequestError) as e:
                 kind = ErrorKind.WEIGHT_VERSION if isinstance(e, WeightVersionError) else ErrorKind.INVALID
                 self.send(RequestRejected(msg.request_id, str(e), kind))

@@ -96,8 +96,9 @@ class EngineService:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
         weight_version: str | None = None, remote_blocks: RemoteBlocks | None = None, keep_prompt_tail: bool = False,
+        peer_prompt_tokens: int = 0,
     ) -> None:
-        """Queue a request; weight_version, remote_blocks, keep_prompt_tail: as AddRequest's (PD)."""
+        """Queue a request; weight_version, remote_blocks, keep_prompt_tail, peer_prompt_tokens: AddRequest's."""
         self._check_alive()
         self.control.check_weights_usable()
         if weight_version is not None and weight_version != self.weight_version:
@@ -111,8 +112,8 @@ class EngineService:
         for req in group.children:
             if remote_blocks is not None:
                 self.kv.expect_remote(req.request_id, remote_blocks)
-            elif keep_prompt_tail:
-                self.kv.keep_prompt_tail(req.request_id, len(prompt_token_ids))
+            self.kv.keep_prompt_tail(req.request_id, len(prompt_token_ids) if keep_prompt_tail else 0)
+            self.kv.expect_prompt_tail(req.request_id, peer_prompt_tokens)  # 0: none
             self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str, message: str | None = None) -> None:

@@ -50,9 +50,10 @@ class AddRequest:
     weight_version: str | None = None
     # PD: the prefill server's room that writes the prompt's full blocks into this engine's (pd_receive.py)
     remote_blocks: RemoteBlocks | None = None
-    # PD's prefill server (mooncake backend): as the request ends, its prompt's partial last block is stored
-    # too, for the decode server to load with the full ones (PrefixCacheManager.keep_prompt_tail)
+    # PD, the prompt's partial last block (cache_manager/prompt_tails.py): a prefill server's request stores it
+    # as it ends; a decode server's, continuing a prompt of peer_prompt_tokens, loads it with the full ones
     keep_prompt_tail: bool = False
+    peer_prompt_tokens: int = 0
 
 
 @dataclass

@@ -309,6 +309,7 @@ class AsyncEngineClient:
         weight_version: str | None = None,
         remote_blocks: RemoteBlocks | None = None,
         keep_prompt_tail: bool = False,
+        peer_prompt_tokens: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         """Yield the RequestDelta of each step that advanced the request (what is new: assemble
         with outputs.OutputAssembler), ending with the finished one. Raises InvalidRequestError
@@ -316,8 +317,9 @@ class AsyncEngineClient:
         request in the engine. `rewrite` sees each delta before it is detokenized (a decode server puts
         the first token a prefill server sampled in front: entrypoints/pd/roles.py). `weight_version`: the
         engine refuses the request (EngineWeightVersionError) unless it holds these weights; `remote_blocks`: a
-        prefill server writes the prompt's blocks into the engine's (PD); `keep_prompt_tail`: a prefill
-        server's request, whose prompt's partial last block the engine stores too as it ends."""
+        prefill server writes the prompt's blocks into the engine's (PD); `keep_prompt_tail`,
+        `peer_prompt_tokens`: the prompt's partial last block, stored as a prefill server's request ends,
+        loaded by a decode server's (AddRequest)."""
         self._check_alive()
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -328,7 +330,7 @@ class AsyncEngineClient:
         finished = False
         try:
             await self._send(AddRequest(request_id, list(prompt_token_ids), params, prompt, weight_version,
-                                        remote_blocks, keep_prompt_tail))
+                                        remote_blocks, keep_prompt_tail, peer_prompt_tokens))
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -334,6 +334,7 @@ def _room(room: int, digests: tuple[int, ...], tail_tokens: int = 2) -> RemoteBl
 
 
 def _admit_loading(s: Scheduler, r: Request) -> None:
+    s.kv.expect_prompt_tail(r.request_id, len(TAIL_PROMPT))  # P's prompt: what the decode server passes on
     s.add_request(r)
     while r.status is RequestStatus.WAITING:
         step(s)
@@ -408,3 +409,33 @@ def test_a_prefill_request_stores_its_partial_last_block_as_it_ends_and_pins_it_
     s.add_request(q)
     s.release(q, RequestStatus.FINISHED_ABORTED)
     assert not ctm._puts and not s.kv.saves_in_flight()
+
+
+def test_through_a_shared_store_the_partial_block_is_found_under_its_key_and_loads_with_the_full_ones():
+    """The store backend: P stored TAIL_PROMPT's two full blocks and its partial last one (under the chain
+    hash of tokens 68, 69) in the store both servers share. D's request finds all three in one lookup and
+    loads them in one STORAGE2GPU task; a request that does not continue P's prompt never asks for the
+    partial key, and a room without a partial block is not asked for one."""
+    s, ctm, _ = make()
+    full = hash_block_chain(ROOT, TAIL_PROMPT, 4, 2)
+    tail = block_hash(full[-1], [68, 69]).hex()
+    ctm.keys = {h.hex() for h in full} | {tail}
+    r = req("r", TAIL_PROMPT + [99])
+    _admit_loading(s, r)
+    (task,) = ctm.loads
+    assert (task.kind, task.storage_keys) == (TransferKind.STORAGE2GPU, [h.hex() for h in full] + [tail])
+    ctm.ack(task)
+    assert step(s) == [("r", 1)] and r.num_cached_tokens == 10
+
+    plain = req("plain", TAIL_PROMPT + [98])  # the same tokens, but no prefill server's: its full blocks only
+    s.add_request(plain)
+    step(s)
+    assert plain.num_cached_tokens == 8 and len(ctm.loads) == 1  # both full blocks were GPU hits
+
+    assert s.kv.expect_remote("r2", _room(44, (11, 12), tail_tokens=0))
+    r2 = req("r2", list(range(80, 90)) + [97])
+    s.kv.expect_prompt_tail("r2", 10)
+    s.add_request(r2)
+    while r2.status is RequestStatus.WAITING:
+        step(s)
+    assert ctm.loads[-1].gpu_block_ids == s.kv.block_table("r2")[:2]  # P sent no partial block: 2 of 3

@@ -5,8 +5,8 @@ for the file.
 
 What must hold (docs/pd.md): through PD, greedy tokens and R3 rows equal the colocated server's bit
 for bit, P + N - 1 rows, streaming or not, /generate and /v1/completions, with chunked prefill on every
-server and preemption on D; D loads every full prompt block P stored (its cached_tokens) and computes
-only the partial tail and P's first token; the faults end as docs/pd.md says.
+server and preemption on D; D loads every prompt block P stored, the partial last one too (its
+cached_tokens), and computes only from P's first token on; the faults end as docs/pd.md says.
 """
 
 from __future__ import annotations
@@ -93,15 +93,15 @@ def test_generate_through_the_router_equals_colocated_tokens_and_r3_bit_for_bit(
         assert out["output_ids"] == ref["output_ids"] and len(out["output_ids"]) == 6
         assert out["text"] == ref["text"], (prompt, out["output_ids"], out["text"], ref["text"])
         # logprobs: the first token's is P's, the rest D's; both computed in other chunk shapes than the
-        # colocated run's (P from its prefix hit, D prompt tail + first token in one chunk), so float-close
+        # colocated run's (P from its prefix hit, D the first token alone), so float-close
         got, want = out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]
         assert [t for _, t, _ in got] == [t for _, t, _ in want]
         assert np.allclose([lp for lp, _, _ in got], [lp for lp, _, _ in want], rtol=0, atol=1e-4)
         assert out["meta_info"]["prompt_tokens"] == len(prompt)
         num_rows = len(prompt) + 6 - 1
         assert np.array_equal(_rows(out["meta_info"], num_rows), _rows(ref["meta_info"], num_rows))
-        # D loaded every full prompt block P stored: only the partial tail and the first token ran on D
-        assert out["meta_info"]["cached_tokens"] == len(prompt) // BLOCK * BLOCK
+        # D loaded every prompt block P stored, the partial last one too: only the first token ran on D
+        assert out["meta_info"]["cached_tokens"] == len(prompt)
 
 
 def test_requests_in_flight_together_preempt_each_other_on_d_and_still_equal_colocated(pd: Deployment) -> None:
@@ -277,7 +277,7 @@ def test_a_flipped_byte_in_every_transferred_block_costs_d_a_recompute_never_a_w
     assert httpx.post(f"{pd.prefill.url}/generate", json=body, timeout=60).status_code == 200  # published
     new = sorted(set(store.keys("*")) - before)
     blobs = [k for k in new if store.type(k) == b"string" and store.strlen(k) > 1024]
-    assert len(blobs) == 3  # the prompt's full blocks, KV and rows in one blob each
+    assert len(blobs) == 4  # the prompt's 3 full blocks and its partial last one, KV and rows in one blob each
     for key in blobs:
         middle = store.strlen(key) // 2
         store.setrange(key, middle, bytes([store.getrange(key, middle, middle)[0] ^ 0xFF]))

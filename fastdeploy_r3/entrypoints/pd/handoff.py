@@ -3,8 +3,9 @@
     client/router -> P and D   Bootstrap: bootstrap_host, bootstrap_port, bootstrap_room (SGLang's fields)
     P -> D                     Handoff, over P's bootstrap server (JSON, checked field by field here)
 
-A handoff is published once P's prompt is computed, its first token sampled and its full blocks (KV
-with their R3 rows, one blob each) written through to the shared KV store. D checks that it is the
+A handoff is published once P's prompt is computed, its first token sampled and its blocks (KV with
+their R3 rows, one blob each; the partial last one stored as the request ended) written through to
+the shared KV store. D checks that it is the
 same prompt (length and digest) under the same weight version before it continues from the token.
 """
 

@@ -3,13 +3,14 @@
     null      serves it whole (the fields are accepted and ignored, as SGLang's non-PD server does)
     prefill   computes the prompt and samples the first token (max_tokens 1; its answer, R3 of the
               prompt included, is the router's to discard: it returns D's), waits until the prompt's
-              full blocks, KV and R3 rows together, are stored in the shared KV store (--kv-storage),
-              then publishes the room's handoff
+              blocks (the partial last one too, stored as the request ends: keep_prompt_tail), KV and R3
+              rows together, are stored in the shared KV store (--kv-storage), then publishes the room's
+              handoff
     decode    fetches the handoff from P's bootstrap server (before the request enters the engine, so
               nothing is reserved while P works), checks prompt and weight version, and runs the prompt
-              plus P's first token: the prompt's full blocks are storage hits (their rows are P's, as
-              of any stored block), the tail of the prompt and the first token are computed here, and
-              the first token is put back in front of the output (with P's logprob and text)
+              plus P's first token: the prompt's blocks, the partial last one too (peer_prompt_tokens),
+              are storage hits (their rows are P's, as of any stored block), the first token is computed
+              here, and put back in front of the output (with P's logprob and text)
 
 With --disaggregation-transfer-backend mooncake each server has its own store: P also names the blocks
 it stored in an outbox (read again from its store when D asks for them). D hands the room to its engine
@@ -137,8 +138,7 @@ class PdPrefill:
         text: list[str] = []
         logprobs: list = []
         try:
-            async for delta in self.engine.generate(request_id, prompt_token_ids, first, prompt,
-                                                    keep_prompt_tail=self.te is not None):  # fmt: skip
+            async for delta in self.engine.generate(request_id, prompt_token_ids, first, prompt, keep_prompt_tail=True):
                 c = delta.outputs[0]
                 token_ids += c.token_ids
                 text.append(c.text)
@@ -193,7 +193,8 @@ class PdDecode:
         rewrite = _FirstToken(handoff, prompt_token_ids, replace=ends, keep_stop_text=params.include_stop_str_in_output)
         try:
             async for delta in self.engine.generate(request_id, run_ids, run, prompt, rewrite=rewrite,
-                                                    weight_version=handoff.weight_version, remote_blocks=remote):
+                                                    weight_version=handoff.weight_version, remote_blocks=remote,
+                                                    peer_prompt_tokens=len(prompt_token_ids)):  # fmt: skip
                 if remote is not None and self.te is not None:  # admitted and loaded: the room is done with
                     self._releases.add(task := asyncio.create_task(self.te.release(boot)))
                     task.add_done_callback(self._releases.discard)

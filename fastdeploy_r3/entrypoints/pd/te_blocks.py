@@ -1,4 +1,4 @@
-"""The mooncake backend's blocks on each side: P naming a prompt's full blocks in its own store for its
+"""The mooncake backend's blocks on each side: P naming a prompt's blocks in its own store for its
 outbox (keyed as its engine keys them, cache_manager/block_hash.py: the chain rooted at model
 identity + weight version, under the storage namespace of its start-up weights, engine/builder.py), and
 D naming the room its engine loads them from (P then writes them into the blocks D's engine reserved,
@@ -14,7 +14,8 @@ import logging
 from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.blobstore.base import ChecksumError, stored_checksum
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError
-from fastdeploy_r3.cache_manager.block_hash import block_hash, hash_block_chain, root_hash
+from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
+from fastdeploy_r3.cache_manager.prompt_tails import PromptTails
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap
@@ -36,13 +37,12 @@ class TeBlocks:
         self.store = store
 
     def keys(self, prompt_token_ids: list[int], weight_version: str) -> list[str]:
-        """The store keys of the prompt's full blocks, then of its partial last block if it has one (the chain
-        hash of the tokens it holds, as PrefixCacheManager.keep_prompt_tail's save names it)."""
-        n, tail = divmod(len(prompt_token_ids), self.block_size)
-        chain = hash_block_chain(root_hash(self.model_identity, weight_version), prompt_token_ids, self.block_size, n)
-        if tail:
-            chain.append(block_hash(chain[-1] if chain else root_hash(self.model_identity, weight_version),
-                                    prompt_token_ids[n * self.block_size:]))  # fmt: skip
+        """The store keys of the prompt's full blocks, then of its partial last block if it has one (as P's
+        engine names it as the request ends: cache_manager/prompt_tails.py)."""
+        root = root_hash(self.model_identity, weight_version)
+        chain = hash_block_chain(root, prompt_token_ids, self.block_size, len(prompt_token_ids) // self.block_size)
+        if len(prompt_token_ids) % self.block_size:
+            chain.append(PromptTails(self.block_size).key(prompt_token_ids, chain, root).block_hash)
         return [h.hex() for h in chain]
 
     async def read(self, prompt_token_ids: list[int], weight_version: str) -> tuple[list[OutboxBlob], int]:

@@ -1,9 +1,9 @@
 """The Mooncake Transfer Engine backend of PD (`--disaggregation-transfer-backend mooncake`), P's side
 and the messages: P writes a room's blocks (KV of every rank with the block's R3 rows, one checksummed
-blob per full prompt block, cache_manager/storage.py) into memory D's cache transfer manager registered
-for them, over Mooncake Transfer Engine (TCP on loopback here), instead of through a store the two
-servers share. P's API process registers one arena, the bytes it is writing (a writer registers its
-source, the target its destination).
+blob per prompt block, the partial last one too, cache_manager/storage.py) into memory D's cache
+transfer manager registered for them, over Mooncake Transfer Engine (TCP on loopback here), instead of
+through a store the two servers share. P's API process registers one arena, the bytes it is writing
+(a writer registers its source, the target its destination).
 
     P  computes the prompt, waits for its write-through, names the prompt's blobs in its own store in
        its Outbox (their sizes and trailers: read again for the transfer), publishes the room's handoff
