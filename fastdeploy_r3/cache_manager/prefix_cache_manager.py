@@ -283,15 +283,14 @@ class PrefixCacheManager:
         self._stale.update(self._blocks)
         self._hashes.clear()
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, returning: bool = False) -> None:
         """Release the request's blocks, tail first; cached ones stay cached. A LOADING request's blocks
-        are released only once its load answered (the CTM may still write them)."""
-        num_prompt = self.tails.take_kept(req.request_id)
-        if num_prompt is not None:
-            self._save_tail(req, num_prompt)
+        are released only once its load answered (the CTM may still write them). returning: it waits to be
+        scheduled again (preempted), so its prompt tail (keep_prompt_tail, expect_prompt_tail) still stands."""
+        if not returning:  # a prompt tail it was to keep is saved now or never
+            self._save_tail(req, self.tails.forget(req.request_id))
         self._stale.discard(req.request_id)
         self._loaded.pop(req.request_id, None)
-        self.tails.forget(req.request_id)
         blocks = self._blocks.pop(req.request_id, [])
         adm = self._loading.pop(req.request_id, None)
         if adm is not None:
@@ -339,10 +338,11 @@ class PrefixCacheManager:
         self._num_cached[adm.request_id] = adm.usable
         return adm.usable * self.block_size + adm.partial_tokens
 
-    def _save_tail(self, req: Request, num_prompt: int) -> None:
+    def _save_tail(self, req: Request, num_prompt: int | None) -> None:
         """keep_prompt_tail's save as the request frees its blocks (pinned until the connector read it)."""
-        rid, full = req.request_id, num_prompt // self.block_size
-        blocks = self._blocks.get(rid, [])
+        if num_prompt is None:
+            return
+        rid, full, blocks = req.request_id, num_prompt // self.block_size, self._blocks.get(req.request_id, [])
         if rid in self._stale or rid in self._loading or req.num_computed_tokens < num_prompt or len(blocks) <= full:
             return
         b, key = blocks[full], self.tails.key(req.all_token_ids[:num_prompt], self._request_hashes(req, full),

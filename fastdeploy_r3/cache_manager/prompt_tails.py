@@ -45,10 +45,7 @@ class PromptTails:
         tokens = tuple(prompt[len(hashes) * self.block_size :])
         return BlockKey(chain_hash(hashes[-1] if hashes else root, tokens), tokens, partial=True)
 
-    def take_kept(self, request_id: str) -> int | None:
-        """The prompt length keep() noted for the request (once: it is forgotten)."""
-        return self._keep.pop(request_id, None)
-
-    def forget(self, request_id: str) -> None:
-        self._keep.pop(request_id, None)
+    def forget(self, request_id: str) -> int | None:
+        """The request ended: the prompt length keep() noted for it, if any (its block is saved now)."""
         self._expect.pop(request_id, None)
+        return self._keep.pop(request_id, None)

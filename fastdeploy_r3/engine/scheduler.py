@@ -123,7 +123,7 @@ class Scheduler:
             if self.kv.is_stale(rid):
                 # new weights came while it loaded: its prefix is the old weights' KV, which no event of
                 # the update recorded (it had computed nothing yet), so it recomputes under the new ones
-                self.kv.free(req)
+                self.kv.free(req, returning=True)
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
                 self.waiting.appendleft(req)
                 continue
@@ -250,7 +250,7 @@ class Scheduler:
             self.loading.remove(req)
         else:
             self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, returning=True)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -411,6 +411,23 @@ def test_a_prefill_request_stores_its_partial_last_block_as_it_ends_and_pins_it_
     assert not ctm._puts and not s.kv.saves_in_flight()
 
 
+def test_a_preempted_prefill_request_still_stores_its_partial_block_when_it_ends():
+    """Preemption frees a request's blocks but not what it asked for at its end: P's request, retracted
+    after its prompt step, computes again (its full blocks now GPU hits) and stores its partial block as
+    it is released."""
+    s, ctm, _ = make()
+    s.kv.keep_prompt_tail("p", len(TAIL_PROMPT))
+    p = req("p", TAIL_PROMPT, max_tokens=1)
+    s.add_request(p)
+    while not p.output_token_ids:  # its storage lookup answers first (a miss)
+        step(s)
+    assert s.retract_running() == 1 and not [t for t in ctm._puts if t.tail_tokens]
+    assert step(s) == [("p", 3)]  # tokens 68, 69 and the one it sampled: blocks 0 and 1 were GPU hits
+    s.release(p, RequestStatus.FINISHED_LENGTH)
+    (put,) = [t for t in ctm._puts if t.tail_tokens]
+    assert put.storage_keys == [block_hash(hash_block_chain(ROOT, TAIL_PROMPT, 4, 2)[-1], [68, 69]).hex()]
+
+
 def test_through_a_shared_store_the_partial_block_is_found_under_its_key_and_loads_with_the_full_ones():
     """The store backend: P stored TAIL_PROMPT's two full blocks and its partial last one (under the chain
     hash of tokens 68, 69) in the store both servers share. D's request finds all three in one lookup and

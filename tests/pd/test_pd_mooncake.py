@@ -167,13 +167,17 @@ def _flip_a_byte(path: str) -> None:
 
 def _prefill_alone(pd: Deployment, logs: str, prompt: list[int], room: int) -> list[str]:
     """P alone under a room of its own: it answers once the prompt's blocks are in its store; the blobs it
-    stored, oldest first (the full blocks as they filled, the partial last block as the request ended)."""
+    stored, in the room's order (each file ends with its blob's trailer, which the manifest lists)."""
     before = set(_blobs(logs, "p"))
     r = httpx.post(f"{pd.prefill.url}/generate", timeout=120, json={
         "input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
         "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": room})
     assert r.status_code == 200, r.text
-    return sorted(set(_blobs(logs, "p")) - before, key=os.path.getmtime)
+    digests = httpx.get(f"http://127.0.0.1:{pd.bootstrap_port}/pd/rooms/{room}/manifest", timeout=30).json()
+    order = {d: i for i, d in enumerate(digests["block_digests"])}
+    trailer = {path: int.from_bytes(open(path, "rb").read()[-8:], "little") for path in set(_blobs(logs, "p")) - before}
+    assert sorted(order.get(t, -1) for t in trailer.values()) == list(range(len(order)))
+    return sorted(trailer, key=lambda path: order[trailer[path]])
 
 
 def test_a_block_corrupted_on_p_costs_d_recomputation_never_exactness(pd: Deployment, logs) -> None:
