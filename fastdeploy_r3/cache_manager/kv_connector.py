@@ -68,6 +68,7 @@ class TierHit:
     connector: KVConnector
     keys: list[BlockKey] = field(default_factory=list)
     sources: list = field(default_factory=list)  # the connector's own handles (CPU tier: its blocks)
+    pending: object = None  # the connector's, from start_load to finish_load (e.g. its task's ack)
 
     @property
     def num_full(self) -> int:
@@ -77,7 +78,6 @@ class TierHit:
     def partial_tokens(self) -> int:
         """Tokens of the partial last block the hit ends with (BlockKey.partial), else 0."""
         return len(self.keys[-1].token_ids) if self.keys and self.keys[-1].partial else 0
-    pending: object = None  # the connector's, from start_load to finish_load (e.g. its task's ack)
 
 
 @dataclass

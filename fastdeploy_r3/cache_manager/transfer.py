@@ -74,7 +74,8 @@ class TransferTask:
     remote: RemoteBlocks | None = None  # PD2GPU: the room, its blocks from first_block on
     first_block: int = 0
     # GPU2STORAGE of a prefill server's partial last prompt block (PD): the task's last block holds only
-    # this many tokens; their rows must carry its tag, and what its slots after them hold is stored as zeros
+    # this many tokens; their rows must carry its tag, and its slots after them are stored as zero KV and
+    # "no route" rows
     tail_tokens: int = 0
 
 

@@ -5,8 +5,8 @@
 
 A handoff is published once P's prompt is computed, its first token sampled and its blocks (KV with
 their R3 rows, one blob each; the partial last one stored as the request ended) written through to
-the shared KV store. D checks that it is the
-same prompt (length and digest) under the same weight version before it continues from the token.
+the shared KV store. D checks that it is the same prompt (length and digest) under the same weight
+version before it continues from the token.
 """
 
 from __future__ import annotations
