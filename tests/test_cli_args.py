@@ -82,3 +82,16 @@ def test_derived_fields_are_not_constructor_arguments(fake_model_dir: Callable[.
         RoutingReplayConfig.from_json({"moe_layer_ids": [1]})
     with pytest.raises(ConfigError, match="unknown engine argument 'hf_config'"):
         EngineConfig.from_kwargs(fake_model_dir("qwen3_moe"), hf_config={})
+
+
+def test_only_a_mooncake_decode_server_readies_its_ctm_for_prefill_servers_writes(fake_model_dir) -> None:
+    """The API server's PD flags set the engine field no flag of its own sets (CacheConfig.pd_receiver)."""
+    from fastdeploy_r3.entrypoints.openai.api_server import make_arg_parser
+    from fastdeploy_r3.entrypoints.pd.roles import pd_engine_fields
+
+    base = ["--model", fake_model_dir("qwen3_moe"), "--device", "cpu", "--kv-storage", "file:///tmp/fdr3_cli_test"]
+    for mode, backend, want in (("decode", "mooncake", True), ("decode", "store", False),
+                                ("prefill", "mooncake", False), ("null", "store", False)):
+        args = make_arg_parser().parse_args([*base, "--disaggregation-mode", mode,
+                                         "--disaggregation-transfer-backend", backend])
+        assert engine_config_from_args(args, **pd_engine_fields(args)).cache_config.pd_receiver is want, (mode, backend)

@@ -217,15 +217,25 @@ class CacheTransferManager:
         return nbytes, failed, _summary(failed, len(task.gpu_block_ids), "not stored", reasons)
 
     def _pd_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
-        assert self.copier is not None and task.remote is not None
+        assert task.remote is not None
+        return self.pd_receiver().receive(task.gpu_block_ids, task.routing_tags, task.remote, task.first_block)
+
+    def pd_receiver(self) -> PdReceiver:
+        """The transfer engine prefill servers write into, started on first use (or at start:
+        CacheTransferConfig.pd_receiver), with the HTTP client it asks them through."""
+        assert self.copier is not None
         with self._pd_lock:
             if self.pd is None:
+                from fastdeploy_r3.http_clients import sync_client
+
+                with sync_client(1.0):  # httpx imported, its TLS context built: ~0.1 s, once a process
+                    pass
                 kv = self.copier.kv  # host-memory blocks take P's writes directly; device blocks through a landing
                 direct = isinstance(kv, CpuKVTiers)
                 self.pd = PdReceiver(self.copier.routing_host, self.layout, self.block_size,
                                      gpu_kv=kv.gpu_kv if direct else None,
                                      host_to_blocks=None if direct else kv.host_to_blocks)  # fmt: skip
-        return self.pd.receive(task.gpu_block_ids, task.routing_tags, task.remote, task.first_block)
+            return self.pd
 
     def _storage_to_gpu(self, task: TransferTask) -> tuple[int, list[int], str | None]:
         assert self.storage is not None and self.copier is not None

@@ -107,6 +107,8 @@ def _serve(config: CacheTransferConfig, conn: Connection, ppid: int, state: _Ctm
             return
         conn.send(CTMReady(os.getpid()))
         freeze_startup_heap()
+        if config.pd_receiver:
+            threading.Thread(target=_ready_pd, args=(manager,), daemon=True, name="ctm-pd-ready").start()
         inbox: queue.Queue = queue.Queue()
         replies = _Replies(conn)
         threading.Thread(target=_reader, args=(conn, inbox), daemon=True, name="ctm-reader").start()
@@ -135,6 +137,15 @@ def _serve(config: CacheTransferConfig, conn: Connection, ppid: int, state: _Ctm
     finally:
         if state.pd_threads is not None:  # their transfers end within their timeouts
             state.pd_threads.shutdown(wait=True, cancel_futures=True)
+
+
+def _ready_pd(manager: CacheTransferManager) -> None:
+    """A PD decode server's CTM: its transfer engine and HTTP client before the first transfer needs them (a
+    failure here is the first transfer's to report, as a failed load)."""
+    try:
+        logger.info("ready for prefill servers' writes at %s", manager.pd_receiver().segment)
+    except Exception as e:  # noqa: BLE001 - the first PD2GPU task tries again and fails its load clearly
+        logger.warning("could not ready the transfer engine for prefill servers' writes: %s", e)
 
 
 def _run_pd(manager: CacheTransferManager, task: TransferTask, replies: _Replies, inbox: queue.Queue) -> None:

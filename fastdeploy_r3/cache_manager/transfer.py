@@ -148,6 +148,9 @@ class CacheTransferConfig:
     storage_ttl_s: int | None = None  # stored blocks expire after it (where the store has expiry)
     storage_capacity_bytes: int | None = None  # a file tier's byte budget (least recently used go first)
     engine_suffix: str | None = None  # the engine's SHM suffix: a CTM outliving its engine unlinks all of them
+    # a decode server of PD's mooncake backend: the CTM readies what prefill servers' writes need (its transfer
+    # engine, the HTTP client) as it starts, instead of at the first transfer (~150 ms of imports and set-up)
+    pd_receiver: bool = False
 
     def segment_names(self) -> list[str]:
         """SHM names the CTM creates; unlinking them by name also covers a CTM killed before it cleaned up."""

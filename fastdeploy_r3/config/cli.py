@@ -91,8 +91,9 @@ def _sglang_speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
     return SpeculativeConfig.from_sglang(algorithm, *rest)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    kwargs = {f.name: getattr(args, f.name) for f, _ in cli_fields() if f.name != "model"}
+def engine_config_from_args(args: argparse.Namespace, **extra: Any) -> EngineConfig:
+    """The engine's config from its flags; `extra`: fields no flag sets (the API server's, e.g. pd_receiver)."""
+    kwargs = {f.name: getattr(args, f.name) for f, _ in cli_fields() if f.name != "model"} | extra
     sglang = _sglang_speculative(args)
     if sglang is not None:
         kwargs["speculative_config"] = sglang

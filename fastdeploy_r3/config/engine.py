@@ -191,6 +191,7 @@ class CacheConfig:
                                          "answers")
     transfer_timeout_s: float = flag(30.0, "a cache transfer task without an ack this long means a stuck CTM: it "
                                            "is killed and replaced (its CPU tier is lost: misses, not errors)")
+    pd_receiver: bool = field(default=False, metadata={"cli": False})  # PD: CacheTransferConfig.pd_receiver
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -210,10 +211,8 @@ class CacheConfig:
             raise ConfigError(f"kv_storage_capacity_gib={self.kv_storage_capacity_gib}; use a positive size or "
                               "leave it unset (no byte limit beyond kv_storage_ttl_s)")
         if self.kv_storage is not None and not self.kv_storage.startswith(("file://", "redis://", "mooncake://")):
-            raise ConfigError(
-                f"kv_storage={self.kv_storage!r}; use file:///absolute/dir, redis://127.0.0.1:6379/0 or "
-                "mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp"
-            )
+            raise ConfigError(f"kv_storage={self.kv_storage!r}; use file:///absolute/dir, redis://127.0.0.1:6379/0 "
+                              "or mooncake://127.0.0.1:50051?metadata=P2PHANDSHAKE&protocol=tcp")
 
     @property
     def uses_transfer_manager(self) -> bool:

@@ -172,6 +172,7 @@ def _build(cfg: EngineConfig, res: EngineResources, runner_cls: type | None) -> 
             storage_namespace=namespace,
             parent_pid=os.getpid(),
             engine_suffix=res.suffix,
+            pd_receiver=cc.pd_receiver,
             storage_timeout_s=cc.storage_timeout_s,
             storage_ttl_s=cc.kv_storage_ttl_s,
             storage_capacity_bytes=(None if cc.kv_storage_capacity_gib is None

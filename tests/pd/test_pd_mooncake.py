@@ -83,6 +83,13 @@ def test_both_servers_advertise_the_mooncake_backend(pd: Deployment) -> None:
     infos = [httpx.get(f"{s.url}/get_server_info", timeout=30).json() for s in (pd.prefill, pd.decode)]
     assert [(i["disaggregation_mode"], i["disaggregation_transfer_backend"]) for i in infos] == [
         ("prefill", "mooncake"), ("decode", "mooncake")]
+    # D's cache transfer manager readies its transfer engine as it starts (in the background), not at the
+    # first transfer; P's never does
+    deadline = time.monotonic() + 30
+    while "ready for prefill servers' writes" not in open(pd.decode.log_path).read():
+        assert time.monotonic() < deadline, "D's CTM never readied its transfer engine"
+        time.sleep(0.1)
+    assert "ready for prefill servers' writes" not in open(pd.prefill.log_path).read()
 
 
 def test_generate_equals_colocated_and_d_computes_none_of_the_blocks_that_arrived(pd: Deployment, logs) -> None:

@@ -60,7 +60,14 @@ from fastdeploy_r3.entrypoints.openai.serving_engine import (
     ServingContext,
     engine_unavailable,
 )
-from fastdeploy_r3.entrypoints.pd.roles import PdDecode, PdPrefill, add_pd_args, check_pd_flags, start_pd_role
+from fastdeploy_r3.entrypoints.pd.roles import (
+    PdDecode,
+    PdPrefill,
+    add_pd_args,
+    check_pd_flags,
+    pd_engine_fields,
+    start_pd_role,
+)
 from fastdeploy_r3.lifecycle import EngineDeadError, freeze_startup_heap
 from fastdeploy_r3.r3.rollout_id import MAX_CHOICES, validate_namespace
 from fastdeploy_r3.r3.stores import RedisRoutingStore, RoutingStore, RoutingStoreError, make_routing_store
@@ -305,7 +312,7 @@ def check_serving_flags(args: argparse.Namespace, config: EngineConfig) -> None:
 async def run_server(args: argparse.Namespace) -> None:
     served_model_name = args.served_model_name or args.model  # a Hub id stays the name clients send
     args.model = resolve_model_path(args.model)  # a Hub id: its snapshot in the Hugging Face cache
-    config = engine_config_from_args(args)  # ConfigError: bad flags, before anything starts
+    config = engine_config_from_args(args, **pd_engine_fields(args))  # ConfigError: bad flags, before anything starts
     check_serving_flags(args, config)
     namespace = validate_namespace(args.r3_namespace, "--r3-namespace")
     store = make_routing_store(config.routing_replay_config, namespace)

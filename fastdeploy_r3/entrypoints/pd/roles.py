@@ -68,6 +68,13 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                         "receives into)")
 
 
+def pd_engine_fields(args: argparse.Namespace) -> dict[str, bool]:
+    """Engine config fields the role sets (config/cli.py engine_config_from_args): a mooncake decode server's
+    cache transfer manager readies its transfer engine as it starts (CacheTransferConfig.pd_receiver)."""
+    decode = args.disaggregation_mode == "decode" and args.disaggregation_transfer_backend == "mooncake"
+    return {"pd_receiver": True} if decode else {}
+
+
 def check_pd_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     """ConfigError naming the flag to change, before anything starts."""
     if args.disaggregation_mode == "null":
@@ -270,4 +277,5 @@ def run_request(role: PdPrefill | PdDecode | None, engine: AsyncEngineClient, re
     return role.generate(request_id, prompt_token_ids, params, prompt, boot, deadline)
 
 
-__all__ = ["HandoffError", "PdDecode", "PdPrefill", "add_pd_args", "check_pd_flags", "run_request", "start_pd_role"]
+__all__ = ["HandoffError", "PdDecode", "PdPrefill", "add_pd_args", "check_pd_flags", "pd_engine_fields", "run_request",
+           "start_pd_role"]
