@@ -11,7 +11,9 @@ It prints, for the chosen backend (`store`: a redis-server P and D share; `moonc
 own file store, blocks moving P -> D over Mooncake Transfer Engine):
   handoff    per fresh prompt sent to P alone: P's prefill until its handoff is published (the
              write-through of its blocks included), then D's first token once the handoff is there
-             (fetch, the transfer, storage loads, the partial block and the first token computed on D);
+             (fetch, the transfer or the storage loads, the first token computed on D), and the most
+             prompt tokens D computed itself (its cached_tokens short of the prompt: 0 when every block,
+             the partial last one too, arrived);
              mooncake: also the transfer itself (P's writes into the blocks D's engine reserved and
              D's checks; on CUDA into its CTM's landing buffer, checked, then one copy to the device)
   bytes      per prompt token moved: KV and R3 rows (rows: the blob's bytes beyond the KV, header and
@@ -54,22 +56,24 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int]:
-    """(TTFT, TPOT, tokens) of one streamed /generate."""
+    """(TTFT, TPOT, prompt tokens the server did not compute: its cached_tokens) of one streamed /generate."""
     sent = time.perf_counter()
     times: list[float] = []
-    seen = 0
+    seen = cached = 0
     async with client.stream("POST", f"{url}/generate", json={**body, "stream": True}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                n = len(json.loads(line[6:])["output_ids"])
+                chunk = json.loads(line[6:])
+                n = len(chunk["output_ids"])
                 times += [time.perf_counter()] * (n - seen)
-                seen = n
+                seen, cached = n, chunk["meta_info"].get("cached_tokens", cached)
     ttft = times[0] - sent
-    return ttft, (times[-1] - times[0]) / max(len(times) - 1, 1), len(times)
+    return ttft, (times[-1] - times[0]) / max(len(times) - 1, 1), cached
 
 
-async def handoffs(p: str, d: str, bootstrap_port: int, prompts: list[list[int]]) -> list[tuple[float, float]]:
+async def handoffs(p: str, d: str, bootstrap_port: int, prompts: list[list[int]]) -> list[tuple[float, float, int]]:
+    """Per prompt: P's prefill until published, D's first token after it, the prompt tokens D computed."""
     out = []
     async with httpx.AsyncClient(timeout=600) as client:
         for room, prompt in enumerate(prompts, start=10_000):
@@ -81,8 +85,8 @@ async def handoffs(p: str, d: str, bootstrap_port: int, prompts: list[list[int]]
             (await client.post(f"{p}/generate", json=body)).raise_for_status()
             (await poll).raise_for_status()
             published = time.perf_counter() - t0
-            ttft, _, _ = await _stream(client, d, body)
-            out.append((published, ttft))
+            ttft, _, cached = await _stream(client, d, body)
+            out.append((published, ttft, len(prompt) - cached))
     return out
 
 
@@ -176,7 +180,8 @@ def main() -> None:
               f"({nbytes:.0f} bytes; {len(moved)} rooms)")
     print(f"handoff   P prefill until published: p50 {statistics.median(h[0] for h in hand) * 1e3:.1f} ms; "
           f"D first token after it: p50 {statistics.median(h[1] for h in hand) * 1e3:.1f} ms "
-          f"({len(hand)} prompts of {hi} tokens)")
+          f"({len(hand)} prompts of {hi} tokens; D computed {max(h[2] for h in hand)} prompt tokens at most: the "
+          f"rest arrived from P)")
     print(f"bytes     per prompt token: KV {kv_per_token} B, R3 rows {per_token - kv_per_token:.1f} B "
           f"(blob {per_token:.1f} B over {len(blobs)} blobs)")
     for name, ttft, tpot in (("PD", pd_ttft, pd_tpot), ("colocated", co_ttft, co_tpot)):
