@@ -25,7 +25,7 @@ from typing import Protocol
 from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.block_pool import BlockPool, KVBlock
 from fastdeploy_r3.cache_manager.kv_connector import BlockKey, CacheCounters, CachedBlock, KVConnector, PrefixHit
-from fastdeploy_r3.cache_manager.prompt_tails import PromptTails
+from fastdeploy_r3.cache_manager.prompt_tails import PromptTails, partial_block_key
 from fastdeploy_r3.cache_manager.tier_loads import PendingAdmission, advance, check_loading, hashes_in_flight
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 
@@ -345,8 +345,8 @@ class PrefixCacheManager:
         rid, full, blocks = req.request_id, num_prompt // self.block_size, self._blocks.get(req.request_id, [])
         if rid in self._stale or rid in self._loading or req.num_computed_tokens < num_prompt or len(blocks) <= full:
             return
-        b, key = blocks[full], self.tails.key(req.all_token_ids[:num_prompt], self._request_hashes(req, full),
-                                              self.root_hash)  # fmt: skip
+        b, key = blocks[full], partial_block_key(req.all_token_ids[:num_prompt], self._request_hashes(req, full),
+                                                 self.root_hash, self.block_size)  # fmt: skip
         for index, connector in enumerate(self.connectors):
             save_id = connector.save_tail(CachedBlock(b.block_id, key.block_hash, key.token_ids, b.routing_tag))
             if save_id is not None:

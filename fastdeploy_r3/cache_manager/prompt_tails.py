@@ -16,6 +16,12 @@ from fastdeploy_r3.cache_manager.block_hash import block_hash as chain_hash
 from fastdeploy_r3.cache_manager.kv_connector import BlockKey
 
 
+def partial_block_key(prompt: list[int], hashes: list[bytes], root: bytes, block_size: int) -> BlockKey:
+    """The partial last block of `prompt`, whose full blocks hash to `hashes` (chained from `root`)."""
+    tokens = tuple(prompt[len(hashes) * block_size :])
+    return BlockKey(chain_hash(hashes[-1] if hashes else root, tokens), tokens, partial=True)
+
+
 class PromptTails:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -38,12 +44,7 @@ class PromptTails:
         n = self._expect.get(request_id)
         if n is None or n >= len(tokens) or n // self.block_size != len(hashes):
             return None
-        return self.key(tokens[: n], hashes, root)
-
-    def key(self, prompt: list[int], hashes: list[bytes], root: bytes) -> BlockKey:
-        """The partial last block of `prompt`, whose full blocks hash to `hashes`."""
-        tokens = tuple(prompt[len(hashes) * self.block_size :])
-        return BlockKey(chain_hash(hashes[-1] if hashes else root, tokens), tokens, partial=True)
+        return partial_block_key(tokens[:n], hashes, root, self.block_size)
 
     def forget(self, request_id: str) -> int | None:
         """The request ended: the prompt length keep() noted for it, if any (its block is saved now)."""

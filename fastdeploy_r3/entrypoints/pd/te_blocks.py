@@ -15,7 +15,7 @@ from fastdeploy_r3.blobstore import open_blob_store
 from fastdeploy_r3.blobstore.base import ChecksumError, stored_checksum
 from fastdeploy_r3.blobstore.kv import KVStorageBackend, StorageError
 from fastdeploy_r3.cache_manager.block_hash import hash_block_chain, root_hash
-from fastdeploy_r3.cache_manager.prompt_tails import PromptTails
+from fastdeploy_r3.cache_manager.prompt_tails import partial_block_key
 from fastdeploy_r3.cache_manager.transfer import RemoteBlocks
 from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.entrypoints.pd.handoff import Bootstrap
@@ -42,7 +42,7 @@ class TeBlocks:
         root = root_hash(self.model_identity, weight_version)
         chain = hash_block_chain(root, prompt_token_ids, self.block_size, len(prompt_token_ids) // self.block_size)
         if len(prompt_token_ids) % self.block_size:
-            chain.append(PromptTails(self.block_size).key(prompt_token_ids, chain, root).block_hash)
+            chain.append(partial_block_key(prompt_token_ids, chain, root, self.block_size).block_hash)
         return [h.hex() for h in chain]
 
     async def read(self, prompt_token_ids: list[int], weight_version: str) -> tuple[list[OutboxBlob], int]:
