@@ -142,13 +142,14 @@ def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None
 def test_a_decode_layers_kernels_launched_early_in_a_cuda_graph_give_the_bits_of_plain_launches() -> None:
     """Programmatic dependent launch (ops/triton_setup.py): the one-row GEMVs start while the norm, the
     attention or the routing before them runs, stream weights, and wait for their inputs. One layer's
-    chain (norm + residual, qkv GEMV, norm, the router gate's GEMV (ops/gemv.py), fused routing with the
-    R3 capture, the experts' two GEMV launches) recorded in a CUDA graph with PDL and replayed on new
-    inputs equals the same chain launched eagerly without PDL, bit for bit."""
+    chain (the qkv GEMV with the input norm + residual inside, a norm, the router gate's GEMV (ops/gemv.py),
+    fused routing with the R3 capture, the gate's GEMV with a norm inside, the experts' two GEMV launches)
+    recorded in a CUDA graph with PDL
+    and replayed on new inputs equals the same chain launched eagerly without PDL, bit for bit."""
     from fastdeploy_r3.model_executor.ops import triton_setup
-    from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
+    from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_normed_linear
     from fastdeploy_r3.model_executor.ops.fused_routing import RouterSpec, fused_routing
-    from fastdeploy_r3.model_executor.ops.gemv import router_gate
+    from fastdeploy_r3.model_executor.ops.gemv import normed_gemv, router_gate
     from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
 
     gen = torch.Generator(device=CUDA).manual_seed(1)
@@ -166,12 +167,13 @@ def test_a_decode_layers_kernels_launched_early_in_a_cuda_graph_give_the_bits_of
     capture = torch.full((4, 1, top_k), -1, dtype=torch.int32, device=CUDA)
 
     def layer() -> tuple[torch.Tensor, ...]:
-        h, r = rms_norm(x, norm_w, 1e-6, res)
-        q = fp8_gemv_linear(h, *qkv)  # [1, 5120]
+        q, r = fp8_gemv_normed_linear(x, res, norm_w, 1e-6, *qkv)  # [1, 5120], the input norm inside
         h2 = rms_norm(q[:, :hidden], norm_w, 1e-6)
         routed = fused_routing(router_gate(h2, gate_linear), spec, None, capture, 0)  # the one-row GEMV
+        out_a = q[:, hidden : 2 * hidden].contiguous()  # stands in for the attention's output row
+        logits, h3, r3 = normed_gemv(out_a, r, norm_w, 1e-6, gate)
         out = fp8_gemv_experts(h2, w13[0], w13[1], w2[0], w2[1], routed.topk_weights, routed.topk_ids)
-        return r, q, routed.topk_ids, capture[0].clone(), out
+        return r, q, routed.topk_ids, capture[0].clone(), out, logits, h3, r3, out_a
 
     def plain() -> list[torch.Tensor]:
         triton_setup.PDL_ENABLED = False
@@ -196,7 +198,8 @@ def test_a_decode_layers_kernels_launched_early_in_a_cuda_graph_give_the_bits_of
         graph.replay()
         got = [t.clone() for t in outs]
         want = plain()
-        for name, g, w in zip(("residual", "qkv", "ids", "capture", "experts"), got, want, strict=True):
+        names = ("residual", "qkv", "ids", "capture", "experts", "normed gate", "normed row", "sum", "row")
+        for name, g, w in zip(names, got, want, strict=True):
             assert torch.equal(g, w), (seed, name)
 
 
@@ -217,3 +220,43 @@ def test_the_router_gate_gemv_is_torchs_linear_within_one_bf16_ulp() -> None:
     assert ((got - exact).abs() <= ulp).all() and ((want - exact).abs() <= ulp).all()
     print(f"\nrouter gate 2048->128: gemv {_median_ms(lambda: one_row_gemv(x, gate)):.4f} ms, "
           f"torch {_median_ms(lambda: F.linear(x, gate)):.4f} ms, {(got != want).sum().item()} of 128 logits differ")
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096])
+def test_the_gemvs_with_the_norm_before_them_inside_give_the_norm_kernel_then_the_gemv(hidden: int) -> None:
+    """ops/fp8_gemv.py fp8_gemv_normed_linear (a batch-1 step's input RMSNorm and residual add inside the qkv
+    GEMV, Qwen3-30B-A3B's and GLM-4.5-Air's hidden sizes): the bits of ops/rms_norm.py's kernel followed
+    by the one-row GEMV, eagerly and replayed in a CUDA graph with early launches; ops/gemv.py normed_gemv
+    (the post-attention norm inside the router gate's GEMV): the norm kernel's row and sum, and their logits."""
+    from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_linear, fp8_gemv_normed_linear
+    from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
+
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    codes, scale = quantize_blockwise(torch.randn(5120, hidden, device=CUDA, generator=gen) * 0.02)
+    rows = expand_scale_rows(scale, 5120)
+    norm_w = torch.rand(hidden, device=CUDA, generator=gen).bfloat16() + 0.5
+    x, res = (torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16() * 4 for _ in range(2))
+
+    def unfused() -> tuple[torch.Tensor, torch.Tensor]:
+        h, total = rms_norm(x, norm_w, 1e-6, res)
+        return fp8_gemv_linear(h, codes, rows), total
+
+    from fastdeploy_r3.model_executor.ops.gemv import normed_gemv, one_row_gemv
+
+    gate = (torch.randn(128, hidden, device=CUDA, generator=gen) * 0.05).bfloat16()
+    logits, h, total = normed_gemv(x, res, norm_w, 1e-6, gate)  # the router gate's GEMV with the norm inside
+    want_h, want_total = rms_norm(x, norm_w, 1e-6, res)
+    assert torch.equal(h, want_h) and torch.equal(total, want_total) and torch.equal(logits, one_row_gemv(h, gate))
+    got = fp8_gemv_normed_linear(x, res, norm_w, 1e-6, codes, rows)
+    want = unfused()
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (got[0].float() - want[0].float()).abs().max()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fp8_gemv_normed_linear(x, res, norm_w, 1e-6, codes, rows)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn(1, hidden, device=CUDA) * 4)
+        res.copy_(torch.randn(1, hidden, device=CUDA))
+        graph.replay()
+        want = unfused()
+        assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1]), seed

@@ -200,3 +200,34 @@ def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_expe
         want = weights[0, 0] * (act @ p2[3].T)
         assert (got[0] - want).abs().max() <= 1e-5 * want.abs().max()
     """, PRELUDE)
+
+
+def test_one_row_gemv_with_the_norm_before_it_fused_equals_the_norm_kernel_then_the_gemv() -> None:
+    """fp8_gemv_normed_linear: a decoder layer's input RMSNorm (with its residual add) inside the qkv GEMV
+    of a batch-1 step. On a row of 200 (a partial scale group, a partial norm block) it gives the Triton
+    norm kernel's output fed to the GEMV bit for bit, in bf16 and float32, and returns the norm's sum."""
+    run_interpreted("""
+        import torch
+        from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_linear, fp8_gemv_normed_linear
+        from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
+        from fastdeploy_r3.model_executor.quantization.fp8 import expand_scale_rows, quantize_blockwise
+
+        torch.manual_seed(1)
+        codes, scale = quantize_blockwise(torch.randn(300, 200) * 0.1)
+        rows = expand_scale_rows(scale, 300)
+        for dtype in (torch.bfloat16, torch.float32):
+            x, residual = torch.randn(1, 200, dtype=dtype), torch.randn(1, 200, dtype=dtype) * 3
+            norm_weight = (torch.rand(200) + 0.5).to(dtype)
+            h, total = rms_norm(x, norm_weight, 1e-6, residual)
+            want = fp8_gemv_linear(h, codes, rows)
+            for tiles in (None, (16, 128, 4)):
+                got, got_total = fp8_gemv_normed_linear(x, residual, norm_weight, 1e-6, codes, rows, tiles)
+                assert torch.equal(got_total, total), dtype
+                assert torch.equal(got, want), (dtype, tiles, (got.float() - want.float()).abs().max().item())
+        try:
+            fp8_gemv_normed_linear(x, residual[:, :100], norm_weight, 1e-6, codes, rows)
+        except ValueError as e:
+            assert "residual (1, 100) must match x (1, 200)" in str(e), e
+        else:
+            raise AssertionError("a residual of another shape was accepted")
+    """, PRELUDE)

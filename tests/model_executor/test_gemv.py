@@ -61,3 +61,27 @@ def test_only_few_16_bit_cuda_rows_outside_deterministic_mode_take_it() -> None:
     assert calls == ["RowTiledLinear"]
     with pytest.raises(ValueError, match="1 to 8 rows of 8 contiguous values"):
         one_row_gemv(torch.zeros(2, 7, dtype=torch.bfloat16), w)
+
+
+def test_the_gate_gemv_with_the_norm_before_it_gives_the_norm_kernels_row_and_the_gemv_of_it() -> None:
+    """normed_gemv: a batch-1 step's post-attention RMSNorm (with its residual add) inside the router gate's
+    GEMV. On a row of 3000 (two K steps, a partial norm block) it returns the Triton norm kernel's normed
+    row and sum, and the logits the GEMV gives that row, bit for bit; two rows are refused."""
+    run_interpreted("""
+        import pytest
+        import torch
+        from fastdeploy_r3.model_executor.ops.gemv import normed_gemv, one_row_gemv
+        from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
+
+        gen = torch.Generator().manual_seed(3)
+        for red_dim in (64, 3000):
+            w = torch.randn(7, red_dim, generator=gen).bfloat16()
+            x, residual = (torch.randn(1, red_dim, generator=gen).bfloat16() * 3 for _ in range(2))
+            norm_weight = (torch.rand(red_dim, generator=gen) + 0.5).bfloat16()
+            h, total = rms_norm(x, norm_weight, 1e-6, residual)
+            logits, got_h, got_total = normed_gemv(x, residual, norm_weight, 1e-6, w)
+            assert torch.equal(got_total, total) and torch.equal(got_h, h), red_dim
+            assert torch.equal(logits, one_row_gemv(h, w)), red_dim
+        with pytest.raises(ValueError, match="must be one row of 3000"):
+            normed_gemv(torch.zeros(2, 3000).bfloat16(), torch.zeros(2, 3000).bfloat16(), norm_weight, 1e-6, w)
+    """)

@@ -32,6 +32,7 @@ from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend, grouped_mm_experts
 from fastdeploy_r3.model_executor.layers.linear import divide
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
+from fastdeploy_r3.model_executor.layers.moe_routers import grouped_sigmoid_topk, softmax_topk
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import BATCH_INVARIANT_CONFIG, pick_config, triton_experts
 from fastdeploy_r3.model_executor.ops.fused_routing import (
     RouterSpec,
@@ -39,70 +40,14 @@ from fastdeploy_r3.model_executor.ops.fused_routing import (
     fused_routing,
     fused_routing_enabled,
 )
-from fastdeploy_r3.model_executor.ops.gemv import router_gate
+from fastdeploy_r3.model_executor.ops.gemv import normed_gemv, router_gate, use_one_row_gemv
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
 from fastdeploy_r3.model_executor.ops.triton_setup import use_triton
 from fastdeploy_r3.model_executor.quantization import MoEMethod, moe_method
 
-
-def topk_lower_id_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk over the last dim with a stated tie rule: equal scores rank the lower expert id first.
-
-    torch.topk's own order among ties depends on the device and the input size (on the CPU, 4 equal
-    scores out of 128 come back as 60, 7, 100, 5), and an R3 row must not: the fused routing kernel
-    (ops/fused_routing.py) follows this rule too. A stable descending sort is that rule.
-    """
-    values, ids = torch.sort(scores, dim=-1, descending=True, stable=True)  # [..., E], [..., E]
-    return values[..., :k], ids[..., :k]
-
-
-def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE / Mixtral routing: softmax over all experts, keep the top k.
-
-    Mixtral always renormalises (== softmax over the top-k logits); Qwen3 does so when norm_topk_prob.
-    Returns (topk_weights [T, K] float32, topk_ids [T, K] int64).
-    """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    topk_weights, topk_ids = topk_lower_id_first(probs, top_k)  # [T, K], [T, K]
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
-
-
-def grouped_sigmoid_topk(
-    router_logits: torch.Tensor,
-    top_k: int,
-    e_score_correction_bias: torch.Tensor,
-    n_group: int,
-    topk_group: int,
-    renormalize: bool,
-    routed_scaling_factor: float,
-    batch_invariant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM-4.5 / DeepSeek-V3 routing (noaux_tc).
-
-    The correction bias only steers WHICH experts are chosen (load balancing); the weights come from
-    the un-biased sigmoid scores. Experts are chosen within the topk_group groups whose two best
-    biased scores sum highest.
-    """
-    num_tokens, num_experts = router_logits.shape
-    scores = invariant_rows(torch.sigmoid, router_logits.float(), batch_invariant)  # [T, E]
-    biased = scores + e_score_correction_bias.float()  # [T, E]
-    per_group = biased.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
-    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)  # [T, G]
-    group_ids = topk_lower_id_first(group_scores, topk_group)[1]  # [T, topk_group]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)  # [T, G]
-    expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(num_tokens, num_experts)  # [T, E]
-    biased = biased.masked_fill(expert_mask == 0, float("-inf"))  # [T, E]
-    # sorted (HF's reference uses sorted=False): the unsorted order is the device's choice, and R3 rows of
-    # the same routing must not depend on whether the step ran on the CPU or a GPU
-    topk_ids = topk_lower_id_first(biased, top_k)[1]  # [T, K], by biased score, best first
-    topk_weights = scores.gather(1, topk_ids)  # [T, K]
-    if renormalize:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * routed_scaling_factor, topk_ids
+# a batch-1 step's post-attention RMSNorm inside the router gate's GEMV (SparseMoeBlock.forward_normed):
+# tools/bench_r3.py, batch-1 fp8 step, pipelined, one call on the H200: 2.52, 2.51 ms against 2.56, 2.56
+FUSED_GATE_NORM = True
 
 
 def loop_experts(
@@ -329,9 +274,10 @@ class SparseMoeBlock(nn.Module):
         )
 
     def route_fused(self, x: torch.Tensor, sink: RoutingCaptureSink | None, slot_mapping: torch.Tensor | None,
-                    block_m: int | None) -> RoutingResult:  # fmt: skip
+                    block_m: int | None, router_logits: torch.Tensor | None = None) -> RoutingResult:  # fmt: skip
         """route() in one kernel launch (ops/fused_routing.py) that also writes the R3 capture row of every
-        real token into the sink's step buffer and aligns the ids for the Triton experts (block_m)."""
+        real token into the sink's step buffer and aligns the ids for the Triton experts (block_m).
+        router_logits: the softmax router's gate of x, already computed (forward_normed)."""
         # a StepBufferSink (forward_context.py; worker/routing_capture.py) lends its step buffer. getattr, not
         # a runtime-checkable protocol: isinstance against one costs ~20 us a layer on the host
         lend = getattr(sink, "capture_buffer", None)  # StepBufferSink.capture_buffer
@@ -339,7 +285,8 @@ class SparseMoeBlock(nn.Module):
         if slot_mapping is not None and slot_mapping.shape != (x.shape[0],):
             slot_mapping = None  # not this forward's tokens (a caller's own batch): write every row
         if self.router == "softmax":
-            router_logits = router_gate(x, self.gate, self.batch_invariant)  # [T, E]: self.gate(x) or a GEMV
+            if router_logits is None:
+                router_logits = router_gate(x, self.gate, self.batch_invariant)  # [T, E]: self.gate(x) or a GEMV
             bias = None
         else:
             # [T, E], float32 like route()
@@ -364,8 +311,22 @@ class SparseMoeBlock(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(forward(norm(x + residual)), x + residual): the decoder layer's post-attention RMSNorm before this
+        block. One softmax-routed row on CUDA (a batch-1 decode step) computes it inside the router gate's
+        GEMV, which writes the normed row for the experts (ops/gemv.py normed_gemv): one launch less."""
+        weight = self.gate.weight
+        if (FUSED_GATE_NORM and self.router == "softmax" and self.use_fused_routing and x.shape[0] == 1
+                and use_one_row_gemv(x, self.batch_invariant) and weight.dtype == x.dtype == norm.weight.dtype
+                and getattr(self.gate, "bias", None) is None):  # fmt: skip
+            logits, h, total = normed_gemv(x, residual, norm.weight, norm.eps, weight)  # [1, E], [1, H], [1, H]
+            return self.forward(h, logits), total
+        h, total = norm(x, residual)
+        return self.forward(h), total
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. router_logits: the gate of x, computed with it (forward_normed)."""
         forced = _replayed_ids(self.moe_index, x.shape[0])  # [T, K] or None
         sink, slot_mapping = _routing_sink()
         blocks = None
@@ -373,7 +334,7 @@ class SparseMoeBlock(nn.Module):
         # them right after the top-k, before the experts map them to ranks and slots (expert_placement.py,
         # expert_dispatch.py): a rank, slot or replica number never reaches a routing row
         if forced is None and self.use_fused_routing and use_triton(x):
-            routed = self.route_fused(x, sink, slot_mapping, self.experts.triton_block_m(x, self.top_k))
+            routed = self.route_fused(x, sink, slot_mapping, self.experts.triton_block_m(x, self.top_k), router_logits)
             topk_weights, topk_ids, blocks = routed.topk_weights, routed.topk_ids, routed.blocks  # [T, K], [T, K]
         else:
             if forced is None:

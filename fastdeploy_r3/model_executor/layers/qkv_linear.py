@@ -81,3 +81,9 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)  # [T, (NH + 2 KVH) / N * D]
+
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(this projection of norm(x + residual), x + residual): the RMSNorm before it, which the quant
+        method may fuse into its GEMM (LinearMethod.apply_normed)."""
+        return self.quant_method.apply_normed(self, x, norm, residual, self.bias)

@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from fastdeploy_r3.errors import WeightLoadingError
-from fastdeploy_r3.model_executor.layers.attention import Attention
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
-from fastdeploy_r3.model_executor.layers.linear import RowParallelLinear, ShardedLinear, divide
+from fastdeploy_r3.model_executor.layers.linear import ShardedLinear
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExperts
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.layers.qkv_linear import QKVParallelLinear
-from fastdeploy_r3.model_executor.layers.rotary import CosSin, RotaryEmbedding
+from fastdeploy_r3.model_executor.layers.rotary import CosSin
+from fastdeploy_r3.model_executor.layers.self_attention import SelfAttention
 from fastdeploy_r3.model_executor.quantization.fp8 import BLOCK, SCALE_SUFFIX, expand_scale_rows, scale_shape
 from fastdeploy_r3.model_executor.quantization.fp8_loading import weight_stream
 
@@ -60,52 +60,6 @@ def rope_theta(hf_config: dict[str, Any]) -> float:
     return float(rp["rope_theta"])
 
 
-class SelfAttention(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        rotary: RotaryEmbedding,
-        layer_idx: int,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        qk_norm: bool = False,
-        rms_norm_eps: float = 1e-6,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ) -> None:
-        """num_heads / num_kv_heads are the model's; this rank keeps heads [r*NH/N, (r+1)*NH/N) and the
-        kv heads they read, [r*KVH/N, (r+1)*KVH/N) (GQA groups never straddle ranks)."""
-        super().__init__()
-        self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
-        self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
-        self.head_dim = head_dim
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
-        self.qkv_proj = QKVParallelLinear(hidden_size, num_heads, num_kv_heads, head_dim, bias=qkv_bias, **tp)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, **tp)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
-        self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, layer_idx)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: CosSin | None = None) -> torch.Tensor:
-        """positions [T], x [T, H] -> [T, H]. NH, KVH below are this rank's head counts.
-
-        cos_sin: the rotary cos/sin of `positions`, when the model computed them once for all layers.
-        """
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)  # views of one [T, (NH + 2 KVH) * D]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, NH, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        cos_sin = self.rotary.cos_sin(positions) if cos_sin is None else cos_sin
-        target = self.attn.kv_write_target(v)  # on the Triton path the rotary kernel also writes the k/v cache
-        q, k = self.rotary.apply(q, k, cos_sin, None if self.q_norm is None else (self.q_norm, self.k_norm), target)
-        return self.o_proj(self.attn(q, k, v, kv_written=target is not None))  # [T, NH * D] -> [T, H], all ranks
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, self_attn: SelfAttention, mlp: nn.Module, hidden_size: int, rms_norm_eps: float) -> None:
         super().__init__()
@@ -120,13 +74,12 @@ class DecoderLayer(nn.Module):
         """x [T, H] (the previous layer's MLP output, or the embeddings when residual is None), residual
         [T, H] (the running sum before it) -> (this layer's MLP output, the running sum before it).
 
-        Each residual add is fused into the RMSNorm after it, so the stream is x_{l+1} = residual + x.
+        Each residual add is fused into the RMSNorm after it, so the stream is x_{l+1} = residual + x; the
+        input norm runs inside the attention's qkv projection (which may fuse it into its GEMM).
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)  # residual = x + residual
-        h = self.self_attn(positions, h, cos_sin)  # [T, H]
+        h, residual = self.self_attn(positions, x, cos_sin, self.input_layernorm, residual)  # residual = x + residual
+        if isinstance(self.mlp, SparseMoeBlock):  # its router gate may fuse the norm (forward_normed)
+            return self.mlp.forward_normed(h, self.post_attention_layernorm, residual)  # [T, H], [T, H]
         h, residual = self.post_attention_layernorm(h, residual)  # residual = attention out + residual
         return self.mlp(h), residual  # [T, H], [T, H]
 

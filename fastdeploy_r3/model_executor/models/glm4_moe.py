@@ -16,7 +16,8 @@ from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
-from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, SelfAttention, rope_theta
+from fastdeploy_r3.model_executor.layers.self_attention import SelfAttention
+from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, rope_theta
 from fastdeploy_r3.model_executor.models.glm4_mtp import Glm4MoeMtpLayer
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")

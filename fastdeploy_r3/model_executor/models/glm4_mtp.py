@@ -28,7 +28,8 @@ from torch import nn
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.layers.rotary import CosSin
-from fastdeploy_r3.model_executor.models.base import DecoderLayer, SelfAttention
+from fastdeploy_r3.model_executor.layers.self_attention import SelfAttention
+from fastdeploy_r3.model_executor.models.base import DecoderLayer
 
 # the draft layer's own parts, named as the checkpoint names them (the rest is the decoder layer's)
 DRAFT_PARTS = ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head")

@@ -11,7 +11,8 @@ from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock
 from fastdeploy_r3.model_executor.layers.rotary import RotaryEmbedding
-from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, SelfAttention, rope_theta
+from fastdeploy_r3.model_executor.layers.self_attention import SelfAttention
+from fastdeploy_r3.model_executor.models.base import DecoderLayer, MoeCausalLM, rope_theta
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):

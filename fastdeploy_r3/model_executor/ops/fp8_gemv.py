@@ -25,10 +25,18 @@ wait for the kernel before them (DOWN reads its slot's expert id first: the rout
 GATED let DOWN launch); GATED waits at once (its ids are the routing's output). A weight that is never
 written during a step streams while the norm, the attention or GATED before it still runs.
 
+fp8_gemv_normed_linear: the decoder layer's input RMSNorm (and its residual add) in the qkv GEMV's loads,
+one launch less: every program computes the row's 1 / rms itself (ops/rms_norm.py's row_inv_rms, the norm
+kernel's arithmetic: the same bits), the first writes the sum, the next residual.
+
+Weights are loaded evict-first (EXPERT_EVICT, DENSE_EVICT): read once a step, they no longer push the rows
+a kernel launched early prefetched out of L2.
+
 tools/bench_fp8.py --modes gemv, 48 layers on the H200 (ms; the tile kernels with their quantization
 launches, then cuBLAS on bf16 weights): qkv 0.34 (0.47, 0.38), o 0.33 (0.61, 0.45), experts 1.05 (1.14,
 1.27 for the bf16 Triton MoE). The batch-1 engine step went from 3.86 to 3.26 ms pipelined; with the
-early launches (and the router gate's GEMV, ops/gemv.py) to 2.70 ms.
+early launches (and the router gate's GEMV, ops/gemv.py) to 2.70 ms; with both norms fused into the
+GEMVs after them, the loads evict-first and the routing in 2 warps to 2.51-2.56 ms (docs/perf_h200.md).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
 from fastdeploy_r3.model_executor.ops.fp8_quant import GROUP, TL_DTYPES, e4m3_round, group_quotients
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import _sum_slots_kernel
+from fastdeploy_r3.model_executor.ops.rms_norm import normed_elements, row_inv_rms
 from fastdeploy_r3.model_executor.ops.triton_setup import (
     jit,
     let_dependents_launch,
@@ -55,17 +64,24 @@ DENSE, GATED, DOWN = 0, 1, 2
 @jit
 def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, up_rows,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr, PREFETCH: tl.constexpr,
-               ROW_CHUNKS: tl.constexpr):  # fmt: skip
+               ROW_CHUNKS: tl.constexpr, EVICT: tl.constexpr, NORM: tl.constexpr, residual_ptr, norm_weight_ptr,
+               sum_out_ptr, eps, NORM_BLOCK: tl.constexpr):  # fmt: skip
     """([BLOCK_N], [BLOCK_N]) float32: rows n (and with UP rows up_rows + n, loaded in the same K step so
     that both are in flight at once) of one fp8 weight (w_ptr, its scale rows w_scale_ptr) times one
     16-bit row a_ptr, quantized here per 128-wide group with ops/fp8_quant.py's own arithmetic
     (group_quotients, then e4m3_round), each group's float32 sum scaled by both scales.
 
     PREFETCH: the kernel was launched early (ops/triton_setup.py); the rows are prefetched into L2 first
-    (weights are never written during a step), then it waits for the kernel before it to finish."""
+    (weights are never written during a step), then it waits for the kernel before it to finish.
+    EVICT: the weight loads' L2 eviction policy ("evict_first" for weights read once a step).
+    NORM: the RMSNorm (weight norm_weight_ptr, eps) of a_ptr's row plus residual_ptr's, which ops/rms_norm.py
+    would run before this GEMV, applied to the row as it is loaded; the grid's first program writes the sum
+    (the next residual) to sum_out_ptr."""
     if PREFETCH:
         prefetch_rows(w_ptr, n, n_ok, red_dim, stride_wn, ROW_CHUNKS, 32)  # fp8: 32 codes a sector
         wait_for_inputs(PREFETCH)
+    if NORM:
+        inv_rms = row_inv_rms(a_ptr, residual_ptr, red_dim, eps, NORM_BLOCK)
     g = tl.arange(0, BLOCK_K // 128)  # [G]
     j = tl.arange(0, 128)  # [128]
     rows = n[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
@@ -76,10 +92,16 @@ def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn
         k = k0 + g[:, None] * 128 + j[None, :]  # [G, 128]
         k_ok = k < red_dim
         w_mask = n_ok[:, None, None] & k_ok[None, :, :]
-        w = tl.load(w_ptr + rows + k[None, :, :], mask=w_mask, other=0.0)  # [BN, G, 128] fp8
+        w = tl.load(w_ptr + rows + k[None, :, :], mask=w_mask, other=0.0, eviction_policy=EVICT)  # [BN, G, 128]
         if UP:
-            wu = tl.load(w_ptr + up_rows * stride_wn + rows + k[None, :, :], mask=w_mask, other=0.0)
-        v = tl.load(a_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [G, 128]
+            wu = tl.load(w_ptr + up_rows * stride_wn + rows + k[None, :, :], mask=w_mask, other=0.0,
+                         eviction_policy=EVICT)  # fmt: skip
+        v = tl.load(a_ptr + k, mask=k_ok, other=0.0)  # [G, 128] 16-bit
+        if NORM:
+            v, total = normed_elements(v, k, k_ok, inv_rms, residual_ptr, norm_weight_ptr)
+            if tl.program_id(0) == 0:  # the first program writes the sum: the next residual
+                tl.store(sum_out_ptr + k, total, mask=k_ok)
+        v = v.to(tl.float32)
         a_s, a = group_quotients(v)  # [G] scales, [G, 128] quotients
         a = e4m3_round(a)  # the codes' values
         grp = k0 // 128 + g  # [G]
@@ -118,6 +140,13 @@ def _fp8_gemv_kernel(
     SUM_SLOTS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     ROW_CHUNKS: tl.constexpr = 1,
+    EVICT: tl.constexpr = "",
+    residual_ptr=None,  # DENSE with NORM: the residual row [red_dim] added to a_ptr's row before the norm
+    norm_weight_ptr=None,  # DENSE with NORM: the RMSNorm's weight [red_dim]
+    sum_out_ptr=None,  # DENSE with NORM: the sum's row [red_dim], written by the first program
+    eps=0.0,
+    NORM: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 1,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = n < out_cols
@@ -125,7 +154,8 @@ def _fp8_gemv_kernel(
         let_dependents_launch(PDL)
     if MODE == 0:  # DENSE
         y, _ = _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, 0, BLOCK_N, BLOCK_K,
-                          False, PDL, ROW_CHUNKS)  # fmt: skip
+                          False, PDL, ROW_CHUNKS, EVICT, NORM, residual_ptr, norm_weight_ptr, sum_out_ptr, eps,
+                          NORM_BLOCK)  # fmt: skip
         tl.store(out_ptr + n, y.to(ACT_DTYPE), mask=n_ok)
     else:  # GATED / DOWN: one slot of the token a program
         slot = tl.program_id(1)
@@ -141,14 +171,15 @@ def _fp8_gemv_kernel(
         s = w_scale_ptr + expert * stride_se
         if MODE == 1:  # GATED: its expert's gate rows n and up rows I + n
             gate, up = _gemv_rows(a_ptr, w, s, n, n_ok, red_dim, stride_wn, stride_sn, out_cols, BLOCK_N, BLOCK_K, True,
-                                  False, ROW_CHUNKS)  # fmt: skip
+                                  False, ROW_CHUNKS, EVICT, False, a_ptr, a_ptr, a_ptr, 0.0, 1)  # fmt: skip
             # both rounded as the tile kernel rounds its linear outputs
             gate = tl.where(valid, gate, 0.0).to(ACT_DTYPE).to(tl.float32)
             up = up.to(ACT_DTYPE).to(tl.float32)
             tl.store(out_ptr + slot * out_cols + n, (gate * tl.sigmoid(gate) * up).to(ACT_DTYPE), mask=n_ok)
         else:  # DOWN: the slot's weighted output; the last slot program of a tile to land sums all, in slot order
             y, _ = _gemv_rows(a_ptr + slot * stride_a, w, s, n, n_ok, red_dim, stride_wn, stride_sn, 0, BLOCK_N,
-                              BLOCK_K, False, PDL, ROW_CHUNKS)  # fmt: skip
+                              BLOCK_K, False, PDL, ROW_CHUNKS, EVICT, False, a_ptr, a_ptr, a_ptr, 0.0,
+                              1)  # fmt: skip
             weight = tl.where(valid, tl.load(topk_weights_ptr + slot), 0.0)
             tl.store(part_ptr + slot * out_cols + n, y.to(ACT_DTYPE).to(tl.float32) * weight, mask=n_ok)
             if SUM_SLOTS:
@@ -169,6 +200,12 @@ def _fp8_gemv_kernel(
 # (tools/bench_r3.py, pipelined) from 2.78 to 2.70 ms, three runs each; (32, 128, 4) 2.85; GATED
 # (8, 512, 4) with DOWN (8, 256, 4) 2.99
 GEMV_TILES = {GATED: (16, 512, 4), DOWN: (32, 256, 4)}
+# L2 eviction policy of the weight loads. Every weight is read once a step: marked evict-first, the experts'
+# no longer push out of L2 the rows DOWN prefetched while GATED runs (tools/bench_r3.py, batch-1 fp8 step,
+# pipelined, one call on the H200: 2.65 ms against 2.71 twice; the dense linears' too: 2.61, 2.62, 2.61
+# against 2.63, 2.63 with the input norm fused)
+EXPERT_EVICT = "evict_first"
+DENSE_EVICT = "evict_first"
 
 
 def _dense_tiles(in_features: int) -> tuple[int, int, int]:
@@ -182,7 +219,8 @@ def _dense_tiles(in_features: int) -> tuple[int, int, int]:
 def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             out: torch.Tensor, tiles: tuple[int, int, int] | None, out_cols: int, red_dim: int, num_experts: int = 1,
             ids: torch.Tensor | None = None, weights: torch.Tensor | None = None, part: torch.Tensor | None = None,
-            top_k: int = 1) -> None:  # fmt: skip
+            top_k: int = 1,
+            norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> None:  # fmt: skip
     block_n, block_k, warps = tiles or (_dense_tiles(red_dim) if mode == DENSE else GEMV_TILES[mode])
     if block_k % GROUP:
         raise ValueError(f"fp8 GEMV: BLOCK_K {block_k} must be a multiple of {GROUP} (whole scale groups)")
@@ -194,12 +232,17 @@ def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, 
     # launched early (ops/triton_setup.py): DENSE and DOWN prefetch their weight rows into L2 before they
     # wait for the activations; GATED waits for the routing at once
     use_pdl = pdl(a)
+    norm_args = {}
+    if norm is not None:  # DENSE after an RMSNorm: (residual, norm weight, eps, the sum's output row)
+        residual, norm_weight, eps, sum_out = norm
+        norm_args = dict(residual_ptr=residual, norm_weight_ptr=norm_weight, sum_out_ptr=sum_out, eps=eps, NORM=True,
+                         NORM_BLOCK=triton.next_power_of_2(red_dim))  # fmt: skip
     _fp8_gemv_kernel[(tiles_n, *grid)](
         a, w, w_scale, out, ids, weights, part, arrivals, num_experts, out_cols, red_dim,
         a.stride(0), expert_strides[0], w.stride(-2), expert_strides[1], w_scale.stride(-2),
         MODE=mode, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, ACT_DTYPE=TL_DTYPES[a.dtype],
         SUM_SLOTS=arrivals is not None, PDL=use_pdl, ROW_CHUNKS=triton.next_power_of_2(triton.cdiv(red_dim, 32)),
-        num_warps=warps, launch_pdl=use_pdl,
+        EVICT=DENSE_EVICT if mode == DENSE else EXPERT_EVICT, num_warps=warps, launch_pdl=use_pdl, **norm_args,
     )  # fmt: skip
     if mode == DOWN and arrivals is None:  # no counters (first call under graph capture): the slots in one launch
         _sum_slots_kernel[(triton.cdiv(out_cols, 1024),)](part, out, 1, out_cols, TOP_K=top_k, BLOCK=1024)
@@ -214,6 +257,26 @@ def fp8_gemv_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Ten
     out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     _launch(DENSE, (), x, weight, scale_rows, out, tiles, out_features, in_features)
     return out
+
+
+def fp8_gemv_normed_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor, scale_rows: torch.Tensor,
+                           tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The RMSNorm before a linear fused into its GEMV: s = x + residual (both [1, I], 16-bit), then
+    rms_norm(s, norm_weight, eps) @ weight [O, I] fp8 -> ([1, O], s), in one launch instead of two. Each
+    program normalizes the row itself as it loads it (ops/rms_norm.py's roundings); the first writes s."""
+    require_triton("fp8_gemv_normed_linear")
+    out_features, in_features = weight.shape
+    if (residual.shape != x.shape or residual.stride(-1) != 1 or norm_weight.shape != (in_features,)
+            or norm_weight.dtype != x.dtype):  # fmt: skip
+        raise ValueError(f"fp8_gemv_normed_linear: residual {tuple(residual.shape)} must match x {tuple(x.shape)} "
+                         f"and norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} be [{in_features}] "
+                         f"{x.dtype}")  # fmt: skip
+    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(x)
+    _launch(DENSE, (), x, weight, scale_rows, out, tiles, out_features, in_features,
+            norm=(residual, norm_weight, eps, total))  # fmt: skip
+    return out, total
 
 
 def fp8_gemv_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,

@@ -10,7 +10,7 @@ G = expert groups, L = MoE layers, BT / BE / BK = T / E / K tiles, P = programs 
         ├─► capture buffer[t, moe_index, :] = topk_ids[t]   for every t with slot_mapping[t] >= 0
         └─► MoeBlocks (ops/moe_align.py) when block_m is given: the Triton experts' alignment
 
-Same functions as layers/moe.py's softmax_topk and grouped_sigmoid_topk (the CPU path and the reference),
+Same functions as layers/moe_routers.py's softmax_topk and grouped_sigmoid_topk (the CPU path and the reference),
 with the same tie rule: among equal scores the lower expert id ranks first (torch.topk's own tie order
 depends on the device and the input size, so both sides state the rule instead of inheriting it).
 Probabilities are computed as torch does (max-shifted exp over the sum), so ids agree bit for bit
@@ -45,6 +45,13 @@ FUSED_ROUTING_ENV = "FDR3_FUSED_ROUTING"  # "0": the torch routers + capture ker
 # two launches 10.3 / 11.9 / 13.9
 ONE_LAUNCH_MAX_TOKENS = 16
 BLOCK_T = 16  # tokens per routing tile (fewer for a smaller batch on the one-launch path)
+
+
+# warps of the one-program launch for up to FEW_TOKENS tokens (batch-1 decode, a k <= 3 verify step): its top-k
+# rounds reduce across fewer warps. tools/bench_r3.py, batch-1 fp8 step, pipelined, one call on the H200:
+# 2 warps 2.58, 2.58 ms; 4 warps 2.61, 2.61; 1 warp 2.66, 2.67. More tokens keep 4 warps (not measured here)
+ROUTING_WARPS = 2
+FEW_TOKENS = 4
 
 
 def fused_routing_enabled() -> bool:
@@ -339,7 +346,7 @@ def fused_routing(
         TOPK_GROUP=spec.topk_group, CAPTURE=capture_buffer is not None, HAS_SLOTS=slot_mapping is not None,
         ONE_PROGRAM=one, ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(spec.n_group),
-        PDL=early, launch_pdl=early, num_warps=4,
+        PDL=early, launch_pdl=early, num_warps=ROUTING_WARPS if num_tokens <= FEW_TOKENS else 4,
     )  # fmt: skip
     if not one:
         _align_partials_kernel[(1,)](

@@ -10,8 +10,12 @@ within that ulp). Each weight tile is loaded once for all the rows; each row's s
 alone. 48 gate layers in one CUDA graph on the H200 (early launches off): 1 row 0.082 ms against cuBLAS
 0.230, 4 rows 0.139 against 0.232, 8 rows 0.232 against 0.245.
 
-Launched early (ops/triton_setup.py): the weight rows are prefetched into L2 while the norm before the
+Launched early (ops/triton_setup.py): the weight rows are prefetched into L2 while the kernel before the
 gate still runs, then the kernel waits for the activation.
+
+normed_gemv: at one row the decoder layer's post-attention RMSNorm (and its residual add) runs inside the
+gate's loads, one launch less; each program normalizes the row itself (ops/rms_norm.py's arithmetic, the
+same bits) and the first writes the normed row, which the experts read, and the sum, the next residual.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy_r3.model_executor.ops.rms_norm import normed_elements, row_inv_rms
 from fastdeploy_r3.model_executor.ops.triton_setup import (
     jit,
     let_dependents_launch,
@@ -37,13 +42,20 @@ MAX_ROWS = 8  # the most rows one_row_gemv takes, and router_gate sends it (cuBL
 
 @jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, rows_x, stride_x, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_CHUNKS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+                 residual_ptr=None, norm_weight_ptr=None, h_out_ptr=None, sum_out_ptr=None, eps=0.0,
+                 NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):  # fmt: skip
+    """NORM (one row): x is first normalized, x + residual through the RMSNorm norm_weight / eps, as it is
+    loaded (ops/rms_norm.py's roundings); the first program writes the normed row to h_out_ptr and the sum
+    to sum_out_ptr for the kernels after it."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = n < out_cols
     let_dependents_launch(PDL)  # the routing kernel may launch; it waits for these logits
     if PDL:
         prefetch_rows(w_ptr, n, n_ok, red_dim, stride_wn, ROW_CHUNKS, 16)  # 16-bit: 16 values a sector
         wait_for_inputs(PDL)
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, residual_ptr, red_dim, eps, NORM_BLOCK)
     k = tl.arange(0, BLOCK_K)  # [BK]
     rows = n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     r_idx = tl.arange(0, ROWS)  # [R]
@@ -55,6 +67,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, rows_x, st
         for r in tl.static_range(ROWS):  # the weight tile read once for every row; the rows never mix
             # the row test as a [BK] tensor (a scalar one breaks the interpreter's mask)
             x = tl.load(x_ptr + r * stride_x + k0 + k, mask=k_ok & (k * 0 + r < rows_x), other=0.0)  # [BK]
+            if NORM:
+                x, total = normed_elements(x, k0 + k, k_ok, inv_rms, residual_ptr, norm_weight_ptr)
+                if tl.program_id(0) == 0:
+                    tl.store(h_out_ptr + k0 + k, x, mask=k_ok)
+                    tl.store(sum_out_ptr + k0 + k, total, mask=k_ok)
             part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BN]
             acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
     tl.store(out_ptr + r_idx[:, None] * out_cols + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -69,9 +86,9 @@ def use_one_row_gemv(x: torch.Tensor, batch_invariant: bool = False, max_rows: i
             and x.dtype in (torch.bfloat16, torch.float16) and not batch_invariant)  # fmt: skip
 
 
-def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, norm: dict | None = None) -> torch.Tensor:
     """x [T, K] (1 <= T <= MAX_ROWS) @ weight [O, K]^T -> [T, O] in x.dtype, one launch (float32 sums; each
-    row's are those it gets alone)."""
+    row's are those it gets alone). norm: normed_gemv's kernel arguments."""
     require_triton("one_row_gemv")
     out_cols, red_dim = weight.shape
     if (x.dim() != 2 or x.shape[1] != red_dim or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1
@@ -81,13 +98,32 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
     use_pdl = pdl(x)
+    norm_args = norm or {}
     _gemv_kernel[(triton.cdiv(out_cols, BLOCK_N),)](
         x, weight, out, out_cols, red_dim, weight.stride(0), rows, x.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_K=min(MAX_BLOCK_K, triton.next_power_of_2(red_dim)), PDL=use_pdl,
         ROW_CHUNKS=triton.next_power_of_2(triton.cdiv(red_dim, 16)), ROWS=triton.next_power_of_2(rows),
-        num_warps=4, launch_pdl=use_pdl,
+        num_warps=4, launch_pdl=use_pdl, **norm_args,
     )  # fmt: skip
     return out
+
+
+def normed_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The RMSNorm before a gate fused into its GEMV, one row: s = x + residual, h = rms_norm(s, norm_weight,
+    eps) -> (h @ weight^T [1, O], h, s), one launch instead of two; each program normalizes the row itself
+    as it loads it (ops/rms_norm.py's roundings), the first writes h and s for the kernels after it."""
+    red_dim = weight.shape[1]
+    if (x.shape != (1, red_dim) or residual.shape != x.shape or residual.stride(-1) != 1
+            or norm_weight.shape != (red_dim,) or norm_weight.dtype != x.dtype):  # fmt: skip
+        raise ValueError(f"normed_gemv: x {tuple(x.shape)} and residual {tuple(residual.shape)} must be one row "
+                         f"of {red_dim} and norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} [{red_dim}] "
+                         f"{x.dtype}")
+    h, total = torch.empty_like(x), torch.empty_like(x)
+    out = one_row_gemv(x, weight, dict(residual_ptr=residual, norm_weight_ptr=norm_weight, h_out_ptr=h,
+                                       sum_out_ptr=total, eps=eps, NORM=True,
+                                       NORM_BLOCK=triton.next_power_of_2(red_dim)))  # fmt: skip
+    return out, h, total
 
 
 def router_gate(x: torch.Tensor, gate: nn.Module, batch_invariant: bool = False) -> torch.Tensor:

@@ -46,6 +46,16 @@ class LinearMethod(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]."""
 
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The RMSNorm `norm` (layers/norm.py) before this linear, which a method may fuse into its GEMM:
+        (norm(s) W^T (+ b), s) with s = x + residual (x itself when residual is None). Here: the norm, then
+        apply."""
+        if residual is None:
+            return self.apply(layer, norm(x), bias), x
+        h, total = norm(x, residual)
+        return self.apply(layer, h, bias), total
+
 
 class MoEMethod(QuantizationMethod):
     """For stacked SwiGLU experts: w13 [E, 2I, H] (gate; up) and w2 [E, H, I] as this rank holds them."""

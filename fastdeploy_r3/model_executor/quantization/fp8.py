@@ -23,7 +23,7 @@ from torch import nn
 
 from fastdeploy_r3.model_executor.batch_invariant import linear
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend
-from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
+from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear, fp8_gemv_normed_linear
 from fastdeploy_r3.model_executor.ops.fp8_linear import MAX_ROWS as FP8_LINEAR_MAX_ROWS
 from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
@@ -37,6 +37,9 @@ BLOCK = 128  # weight_block_size [128, 128], the only one served
 # one row of 16-bit activations (a batch-1 decode step) takes ops/fp8_gemv.py: W8A8 like the tile kernels,
 # which spend a 16-row MMA on it (tools/bench_fp8.py --modes gemv measures both)
 ONE_ROW_GEMV = True
+# ... and takes the decoder layer's input RMSNorm into the qkv projection's GEMV (apply_normed): tools/bench_r3.py,
+# batch-1 fp8 step, pipelined, one call on the H200: 2.63, 2.63 ms fused against 2.66 with the norm's own launch
+FUSED_NORM = True
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 # amax floor: an all-zero block gets a tiny positive scale and zero codes instead of 0 / 0
 _AMAX_FLOOR = 1e-12
@@ -114,6 +117,15 @@ class Fp8LinearMethod(LinearMethod):
             return y if bias is None else y.add_(bias)
         w = dequantize(layer.weight, layer.weight_scale_inv, x.dtype)  # [O, I]
         return linear(x, w, bias, batch_invariant=layer.batch_invariant)  # [T, O]
+
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One row: the norm and its residual add inside the GEMV's loads (ops/fp8_gemv.py
+        fp8_gemv_normed_linear), one launch less; the same roundings as the norm kernel then the GEMV."""
+        if FUSED_NORM and residual is not None and _one_row(layer, x) and norm.weight.dtype == x.dtype:
+            y, total = fp8_gemv_normed_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale_inv)
+            return (y if bias is None else y.add_(bias)), total
+        return super().apply_normed(layer, x, norm, residual, bias)
 
 
 class Fp8MoEMethod(MoEMethod):
