@@ -292,7 +292,8 @@ class SparseMoeBlock(nn.Module):
             # [T, E], float32 like route()
             router_logits = linear(x.float(), self.gate.weight.float(), batch_invariant=self.batch_invariant)
             bias = self.gate.e_score_correction_bias
-        routed = fused_routing(router_logits, self.router_spec, bias, buffer, self.moe_index, slot_mapping, block_m)
+        routed = fused_routing(router_logits, self.router_spec, bias, buffer, self.moe_index, slot_mapping, block_m,
+                               batch_invariant=self.batch_invariant)  # fmt: skip
         if sink is not None and buffer is None:
             sink.capture(self.moe_index, routed.topk_ids)  # a sink without a step buffer takes the ids
         return routed

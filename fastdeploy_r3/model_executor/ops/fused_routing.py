@@ -49,7 +49,8 @@ BLOCK_T = 16  # tokens per routing tile (fewer for a smaller batch on the one-la
 
 # warps of the one-program launch for up to FEW_TOKENS tokens (batch-1 decode, a k <= 3 verify step): its top-k
 # rounds reduce across fewer warps. tools/bench_r3.py, batch-1 fp8 step, pipelined, one call on the H200:
-# 2 warps 2.58, 2.58 ms; 4 warps 2.61, 2.61; 1 warp 2.66, 2.67. More tokens keep 4 warps (not measured here)
+# 2 warps 2.58, 2.58 ms; 4 warps 2.61, 2.61; 1 warp 2.66, 2.67. More tokens keep 4 (2 cost batch 16 1.5 ms a
+# step), and so does deterministic mode (fused_routing's batch_invariant)
 ROUTING_WARPS = 2
 FEW_TOKENS = 4
 
@@ -294,6 +295,7 @@ def fused_routing(
     slot_mapping: torch.Tensor | None = None,
     block_m: int | None = None,
     one_launch: bool | None = None,
+    batch_invariant: bool = False,
 ) -> RoutingResult:
     """router_logits [T, E] (any float dtype) -> RoutingResult, plus the R3 capture write.
 
@@ -301,6 +303,7 @@ def fused_routing(
     row t = topk_ids[t] in layer moe_index for every token whose slot_mapping[t] >= 0 (all T without a
     slot_mapping). block_m: also align the rows for the Triton experts (ops/fused_moe_triton.py).
     one_launch forces the one-program path (True) or the two-launch path (False); None picks by T.
+    batch_invariant (deterministic mode): the launch's warps never depend on T (see ROUTING_WARPS).
     """
     require_triton("fused_routing")
     _check_args(router_logits, spec, e_score_correction_bias, capture_buffer, moe_index, slot_mapping)
@@ -334,6 +337,8 @@ def fused_routing(
     block_t = BLOCK_T if not one else max(2, min(BLOCK_T, triton.next_power_of_2(num_tokens)))
     programs = 1 if one else triton.cdiv(num_tokens, BLOCK_T)
     early = pdl(router_logits)
+    # deterministic mode keeps 4 warps at every batch size: a row's reductions then never change their order
+    warps = ROUTING_WARPS if num_tokens <= FEW_TOKENS and not batch_invariant else 4
     partial = counts if one else torch.empty(programs, block_e, dtype=torch.int32, device=dev)  # [P, BE]
     _fused_routing_kernel[(programs,)](
         router_logits, e_score_correction_bias if sigmoid else router_logits, weights, ids, partial,
@@ -346,7 +351,7 @@ def fused_routing(
         TOPK_GROUP=spec.topk_group, CAPTURE=capture_buffer is not None, HAS_SLOTS=slot_mapping is not None,
         ONE_PROGRAM=one, ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(spec.n_group),
-        PDL=early, launch_pdl=early, num_warps=ROUTING_WARPS if num_tokens <= FEW_TOKENS else 4,
+        PDL=early, launch_pdl=early, num_warps=warps,
     )  # fmt: skip
     if not one:
         _align_partials_kernel[(1,)](
