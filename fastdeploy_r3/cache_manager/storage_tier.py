@@ -139,25 +139,20 @@ class StorageTier(KVConnector):
         if any(load.ack is None and not load.lost for load in self._loads.values()):
             self.transfers.wait_any(timeout_s)
 
-    def save(self, blocks: list[CachedBlock]) -> int | None:
+    def save(self, blocks: list[CachedBlock], tail_tokens: int = 0) -> int | None:
+        """tail_tokens > 0: the last block is a partial one holding that many tokens (save_tail)."""
         if not self.available:
             return None
         keys = [b.block_hash.hex() for b in blocks]  # as _keys()
         task_id = self.transfers.submit(TransferKind.GPU2STORAGE, gpu=[b.block_id for b in blocks], keys=keys,
-                                        tags=[b.routing_tag for b in blocks])  # the CTM refuses rows not under it
+                                        tags=[b.routing_tag for b in blocks],  # the CTM refuses rows not under it
+                                        tail_tokens=tail_tokens)  # fmt: skip
         if task_id is not None:
             self._saves[task_id] = keys
         return task_id
 
     def save_tail(self, block: CachedBlock) -> int | None:
-        if not self.available:
-            return None
-        key = block.block_hash.hex()
-        task_id = self.transfers.submit(TransferKind.GPU2STORAGE, gpu=[block.block_id], keys=[key],
-                                        tags=[block.routing_tag], tail_tokens=len(block.token_ids))  # fmt: skip
-        if task_id is not None:
-            self._saves[task_id] = [key]
-        return task_id
+        return self.save([block], tail_tokens=len(block.token_ids))
 
     def poll(self, block: bool = False) -> list[int]:
         if self._saves or self.loads_in_flight():
