@@ -37,7 +37,7 @@ def test_activation_codes_and_scales_on_cuda_are_torchs(dtype: torch.dtype) -> N
     assert torch.equal(codes.cpu().view(torch.uint8), cpu_codes.view(torch.uint8))
 
 
-@pytest.mark.parametrize("rows", [1, 64, 256, 2048])
+@pytest.mark.parametrize("rows", [1, 4, 64, 256, 2048])
 def test_the_w8a8_dense_linear_equals_the_dequantised_operands_in_float32(rows: int) -> None:
     from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
 
@@ -260,3 +260,43 @@ def test_the_gemvs_with_the_norm_before_them_inside_give_the_norm_kernel_then_th
         graph.replay()
         want = unfused()
         assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1]), seed
+
+
+def test_a_verify_steps_few_row_linears_split_over_k_agree_with_the_whole_sum_and_replay_in_a_graph() -> None:
+    """4 rows (a k = 3 verify step) of Qwen3-30B-A3B's qkv and o: fp8_linear splits the reduction over K
+    (ops/fp8_linear.py split_k) and the last split of each tile adds the chunks in order. The result is the
+    unsplit launch's up to the regrouped float32 sum (within |y| / 128, a bf16 rounding step), the same bits
+    on every launch and on every replay of a CUDA graph holding the launch (the arrival counters are zero
+    again after each)."""
+    from fastdeploy_r3.model_executor.ops import fp8_linear as fl
+    from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    for in_features, out_features in ((2048, 5120), (4096, 2048)):
+        codes, scale = quantize_blockwise(torch.randn(out_features, in_features, device=CUDA, generator=gen) * 0.02)
+        scale_rows = expand_scale_rows(scale, out_features)
+        x = torch.randn(4, in_features, device=CUDA, generator=gen).bfloat16()
+        assert fl.split_k(4, out_features // 16, in_features // 128, CUDA) > 1
+        got = fl.fp8_linear(x, codes, scale_rows)
+        fl.SPLIT_K_PROGRAMS, saved = 0, fl.SPLIT_K_PROGRAMS
+        try:
+            whole = fl.fp8_linear(x, codes, scale_rows)
+        finally:
+            fl.SPLIT_K_PROGRAMS = saved
+        ulp = (whole.float().abs() * 2**-7).clamp_min(2**-133)
+        assert ((got.float() - whole.float()).abs() <= ulp).all()
+        assert all(torch.equal(fl.fp8_linear(x, codes, scale_rows), got) for _ in range(20))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fl.fp8_linear(x, codes, scale_rows)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fl.fp8_linear(x, codes, scale_rows)
+        for _ in range(20):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, got)
+        assert not arrival_counters(CUDA, 1).any()

@@ -231,3 +231,35 @@ def test_one_row_gemv_with_the_norm_before_it_fused_equals_the_norm_kernel_then_
         else:
             raise AssertionError("a residual of another shape was accepted")
     """, PRELUDE)
+
+
+def test_a_few_row_w8a8_linear_splits_k_and_its_last_split_adds_the_chunks_in_order() -> None:
+    """A verify step's few rows (ops/fp8_linear.py split_k): a launch whose tiles cover the GPU thinly sums
+    its K chunks in separate programs and the last of a tile's programs to land adds them in split order and
+    rounds once. Here 4 rows of 1000 -> 64 (8 K steps of 128, the last partial; 4 tiles on the interpreter's
+    4 "SMs") split in two: the result is the unsplit launch's regrouped (equal to float32 rounding), the
+    float32 chunk sums added in order exactly, and every arrival counter is zero again afterwards."""
+    run_interpreted("""
+        from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
+        from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear, split_k
+        from fastdeploy_r3.model_executor.quantization.fp8 import expand_scale_rows, quantize_blockwise
+
+        torch.manual_seed(3)
+        codes, scale = quantize_blockwise(torch.randn(64, 1000) * 0.1)
+        rows = expand_scale_rows(scale, 64)
+        x = torch.randn(4, 1000)
+        assert split_k(4, 4, 8, x.device) == 2 and split_k(17, 4, 8, x.device) == 1  # rows past 16: whole K
+        got = fp8_linear(x, codes, rows, fp8_activations=True)
+        fp8_linear.__globals__["SPLIT_K_PROGRAMS"] = 0
+        try:
+            whole = fp8_linear(x, codes, rows, fp8_activations=True)
+            halves = [fp8_linear(x[:, :512], codes[:, :512], rows[:, :4], fp8_activations=True),
+                      fp8_linear(x[:, 512:], codes[:, 512:], rows[:, 4:], fp8_activations=True)]
+        finally:
+            fp8_linear.__globals__["SPLIT_K_PROGRAMS"] = 4
+        assert torch.allclose(got, whole, rtol=1e-5, atol=1e-6) and not torch.equal(got, whole)
+        # each half quantizes its own groups as the whole row does (128-wide groups, 512 = 4 of them)
+        assert torch.equal(got, halves[0] + halves[1])
+        assert not arrival_counters(x.device, 1).any()
+    """, PRELUDE)
+

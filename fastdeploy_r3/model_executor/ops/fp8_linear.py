@@ -24,11 +24,30 @@ from __future__ import annotations
 
 import torch
 
+from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import _expert_gemm_kernel, fp8_operand
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, require_triton, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, num_sms, require_triton, triton
 
 MAX_ROWS = 4096  # longer prefill chunks: a dequantised copy and cuBLAS (o at 8192 rows: 12.3 ms / 48 layers
 # against 15.1 for W8A8; qkv 15.7 against 15.1; at 2048 rows W8A8 wins 3.7-3.9 against 5.3-6.8)
+
+
+# W8A8 launches of up to SPLIT_K_MAX_ROWS rows (a verify step's 2-8 tokens) split the reduction over K when their
+# tiles alone cover the GPU less than SPLIT_K_PROGRAMS times an SM: at 4 rows o 4096 -> 2048 is 128 programs of
+# 32 K steps on 132 SMs. Each split sums its K chunk in order and the last of a tile's splits to land adds the
+# chunks in split order (ops/arrivals.py): the same bits whichever lands last, the float32 sum regrouped by
+# chunk (like the one-row GEMV, ops/fp8_gemv.py, a row agrees with the unsplit launch to float32 rounding).
+SPLIT_K_MAX_ROWS = 16
+SPLIT_K_PROGRAMS = 4  # per SM; 0: never split
+SPLIT_K_MIN_STEPS = 4  # BLOCK_K steps a split sums at least
+
+
+def split_k(rows: int, programs: int, k_steps: int, device: torch.device) -> int:
+    """How many K chunks a W8A8 launch of `programs` (row, column) tiles and `k_steps` BLOCK_K steps splits into."""
+    if rows > SPLIT_K_MAX_ROWS or not SPLIT_K_PROGRAMS:
+        return 1
+    want = -(-SPLIT_K_PROGRAMS * num_sms(device) // programs)
+    return max(1, min(want, k_steps // SPLIT_K_MIN_STEPS))
 
 
 def _tiles(rows: int, out_features: int, fp8_activations: bool = False) -> tuple[int, int, int, int, int]:
@@ -78,8 +97,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
         raise ValueError(f"fp8_linear: BLOCK_K {block_k} must divide 128 (one scale column a tile)")
     w8a8 = fp8_operand(x if fp8_activations else None)  # x's codes and group scales, else {}
     a = w8a8.pop("a", x)
+    grid_m, grid_n = triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n)
+    k_steps = triton.cdiv(in_features, block_k)
+    splits = split_k(rows, grid_m * grid_n, k_steps, x.device) if fp8_activations and tiles is None else 1
+    arrivals = arrival_counters(x.device, grid_m * grid_n) if splits > 1 else None
+    if arrivals is not None:  # k_chunk: whole BLOCK_K steps, the last split maybe shorter (or empty)
+        k_chunk = -(-k_steps // splits) * block_k
+        splits = -(-in_features // k_chunk)
+        w8a8 |= {"part_ptr": torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device),
+                 "arrivals_ptr": arrivals, "k_chunk": k_chunk, "SPLIT_K": splits}
     # DENSE: row r of the tile is x's row r (no routing metadata, nothing for a CUDA graph to keep)
-    _expert_gemm_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
+    _expert_gemm_kernel[(grid_m, grid_n, w8a8.get("SPLIT_K", 1))](
         a, weight, out, None, None, None, None,
         rows, out_features, in_features, a.stride(0), 0, weight.stride(0), out.stride(0),
         scale_rows, 0, scale_rows.stride(0),

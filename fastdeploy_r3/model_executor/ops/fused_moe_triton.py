@@ -81,6 +81,9 @@ def _expert_gemm_kernel(
     stride_as=0,
     FP8_A: tl.constexpr = False,  # FP8_W too: a holds fp8 codes, each 128-wide K step one fp8 MMA (W8A8)
     ACT_DTYPE: tl.constexpr = None,  # FP8_A: the model's dtype, which the linear's output is rounded to
+    part_ptr=None,  # SPLIT_K: float32 partial sums [SPLIT_K, rows, out_cols]
+    k_chunk=0,  # SPLIT_K: the reduction columns of one split, a multiple of BLOCK_K
+    SPLIT_K: tl.constexpr = 1,  # DENSE only: program_id(2) sums one K chunk; the last to land adds them up
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -106,7 +109,11 @@ def _expert_gemm_kernel(
     w_up = w_base + out_cols * stride_wn  # [1, BN] the up half, used only when GATED
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, red_dim, BLOCK_K):
+    k_lo, k_hi = 0, red_dim
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * k_chunk
+        k_hi = tl.minimum(red_dim, k_lo + k_chunk)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = k < red_dim
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -161,6 +168,21 @@ def _expert_gemm_kernel(
             for k in tl.static_range(1, TOP_K):  # slot order, as _sum_slots_kernel adds them
                 total = total + tl.load(slot0 + k * stride_out, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(final_ptr + token[:, None] * out_cols + n[None, :], total.to(final_ptr.dtype.element_ty),
+                     mask=mask)
+    elif SPLIT_K > 1:  # this split's sum, unrounded; the last of the tile's splits adds them in split order
+        mask = row_ok[:, None] & n_ok[None, :]
+        part = part_ptr + rows[:, None] * out_cols + n[None, :]  # [BM, BN] in split 0
+        tl.store(part + tl.program_id(2) * num_rows * out_cols, acc, mask=mask)
+        tl.debug_barrier()  # all of this program's partial stores come before its arrival
+        arrival = arrivals_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+            tl.store(arrival, 0)  # zero again for the next launch (the only program still counting)
+            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # through L2: others wrote them
+            for split in tl.static_range(1, SPLIT_K):
+                total = total + tl.load(part + split * num_rows * out_cols, mask=mask, other=0.0,
+                                        cache_modifier=".cg")
+            rounded = total.to(ACT_DTYPE) if FP8_A else total.to(a_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], rounded.to(out_ptr.dtype.element_ty),
                      mask=mask)
     else:
         tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], y.to(out_ptr.dtype.element_ty),

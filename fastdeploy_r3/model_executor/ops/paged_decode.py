@@ -33,8 +33,6 @@ In the batch-1 step of Qwen3-30B-A3B (2026-12-03, torch.profiler): 7.0 us a laye
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
@@ -47,7 +45,7 @@ from fastdeploy_r3.model_executor.ops.paged_tiles import (
     online_softmax_step,
     tile_scores,
 )
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, pdl, pdl_prologue, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, num_sms, pdl, pdl_prologue, tl, triton
 
 SHORT_QUERY_MAX = 8  # the most query tokens a row may have for the short-query path (k + 1)
 # shortest split: on the H200 (2026-11-30, 32:4 heads, D 128, context 1024) batch 1 took 12.4 µs a layer with 4
@@ -191,20 +189,14 @@ def _reduce_splits_kernel(
                         HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)  # fmt: skip
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough (row, kv head, split) programs to cover the GPU about twice, none shorter than MIN_PARTITION.
 
     A function of host integers only, so a CUDA graph captured at (num_rows, max_seq_len) keeps it.
     """
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
     programs = num_rows * num_kv_heads
     by_length = max_seq_len // MIN_PARTITION
-    return max(1, min(MAX_SPLITS, by_length, -(-2 * num_sms // max(programs, 1))))
+    return max(1, min(MAX_SPLITS, by_length, -(-2 * num_sms(device) // max(programs, 1))))
 
 
 def paged_decode_attention(
@@ -289,5 +281,4 @@ def use_short_query_decode(num_rows: int, num_kv_heads: int, max_query_len: int,
     """Whether rows of max_query_len (> 1) tokens go through the decode kernel one token a row: when the
     prefill kernel's one program per (row, kv head) over the whole context would leave the GPU mostly
     idle (a verify step at small batch), and the queries are few (each token rereads its row's K/V)."""
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    return 1 < max_query_len <= SHORT_QUERY_MAX and num_rows * num_kv_heads < 2 * num_sms
+    return 1 < max_query_len <= SHORT_QUERY_MAX and num_rows * num_kv_heads < 2 * num_sms(device)

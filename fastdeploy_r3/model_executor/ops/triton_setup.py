@@ -94,6 +94,16 @@ def mma(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (4 off CUDA: the interpreter's launches stay small)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 @functools.cache
 def _hopper_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
