@@ -15,9 +15,10 @@ With 16-bit activations the linear is W8A8 instead, whatever the number of rows:
 128-wide group (ops/fp8_quant.py, as the published fp8 checkpoints' "activation_scheme": "dynamic"),
 each K step one fp8 MMA scaled by both scales; its result is then that of the dequantised activations,
 not of x itself (relative L2 ~2e-3 against them on the H200, tests/gpu/test_fp8_w8a8_gpu.py). A row's
-codes depend on that row only, so its result keeps its arithmetic whatever rows share the launch (a
-switch between weight-only and W8A8 at a row count changed the routing of a prompt tail recomputed
-after a prefix hit); weight-only stays for float32 activations.
+codes depend on that row only, so its result keeps its arithmetic whatever rows share the launch, up to
+the float32 summation order of a split launch (split_k below) (a switch between weight-only and W8A8 at a
+row count changed the routing of a prompt tail recomputed after a prefix hit); weight-only stays for
+float32 activations.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     k_steps = triton.cdiv(in_features, block_k)
     splits = split_k(rows, grid_m * grid_n, k_steps, x.device) if fp8_activations and tiles is None else 1
     arrivals = arrival_counters(x.device, grid_m * grid_n) if splits > 1 else None
-    if arrivals is not None:  # k_chunk: whole BLOCK_K steps, the last split maybe shorter (or empty)
+    if arrivals is not None:  # k_chunk: whole BLOCK_K steps, the last split maybe shorter, none empty
         k_chunk = -(-k_steps // splits) * block_k
         splits = -(-in_features // k_chunk)
         w8a8 |= {"part_ptr": torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device),

@@ -15,6 +15,10 @@ is reused by its BM rows; programs past `num_padded` return at once, which keeps
 the shape only (a CUDA graph can hold it). The final sum over K runs in a fixed order (no atomics): the
 same inputs give the same bits, which R3 needs because the next layer routes on this output.
 
+ops/fp8_linear.py runs the kernel DENSE (one expert that every row goes to) and, for a few rows whose
+tiles leave the GPU idle, SPLIT_K: program_id(2) sums one K chunk and the last of a tile's splits to land
+adds the chunks in split order (ops/arrivals.py), which regroups the float32 sum but never depends on timing.
+
 The weights stay in the checkpoint's layout, w13 [E, 2I, H] and w2 [E, H, I] (K-contiguous), so the
 loaded tiles are [BK, BN] read along K. float32 models multiply in IEEE float32 (not TF32), so that a
 float32 CUDA model routes like the CPU path.
