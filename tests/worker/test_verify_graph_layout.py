@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 from fake_model import make_fake_model
 from step_bench import StepBench
@@ -69,10 +70,13 @@ class _CpuGraphs(DecodeGraphs):
         return meta
 
 
-def test_a_verify_step_through_the_padded_layout_equals_the_packed_eager_step(fake_model_dir) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("full", [False, True])
+def test_a_verify_step_through_the_padded_layout_equals_the_packed_eager_step(fake_model_dir, full: bool) -> None:  # noqa: ANN001
+    """Rows of 4, 2 and 1 tokens go through the layout; full rows (4, 4, 4: packed order is slot order) are
+    copied as they are, the padding row 4 keeping whatever ids and positions it held, with no KV slot."""
     sb = StepBench(fake_model_dir("qwen3_moe"), "cpu", "float32", "auto", 4, 64, 64, 4, 256, True)
     try:
-        step, slots = verify_step_after_prefill(sb)
+        step, slots = verify_step_after_prefill(sb, full)
         want_tokens = sb._step(step)
         want_rows = sb.routing_host.rows[slots].copy()
         sb.routing_host.rows[slots] = 0
@@ -86,9 +90,9 @@ def test_a_verify_step_through_the_padded_layout_equals_the_packed_eager_step(fa
         got_tokens = sb._step(step)  # the same positions again: the KV it writes is the same
         assert graphs.replays == {1: 0, 4: 1}  # padded to 4 requests x 4 slots
         assert got_tokens == want_tokens
-        assert_accepted_lengths(got_tokens)
+        assert_accepted_lengths(got_tokens, full)
         assert np.array_equal(sb.routing_host.rows[slots], want_rows)
-        assert want_rows.shape[0] == 4 + 2 + 1 and (want_rows != 255).all()  # real rows, no sentinel
+        assert want_rows.shape[0] == (12 if full else 4 + 2 + 1) and (want_rows != 255).all()  # no sentinel
     finally:
         sb.close()
 
