@@ -237,10 +237,18 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int) -> TritonMoeConfi
 # the routing of a prompt's tail recomputed after a prefix hit). tools/bench_fp8.py on the H200, 48 layers of
 # Qwen3-30B-A3B experts, ms: 1 token 1.13 (bf16 1.27), 16: 5.67, 64: 8.29, 256: 10.18 (bf16 15.60, fp8
 # weight-only 13.30); 64-row blocks for prefill (2048 tokens: 31.95 against bf16's 34.85)
+# 1-2 tokens stream narrower tiles with more loads in flight; from 3 tokens the wider ones were faster in the
+# engine (tools/bench_spec.py, fp8 Qwen3-30B-A3B on the H200, narrow / wide, ms, two alternating runs each):
+# 2 tokens, verify k = 1 at batch 1 4.53, 4.53 / 4.64, 4.65; 4 tokens, k = 3 5.64, 5.79 / 5.49, 5.60 and k = 1
+# at batch 2 5.76, 5.61 / 5.40, 5.42; 8 tokens, k = 3 at batch 2 7.57, 7.34 / 7.21, 7.25 and a pipelined
+# batch-8 decode step 6.81, 6.81 / 6.70, 6.69
+NARROW_MAX_TOKENS = 2
+
+
 def pick_fp8_config(num_tokens: int, top_k: int, num_experts: int) -> TritonMoeConfig:
     """The W8A8 block config; the block_m is pick_config's (the fused routing kernel aligns the ids for it)."""
     block_m = pick_config(num_tokens, top_k, num_experts).block_m
-    if num_tokens < 16:  # a few rows an expert stream its weights: narrower tiles, more loads in flight
+    if num_tokens <= NARROW_MAX_TOKENS:
         return TritonMoeConfig(block_m=block_m, block_n=32, block_k=128, num_warps=4, num_stages=5)
     return TritonMoeConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
