@@ -50,7 +50,7 @@ BLOCK_T = 16  # tokens per routing tile (fewer for a smaller batch on the one-la
 # warps of the one-program launch for up to FEW_TOKENS tokens (a batch-1 decode step): its top-k rounds reduce
 # across fewer warps. tools/bench_r3.py, batch-1 fp8 step, pipelined, one call on the H200: 2 warps 2.58,
 # 2.58 ms; 4 warps 2.61, 2.61; 1 warp 2.66, 2.67. More tokens keep 4: 2 cost batch 16 1.5 ms a step, and a
-# k = 3 verify step (4 tokens, its graph's GPU time, fp8) 5.39 / 5.33 ms against 5.26 / 5.24 with 4 warps.
+# k = 3 verify step (4 tokens, its graph's GPU time, fp8) 5.37 / 5.40 ms against 5.26 / 5.24 with 4 warps.
 # Deterministic mode keeps 4 always (fused_routing's batch_invariant)
 ROUTING_WARPS = 2
 FEW_TOKENS = 1
