@@ -34,3 +34,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate, up [T, I/N] -> [T, H] (a partial sum when reduce_results=False)
         return self.down_proj(invariant_rows(F.silu, self.gate_proj(x), self.batch_invariant) * self.up_proj(x))
+
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(forward(norm(x + residual)), x + residual): the decoder layer's post-attention RMSNorm before this
+        MLP, as SparseMoeBlock.forward_normed takes it (which may fuse it into its router gate)."""
+        h, total = norm(x, residual)
+        return self(h), total

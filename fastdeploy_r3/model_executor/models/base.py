@@ -36,6 +36,7 @@ from torch import nn
 from fastdeploy_r3.errors import WeightLoadingError
 from fastdeploy_r3.model_executor.layers.expert_placement import ExpertPlacement
 from fastdeploy_r3.model_executor.layers.linear import ShardedLinear
+from fastdeploy_r3.model_executor.layers.mlp import GatedMLP
 from fastdeploy_r3.model_executor.layers.moe import SparseMoeBlock, StackedExperts
 from fastdeploy_r3.model_executor.layers.norm import RMSNorm
 from fastdeploy_r3.model_executor.layers.qkv_linear import QKVParallelLinear
@@ -61,7 +62,8 @@ def rope_theta(hf_config: dict[str, Any]) -> float:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, self_attn: SelfAttention, mlp: nn.Module, hidden_size: int, rms_norm_eps: float) -> None:
+    def __init__(self, self_attn: SelfAttention, mlp: GatedMLP | SparseMoeBlock, hidden_size: int,
+                 rms_norm_eps: float) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -78,10 +80,9 @@ class DecoderLayer(nn.Module):
         input norm runs inside the attention's qkv projection (which may fuse it into its GEMM).
         """
         h, residual = self.self_attn(positions, x, cos_sin, self.input_layernorm, residual)  # residual = x + residual
-        if isinstance(self.mlp, SparseMoeBlock):  # its router gate may fuse the norm (forward_normed)
-            return self.mlp.forward_normed(h, self.post_attention_layernorm, residual)  # [T, H], [T, H]
-        h, residual = self.post_attention_layernorm(h, residual)  # residual = attention out + residual
-        return self.mlp(h), residual  # [T, H], [T, H]
+        # the post-attention norm (residual = attention out + residual) runs inside the MLP, whose MoE router
+        # gate may fuse it (SparseMoeBlock.forward_normed)
+        return self.mlp.forward_normed(h, self.post_attention_layernorm, residual)  # [T, H], [T, H]
 
 
 class _Backbone(nn.Module):
