@@ -250,13 +250,13 @@ def test_a_few_row_w8a8_linear_splits_k_and_its_last_split_adds_the_chunks_in_or
         x = torch.randn(4, 1000)
         assert split_k(4, 4, 8, x.device) == 2 and split_k(17, 4, 8, x.device) == 1  # rows past 16: whole K
         got = fp8_linear(x, codes, rows, fp8_activations=True)
-        fp8_linear.__globals__["SPLIT_K_PROGRAMS"] = 0
+        saved, fp8_linear.__globals__["SPLIT_K_PROGRAMS"] = fp8_linear.__globals__["SPLIT_K_PROGRAMS"], 0
         try:
             whole = fp8_linear(x, codes, rows, fp8_activations=True)
             halves = [fp8_linear(x[:, :512], codes[:, :512], rows[:, :4], fp8_activations=True),
                       fp8_linear(x[:, 512:], codes[:, 512:], rows[:, 4:], fp8_activations=True)]
         finally:
-            fp8_linear.__globals__["SPLIT_K_PROGRAMS"] = 4
+            fp8_linear.__globals__["SPLIT_K_PROGRAMS"] = saved
         assert torch.allclose(got, whole, rtol=1e-5, atol=1e-6) and not torch.equal(got, whole)
         # each half quantizes its own groups as the whole row does (128-wide groups, 512 = 4 of them)
         assert torch.equal(got, halves[0] + halves[1])
