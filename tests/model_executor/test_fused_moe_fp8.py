@@ -262,4 +262,3 @@ def test_a_few_row_w8a8_linear_splits_k_and_its_last_split_adds_the_chunks_in_or
         assert torch.equal(got, halves[0] + halves[1])
         assert not arrival_counters(x.device, 1).any()
     """, PRELUDE)
-
