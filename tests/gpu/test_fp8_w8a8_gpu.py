@@ -98,9 +98,11 @@ def _median_ms(fn) -> float:  # noqa: ANN001
     return time_fn(fn, reps=50) * 1e3
 
 
-def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None:
-    """ops/fp8_gemv.py against the W8A8 tile kernels on the same bf16 row: the same codes and scales, so
-    only the float32 summation order differs (a few outputs round to the neighbouring bf16); times printed."""
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes(rows: int) -> None:
+    """ops/fp8_gemv.py against the W8A8 tile kernels on the same bf16 rows (the dense GEMV's one; the MoE's
+    one, and a verify step's 4): the same codes and scales, so only the float32 summation order differs (a
+    few outputs round to the neighbouring bf16); each of 4 tokens gets the bits it gets alone; times printed."""
     from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear
     from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
     from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
@@ -122,9 +124,9 @@ def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None
 
     num_experts, top_k, hidden, inter = 128, 8, 2048, 768
     w13, w2 = _expert_stack(gen, 2 * inter, hidden), _expert_stack(gen, hidden, inter)
-    x = torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16()
-    ids = torch.randperm(num_experts, device=CUDA, generator=gen)[:top_k][None]
-    weights = torch.rand(1, top_k, device=CUDA, generator=gen)
+    x = torch.randn(rows, hidden, device=CUDA, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, device=CUDA, generator=gen)[:top_k] for _ in range(rows)])
+    weights = torch.rand(rows, top_k, device=CUDA, generator=gen)
 
     def gemv() -> torch.Tensor:
         return fp8_gemv_experts(x, w13[0], w13[1], w2[0], w2[1], weights, ids)
@@ -134,6 +136,9 @@ def test_the_one_row_gemv_equals_the_w8a8_tile_kernels_at_qwen3_shapes() -> None
 
     got, want = gemv().float(), tile().float()
     rel = ((got - want).norm() / want.norm()).item()
+    for r in range(rows):
+        one = fp8_gemv_experts(x[r : r + 1], w13[0], w13[1], w2[0], w2[1], weights[r : r + 1], ids[r : r + 1])
+        assert torch.equal(got[r], one[0].float()), r
     print(f"\ngemv fused MoE: relative L2 to the tile kernels {rel:.1e}, gemv {_median_ms(gemv):.4f} ms, "
           f"tile {_median_ms(tile):.4f} ms")
     assert rel < 5e-3, rel  # the intermediate's codes can differ where its bf16 rounding did

@@ -202,6 +202,43 @@ def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_expe
     """, PRELUDE)
 
 
+def test_few_token_gemv_moe_gives_each_token_its_one_token_bits() -> None:
+    """fp8_gemv_experts on 3 tokens (a verify step's rows): tokens 0 and 1 share expert 0, token 1's other
+    expert is on another rank. Each token's row is, bit for bit, the one that token gets launched alone
+    (its programs' sums never see the other tokens), with the arrival counters and with the separate slot
+    sum; and the 3 rows equal the W8A8 tile kernel's to float32 summation order."""
+    run_interpreted("""
+        import torch
+        import fastdeploy_r3.model_executor.ops.fp8_gemv as gemv
+        from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts
+        from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
+        from fastdeploy_r3.model_executor.quantization.fp8 import expand_scale_rows, quantize_blockwise
+
+        torch.manual_seed(3)
+        E, K, H, I = 4, 2, 256, 136
+        def stack(w):
+            pairs = [quantize_blockwise(m) for m in w]
+            return torch.stack([c for c, _ in pairs]), torch.stack([expand_scale_rows(s, w.shape[1]) for _, s in pairs])
+        w13, w2 = stack(torch.randn(E, 2 * I, H) * 0.1), stack(torch.randn(E, H, I) * 0.1)
+        x = torch.randn(3, H)
+        weights = torch.rand(3, K)
+        ids = torch.tensor([[2, 0], [0, E], [1, 3]])
+        moe = lambda x, weights, ids: fp8_gemv_experts(x, w13[0], w13[1], w2[0], w2[1], weights, ids)
+        got = moe(x, weights, ids)
+        assert got.shape == (3, H)
+        for t in range(3):
+            assert torch.equal(got[t], moe(x[t : t + 1], weights[t : t + 1], ids[t : t + 1])[0]), t
+        counters, gemv.arrival_counters = gemv.arrival_counters, lambda device, n: None
+        assert torch.equal(moe(x, weights, ids), got)
+        gemv.arrival_counters = counters
+        local = torch.tensor([[2, 0], [0, 1], [1, 3]])
+        tile = triton_experts(x, w13[0], w2[0], weights, local, TritonMoeConfig(16, 32, 128, 4, 1),
+                              w13_scale=w13[1], w2_scale=w2[1], fp8_activations=True)
+        mine = moe(x, weights, local)
+        assert (mine - tile).abs().max() <= 1e-6 * tile.abs().max()
+    """, PRELUDE)
+
+
 def test_one_row_gemv_with_the_norm_before_it_fused_equals_the_norm_kernel_then_the_gemv() -> None:
     """fp8_gemv_normed_linear: a decoder layer's input RMSNorm (with its residual add) inside the qkv GEMV
     of a batch-1 step. On a row of 200 (a partial scale group, a partial norm block) it gives the Triton
@@ -230,6 +267,13 @@ def test_one_row_gemv_with_the_norm_before_it_fused_equals_the_norm_kernel_then_
             assert "residual (1, 100) must match x (1, 200)" in str(e), e
         else:
             raise AssertionError("a residual of another shape was accepted")
+        for fn, args in ((fp8_gemv_linear, ()), (fp8_gemv_normed_linear, (residual.repeat(2, 1), norm_weight, 1e-6))):
+            try:
+                fn(x.repeat(2, 1), *args, codes, rows)
+            except ValueError as e:
+                assert "x (2, 200) must be one row of 200; more rows take ops/fp8_linear.py" in str(e), e
+            else:
+                raise AssertionError(f"{fn.__name__} took 2 rows")
     """, PRELUDE)
 
 

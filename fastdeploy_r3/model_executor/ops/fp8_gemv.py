@@ -1,4 +1,5 @@
-"""W8A8 GEMV for one row: the fp8 dense linear and fused MoE of a batch-1 decode step.
+"""W8A8 GEMV: the fp8 dense linear of one row, the fused MoE of 1 to 4 tokens (a batch-1 decode step, a
+batch-1 verify step's k + 1 tokens, a tiny batch).
 
 At one row the tile kernel (ops/fused_moe_triton.py's _expert_gemm_kernel) spends a 16-row MMA on one
 useful row, streams 2 KB tiles and needs a quantization launch before each GEMM; on the H200 it read
@@ -14,11 +15,15 @@ the summation order differs from the MMA's, so a row computed here and by the ti
 rounding, and each output is rounded to the model dtype at the same points as there:
 
     DENSE   y = W a                                      (ops/fp8_linear.py)
-    GATED   act[k] = silu(W13[e_k, :I] x) * (W13[e_k, I:] x), one program per slot k and BLOCK_N of I
-    DOWN    out = sum_k topk_weight[k] * (W2[e_k] act[k]), one program per slot and BLOCK_N of H; the slots
-            added in order by the last of a tile's programs to land (ops/arrivals.py), float32
+    GATED   act[t, k] = silu(W13[e_tk, :I] x[t]) * (W13[e_tk, I:] x[t]), one program per token slot (t, k)
+            and BLOCK_N of I
+    DOWN    out[t] = sum_k topk_weight[t, k] * (W2[e_tk] act[t, k]), one program per token slot and BLOCK_N
+            of H; a token's slots added in order by the last of its tile's programs to land (ops/arrivals.py)
 
-Slots whose expert is not on this rank (id >= E) contribute nothing (their act rows are zeros).
+Slots whose expert is not on this rank (id >= E) contribute nothing (their act rows are zeros). A token's
+programs never read another token's rows, so its result is the one it gets alone. Two tokens that route to
+one expert read its rows twice (the tile kernel reads them once); at 4 tokens that is ~10 % more bytes under
+uniform routing, and still the faster kernel (quantization/fp8.py GEMV_MOE_MAX_TOKENS says by how much).
 
 Launched early where PDL runs (ops/triton_setup.py): DENSE and DOWN ask L2 for their weight rows, then
 wait for the kernel before them (DOWN reads its slot's expert id first: the routing finished before
@@ -116,14 +121,14 @@ def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn
 
 @jit
 def _fp8_gemv_kernel(
-    a_ptr,  # 16-bit activations: DENSE / GATED one row [red_dim]; DOWN the TOP_K slots' rows [K, red_dim]
+    a_ptr,  # 16-bit: DENSE one row [red_dim]; GATED the tokens' rows [T, red_dim]; DOWN the slots' [T * K, red_dim]
     w_ptr,  # DENSE [O, red_dim]; GATED w13 [E, 2I, H]; DOWN w2 [E, H, I]; fp8 codes
     w_scale_ptr,  # the weight's scale rows [.., rows, ceil(red_dim / 128)] float32
-    out_ptr,  # DENSE [O]; GATED act [K, I]; DOWN [H]; the model dtype
-    ids_ptr,  # GATED / DOWN: topk_ids [K]
-    topk_weights_ptr,  # DOWN: [K]
-    part_ptr,  # DOWN: [K, H] float32, each slot's weighted output
-    arrivals_ptr,  # DOWN with SUM_SLOTS: [grid n] int32 counters, zero between launches (ops/arrivals.py)
+    out_ptr,  # DENSE [O]; GATED act [T * K, I]; DOWN [T, H]; the model dtype
+    ids_ptr,  # GATED / DOWN: topk_ids [T * K], flat slot s = t * K + k
+    topk_weights_ptr,  # DOWN: [T * K]
+    part_ptr,  # DOWN: [T * K, H] float32, each slot's weighted output
+    arrivals_ptr,  # DOWN with SUM_SLOTS: [T, grid n] int32 counters, zero between launches (ops/arrivals.py)
     num_experts,
     out_cols,  # DENSE O; GATED I; DOWN H
     red_dim,
@@ -157,8 +162,8 @@ def _fp8_gemv_kernel(
                           False, PDL, ROW_CHUNKS, EVICT, NORM, residual_ptr, norm_weight_ptr, sum_out_ptr, eps,
                           NORM_BLOCK)  # fmt: skip
         tl.store(out_ptr + n, y.to(ACT_DTYPE), mask=n_ok)
-    else:  # GATED / DOWN: one slot of the token a program
-        slot = tl.program_id(1)
+    else:  # GATED / DOWN: one slot of one token a program
+        slot = tl.program_id(1)  # flat: token slot // TOP_K, its slot slot % TOP_K
         if MODE == 1:
             # GATED follows the routing kernel that writes the ids: wait for it, then let DOWN launch (DOWN may
             # then read the ids before its own wait, and stream its experts' weights while this one runs)
@@ -170,8 +175,9 @@ def _fp8_gemv_kernel(
         w = w_ptr + expert * stride_we
         s = w_scale_ptr + expert * stride_se
         if MODE == 1:  # GATED: its expert's gate rows n and up rows I + n
-            gate, up = _gemv_rows(a_ptr, w, s, n, n_ok, red_dim, stride_wn, stride_sn, out_cols, BLOCK_N, BLOCK_K, True,
-                                  False, ROW_CHUNKS, EVICT, False, a_ptr, a_ptr, a_ptr, 0.0, 1)  # fmt: skip
+            gate, up = _gemv_rows(a_ptr + (slot // TOP_K) * stride_a, w, s, n, n_ok, red_dim, stride_wn, stride_sn,
+                                  out_cols, BLOCK_N, BLOCK_K, True, False, ROW_CHUNKS, EVICT, False, a_ptr, a_ptr,
+                                  a_ptr, 0.0, 1)  # fmt: skip
             # both rounded as the tile kernel rounds its linear outputs
             gate = tl.where(valid, gate, 0.0).to(ACT_DTYPE).to(tl.float32)
             up = up.to(ACT_DTYPE).to(tl.float32)
@@ -184,14 +190,16 @@ def _fp8_gemv_kernel(
             tl.store(part_ptr + slot * out_cols + n, y.to(ACT_DTYPE).to(tl.float32) * weight, mask=n_ok)
             if SUM_SLOTS:
                 tl.debug_barrier()  # this program's part stores come before its arrival
-                arrival = arrivals_ptr + tl.program_id(0)
+                token = slot // TOP_K
+                arrival = arrivals_ptr + token * tl.num_programs(0) + tl.program_id(0)
                 if tl.atomic_add(arrival, 1, sem="acq_rel") == TOP_K - 1:
                     tl.store(arrival, 0)  # zero again for the next launch
                     # the other slots' programs wrote theirs: read through L2 (.cg), never a stale L1 line
-                    total = tl.load(part_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    first = part_ptr + token * TOP_K * out_cols + n  # [BN] the token's slot 0
+                    total = tl.load(first, mask=n_ok, other=0.0, cache_modifier=".cg")
                     for k in tl.static_range(1, TOP_K):
-                        total = total + tl.load(part_ptr + k * out_cols + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-                    tl.store(out_ptr + n, total.to(ACT_DTYPE), mask=n_ok)
+                        total = total + tl.load(first + k * out_cols, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptr + token * out_cols + n, total.to(ACT_DTYPE), mask=n_ok)
 
 
 # (BLOCK_N, BLOCK_K, num_warps) of the MoE's launches. tools/bench_fp8.py --modes gemv on the H200 (launched
@@ -219,7 +227,7 @@ def _dense_tiles(in_features: int) -> tuple[int, int, int]:
 def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             out: torch.Tensor, tiles: tuple[int, int, int] | None, out_cols: int, red_dim: int, num_experts: int = 1,
             ids: torch.Tensor | None = None, weights: torch.Tensor | None = None, part: torch.Tensor | None = None,
-            top_k: int = 1,
+            top_k: int = 1, num_tokens: int = 1,
             norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> None:  # fmt: skip
     block_n, block_k, warps = tiles or (_dense_tiles(red_dim) if mode == DENSE else GEMV_TILES[mode])
     if block_k % GROUP:
@@ -227,7 +235,7 @@ def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, 
     if a.stride(-1) != 1 or w.stride(-1) != 1 or w_scale.stride(-1) != 1:
         raise ValueError("fp8 GEMV: activations, weights and scale rows must be contiguous in their last dimension")
     tiles_n = triton.cdiv(out_cols, block_n)
-    arrivals = arrival_counters(a.device, tiles_n) if mode == DOWN else None
+    arrivals = arrival_counters(a.device, num_tokens * tiles_n) if mode == DOWN else None
     expert_strides = (w.stride(0), w_scale.stride(0)) if mode != DENSE else (0, 0)
     # launched early (ops/triton_setup.py): DENSE and DOWN prefetch their weight rows into L2 before they
     # wait for the activations; GATED waits for the routing at once
@@ -245,7 +253,8 @@ def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, 
         EVICT=DENSE_EVICT if mode == DENSE else EXPERT_EVICT, num_warps=warps, launch_pdl=use_pdl, **norm_args,
     )  # fmt: skip
     if mode == DOWN and arrivals is None:  # no counters (first call under graph capture): the slots in one launch
-        _sum_slots_kernel[(triton.cdiv(out_cols, 1024),)](part, out, 1, out_cols, TOP_K=top_k, BLOCK=1024)
+        _sum_slots_kernel[(triton.cdiv(num_tokens * out_cols, 1024),)](part, out, num_tokens, out_cols, TOP_K=top_k,
+                                                                        BLOCK=1024)  # fmt: skip
 
 
 def fp8_gemv_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
@@ -254,6 +263,7 @@ def fp8_gemv_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Ten
     per 128-wide group as it is loaded, ops/fp8_linear.py's W8A8 arithmetic for one row, one launch."""
     require_triton("fp8_gemv_linear")
     out_features, in_features = weight.shape
+    _check_one_row("fp8_gemv_linear", x, in_features)
     out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     _launch(DENSE, (), x, weight, scale_rows, out, tiles, out_features, in_features)
     return out
@@ -267,6 +277,7 @@ def fp8_gemv_normed_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight:
     program normalizes the row itself as it loads it (ops/rms_norm.py's roundings); the first writes s."""
     require_triton("fp8_gemv_normed_linear")
     out_features, in_features = weight.shape
+    _check_one_row("fp8_gemv_normed_linear", x, in_features)
     if (residual.shape != x.shape or residual.stride(-1) != 1 or norm_weight.shape != (in_features,)
             or norm_weight.dtype != x.dtype):  # fmt: skip
         raise ValueError(f"fp8_gemv_normed_linear: residual {tuple(residual.shape)} must match x {tuple(x.shape)} "
@@ -279,24 +290,38 @@ def fp8_gemv_normed_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight:
     return out, total
 
 
+def _check_one_row(name: str, x: torch.Tensor, in_features: int) -> None:
+    """The dense GEMV takes one row: at a verify step's 4 rows, a GEMV that loads each weight tile once for
+    all rows (quantizing every row in each of its programs) made the verify step 1.1-3.6 ms slower than the
+    split-K tile kernels (docs/perf_h200.md)."""
+    if x.dim() != 2 or x.shape != (1, in_features):
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be one row of {in_features}; more rows take "
+                         "ops/fp8_linear.py")
+
+
 def fp8_gemv_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                      w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      tiles: dict[int, tuple[int, int, int]] | None = None) -> torch.Tensor:  # fmt: skip
-    """The W8A8 fused MoE of one token (ops/fused_moe_triton.py's arithmetic), two launches: x [1, H] (16-bit);
-    w13 [E, 2I, H], w2 [E, H, I] fp8 with their scale rows; topk_weights / topk_ids [1, K] -> [1, H] in
-    x.dtype. x, then each slot's intermediate [I], are quantized per 128-wide group as they are loaded; a
-    program per (output tile, slot), the K slots summed in slot order by the tile's last one to land."""
+    """The W8A8 fused MoE of a few tokens (ops/fused_moe_triton.py's arithmetic), two launches: x [T, H]
+    (16-bit); w13 [E, 2I, H], w2 [E, H, I] fp8 with their scale rows; topk_weights / topk_ids [T, K] -> [T, H]
+    in x.dtype. x's rows, then each slot's intermediate [I], are quantized per 128-wide group as they are
+    loaded; a program per (output tile, token slot), a token's K slots summed in slot order by the tile's last
+    one to land. Two tokens that share an expert each read its rows (the tile kernel reads them once)."""
     require_triton("fp8_gemv_experts")
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).contiguous()
+    num_tokens, top_k = topk_ids.shape
+    if x.dim() != 2 or x.shape != (num_tokens, hidden) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fp8_gemv_experts: x {tuple(x.shape)} must be [{num_tokens}, {hidden}] and topk_weights "
+                         f"{tuple(topk_weights.shape)} match topk_ids {tuple(topk_ids.shape)}")  # fmt: skip
+    slots = num_tokens * top_k
+    ids = topk_ids.reshape(-1).contiguous()  # [T * K]
     tiles = tiles or {}
-    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)  # [K, I]
-    _launch(GATED, (top_k,), x, w13, w13_scale, act, tiles.get(GATED), inter, hidden, num_experts, ids, top_k=top_k)
-    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    part = torch.empty(top_k, hidden, dtype=torch.float32, device=x.device)  # [K, H]
+    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)  # [T * K, I]
+    _launch(GATED, (slots,), x, w13, w13_scale, act, tiles.get(GATED), inter, hidden, num_experts, ids, top_k=top_k)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    part = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)  # [T * K, H]
     weights = topk_weights.reshape(-1).float().contiguous()
-    _launch(DOWN, (top_k,), act, w2, w2_scale, out, tiles.get(DOWN), hidden, inter, num_experts, ids, weights, part,
-            top_k)  # fmt: skip
+    _launch(DOWN, (slots,), act, w2, w2_scale, out, tiles.get(DOWN), hidden, inter, num_experts, ids, weights, part,
+            top_k, num_tokens)  # fmt: skip
     return out

@@ -40,6 +40,11 @@ ONE_ROW_GEMV = True
 # ... and takes the decoder layer's input RMSNorm into the qkv projection's GEMV (apply_normed): tools/bench_r3.py,
 # batch-1 fp8 step, pipelined, one call on the H200: 2.63, 2.63 ms fused against 2.66 with the norm's own launch
 FUSED_NORM = True
+# the fused MoE of 1 to this many 16-bit tokens takes ops/fp8_gemv.py too (the dense linears one row only).
+# tools/bench_spec.py, fp8 Qwen3-30B-A3B on the H200: the batch-1 k = 3 verify graph 4.43-4.46 ms against
+# 4.70-4.73 with the tile kernels; pipelined decode steps (ms, two runs each, this / the tile kernels): batch
+# 2 3.62, 3.63 / 4.01, 4.01; batch 4 4.57, 4.57 / 4.86, 4.86; at 8 tokens it lost (batch 8 6.84 / 6.69)
+GEMV_MOE_MAX_TOKENS = 4
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 # amax floor: an all-zero block gets a tiny positive scale and zero codes instead of 0 / 0
 _AMAX_FLOOR = 1e-12
@@ -136,8 +141,9 @@ class Fp8MoEMethod(MoEMethod):
     kernel reads the fp8 tiles and their scale rows (ops/fused_moe_triton.py, FP8_W): the weights cross
     HBM at one byte each. With 16-bit activations x and the intermediate are quantized per row and
     128-wide group too (W8A8, pick_fp8_config), at every batch size; with float32 ones each tile is
-    dequantised as it is loaded (the bits of the plain kernel on the dequantised weights). One 16-bit
-    token (outside deterministic mode) takes ops/fp8_gemv.py, the same W8A8 arithmetic on the CUDA cores.
+    dequantised as it is loaded (the bits of the plain kernel on the dequantised weights). 1 to
+    GEMV_MOE_MAX_TOKENS 16-bit tokens (outside deterministic mode) take ops/fp8_gemv.py, the same W8A8
+    arithmetic on the CUDA cores.
     Elsewhere (the CPU loop, an explicit grouped_mm backend) it dequantises every expert and runs the
     plain-weight backend."""
 
@@ -165,7 +171,7 @@ class Fp8MoEMethod(MoEMethod):
         # on CUDA the auto backend's eager grouped_mm would dequantise all E experts first: the Triton kernel
         # reads the codes (W8A8 for 16-bit activations, prefill included)
         if backend == "triton" or (backend == "grouped_mm" and layer.backend == "auto"):
-            if _one_row(layer, x):
+            if _gemv_moe(layer, x):
                 return fp8_gemv_experts(x, layer.w13, layer.w13_weight_scale_inv, layer.w2, layer.w2_weight_scale_inv,
                                         topk_weights, topk_ids)  # fmt: skip
             return triton_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks=blocks,
@@ -176,11 +182,16 @@ class Fp8MoEMethod(MoEMethod):
         return layer.run_experts(x, w13, w2, topk_weights, topk_ids, blocks)
 
     def uses_alignment(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """The one-row GEMV reads topk_ids as they are: its routing skips the alignment."""
-        return not _one_row(layer, x)
+        """The GEMV reads topk_ids as they are: its routing skips the alignment."""
+        return not _gemv_moe(layer, x)
 
 
 def _one_row(layer: nn.Module, x: torch.Tensor) -> bool:
     """A batch-1 decode row of 16-bit activations on CUDA outside deterministic mode: the one-row W8A8
     GEMV's case (ONE_ROW_GEMV)."""
     return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant)
+
+
+def _gemv_moe(layer: nn.Module, x: torch.Tensor) -> bool:
+    """1 to GEMV_MOE_MAX_TOKENS tokens, otherwise as _one_row: the GEMV fused MoE's case."""
+    return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant, max_rows=GEMV_MOE_MAX_TOKENS)
