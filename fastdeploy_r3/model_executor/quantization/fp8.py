@@ -41,9 +41,10 @@ ONE_ROW_GEMV = True
 # batch-1 fp8 step, pipelined, one call on the H200: 2.63, 2.63 ms fused against 2.66 with the norm's own launch
 FUSED_NORM = True
 # the fused MoE of 1 to this many 16-bit tokens takes ops/fp8_gemv.py too (the dense linears one row only).
-# tools/bench_spec.py, fp8 Qwen3-30B-A3B on the H200: the batch-1 k = 3 verify graph 4.43-4.46 ms against
-# 4.70-4.73 with the tile kernels; pipelined decode steps (ms, two runs each, this / the tile kernels): batch
-# 2 3.62, 3.63 / 4.01, 4.01; batch 4 4.57, 4.57 / 4.86, 4.86; at 8 tokens it lost (batch 8 6.84 / 6.69)
+# fp8 Qwen3-30B-A3B on the H200: the batch-1 k = 3 verify graph 4.42-4.46 ms against 4.70-4.76 with the tile
+# kernels (in-process, 30 replays); tools/bench_spec.py pipelined decode steps (ms, two runs each, this / the
+# tile kernels): batch 2 3.62, 3.63 / 4.01, 4.01; batch 4 4.57, 4.57 / 4.86, 4.86; up to 8 tokens lost at
+# batch 8 (6.84, 6.84 / 6.69, 6.69). docs/perf_h200.md, 2026-12-04, fifth session
 GEMV_MOE_MAX_TOKENS = 4
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 # amax floor: an all-zero block gets a tiny positive scale and zero codes instead of 0 / 0
@@ -143,9 +144,8 @@ class Fp8MoEMethod(MoEMethod):
     128-wide group too (W8A8, pick_fp8_config), at every batch size; with float32 ones each tile is
     dequantised as it is loaded (the bits of the plain kernel on the dequantised weights). 1 to
     GEMV_MOE_MAX_TOKENS 16-bit tokens (outside deterministic mode) take ops/fp8_gemv.py, the same W8A8
-    arithmetic on the CUDA cores.
-    Elsewhere (the CPU loop, an explicit grouped_mm backend) it dequantises every expert and runs the
-    plain-weight backend."""
+    arithmetic on the CUDA cores. Elsewhere (the CPU loop, an explicit grouped_mm backend) it dequantises
+    every expert and runs the plain-weight backend."""
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         two_inter = 2 * intermediate_size
