@@ -19,6 +19,10 @@ PRELUDE = """
 import torch
 from fastdeploy_r3.model_executor.ops import fp8_gemv, fp8_linear, fused_moe_triton
 from fastdeploy_r3.model_executor.quantization import fp8
+
+def stack_experts(w):  # [E, O, I] -> (fp8 codes, served scale rows [E, O, ceil(I/128)])
+    pairs = [fp8.quantize_blockwise(m) for m in w]
+    return torch.stack([c for c, _ in pairs]), torch.stack([fp8.expand_scale_rows(s, w.shape[1]) for _, s in pairs])
 """
 
 
@@ -122,11 +126,8 @@ def test_w8a8_quantizes_activations_like_torch_and_equals_the_float32_product_of
             assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item() * 10, m
 
         T, E, K, H, I = 5, 4, 2, 256, 136
-        def stack(w):
-            pairs = [quantize_blockwise(m) for m in w]
-            return torch.stack([c for c, _ in pairs]), torch.stack([expand_scale_rows(s, w.shape[1]) for _, s in pairs])
         x = torch.randn(T, H)
-        w13, w2 = stack(torch.randn(E, 2 * I, H) * 0.1), stack(torch.randn(E, H, I) * 0.1)
+        w13, w2 = stack_experts(torch.randn(E, 2 * I, H) * 0.1), stack_experts(torch.randn(E, H, I) * 0.1)
         ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
         weights = torch.rand(T, K)
         got = triton_experts(x, w13[0], w2[0], weights, ids, TritonMoeConfig(16, 32, 128, 4, 1),
@@ -176,10 +177,7 @@ def test_one_row_gemv_is_the_w8a8_tile_kernels_arithmetic_and_skips_foreign_expe
             assert got.shape == (1, 300) and (got - tile).abs().max() <= 1e-6 * tile.abs().max(), tiles
 
         E, K, H, I = 4, 2, 256, 136
-        def stack(w):
-            pairs = [quantize_blockwise(m) for m in w]
-            return torch.stack([c for c, _ in pairs]), torch.stack([expand_scale_rows(s, w.shape[1]) for _, s in pairs])
-        w13, w2 = stack(torch.randn(E, 2 * I, H) * 0.1), stack(torch.randn(E, H, I) * 0.1)
+        w13, w2 = stack_experts(torch.randn(E, 2 * I, H) * 0.1), stack_experts(torch.randn(E, H, I) * 0.1)
         x = torch.randn(1, H)
         weights = torch.rand(1, K)
         tile = triton_experts(x, w13[0], w2[0], weights, torch.tensor([[2, 0]]), TritonMoeConfig(16, 32, 128, 4, 1),
@@ -212,14 +210,10 @@ def test_few_token_gemv_moe_gives_each_token_its_one_token_bits() -> None:
         import fastdeploy_r3.model_executor.ops.fp8_gemv as gemv
         from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts
         from fastdeploy_r3.model_executor.ops.fused_moe_triton import TritonMoeConfig, triton_experts
-        from fastdeploy_r3.model_executor.quantization.fp8 import expand_scale_rows, quantize_blockwise
 
         torch.manual_seed(3)
         E, K, H, I = 4, 2, 256, 136
-        def stack(w):
-            pairs = [quantize_blockwise(m) for m in w]
-            return torch.stack([c for c, _ in pairs]), torch.stack([expand_scale_rows(s, w.shape[1]) for _, s in pairs])
-        w13, w2 = stack(torch.randn(E, 2 * I, H) * 0.1), stack(torch.randn(E, H, I) * 0.1)
+        w13, w2 = stack_experts(torch.randn(E, 2 * I, H) * 0.1), stack_experts(torch.randn(E, H, I) * 0.1)
         x = torch.randn(3, H)
         weights = torch.rand(3, K)
         ids = torch.tensor([[2, 0], [0, E], [1, 3]])
