@@ -5,8 +5,8 @@ Shape legend: B = requests in the step, T = tokens, MB = widest block table, S =
 
     staging (pinned on CUDA, int64):
         [ input_ids T | positions T | slot_mapping T | tags T | block_tables B*MB | sample_idx S |
-          seq_lens B | query_start_loc B+1 ]     └── one H2D copy of all of it ──┘
-    device tensors are views of the copied buffer.
+          seq_lens B (int32) | query_start_loc B+1 (int32) ]     └── one H2D copy of all of it ──┘
+    device tensors are views of the copied buffer (the two int32 runs each from a 16-byte boundary).
 
 The staging buffer is reused; before refilling it the host waits for the event recorded after the
 previous copy (on every step but the first that copy finished long ago: the wait is free).
@@ -83,11 +83,13 @@ class InputBatcher:
     def prepare(self, requests: Sequence[ScheduledRequestData]) -> StepInputs:
         bs, num_reqs = self.block_size, len(requests)
         rows = self.state.apply(requests)  # [B] rows of the persistent block tables
-        query_lens_np = np.fromiter((len(r.token_ids) for r in requests), np.int64, num_reqs)  # [B]
-        start_np = np.fromiter((r.start_pos for r in requests), np.int64, num_reqs)  # [B]
-        n_sample = np.fromiter((r.num_sample_rows if r.sample else 0 for r in requests), np.int64, num_reqs)
-        bad = np.flatnonzero((n_sample > query_lens_np) | (n_sample < 0)
-                             | (np.fromiter((r.sample for r in requests), bool, num_reqs) & (n_sample < 1)))
+        # [B, 4]: chunk length, first position, rows it asks to sample, whether it samples (one array: at
+        # batch 1 every numpy call is host time before the step's first kernel)
+        meta = np.array([(len(r.token_ids), r.start_pos, r.num_sample_rows, r.sample) for r in requests],
+                        dtype=np.int64).reshape(num_reqs, 4)  # fmt: skip
+        query_lens_np, start_np = meta[:, 0], meta[:, 1]  # [B], [B]
+        n_sample = meta[:, 2] * meta[:, 3]  # [B] rows each request samples: 0 unless it samples
+        bad = np.flatnonzero((n_sample > query_lens_np) | (n_sample < meta[:, 3]))  # a sampler asks 1 to its length
         if len(bad):
             r = requests[int(bad[0])]
             raise ValueError(f"request {r.request_id} samples {r.num_sample_rows} rows of a "
@@ -102,13 +104,19 @@ class InputBatcher:
         num_sample = int(n_sample.sum())
         table_end = 4 * num_tokens + num_reqs * max_blocks
         sample_end = table_end + num_sample
-        buf = self._staging_buffer(sample_end + 2 * num_reqs + 1)
-        buf[sample_end : sample_end + num_reqs] = seq_lens_np
-        buf[sample_end + num_reqs :] = qsl
+        # seq_lens [B] and query_start_loc [B + 1] as int32 (what the attention kernels read: no conversion
+        # launches), each from a 16-byte boundary as a fresh tensor would be (Triton compiles a kernel once
+        # per pointer alignment class: a new class mid-serving would be a compile there)
+        lens_at = _even(sample_end)
+        qsl_at = _even(lens_at + (num_reqs + 1) // 2)
+        buf = self._staging_buffer(qsl_at + num_reqs // 2 + 1)
+        buf[lens_at:].view(np.int32)[:num_reqs] = seq_lens_np
+        buf[qsl_at:].view(np.int32)[: num_reqs + 1] = qsl
         ids, positions, slots, tags = (buf[i * num_tokens : (i + 1) * num_tokens] for i in range(4))
         tables = buf[4 * num_tokens : table_end].reshape(num_reqs, max_blocks)
         tables[:] = self.state.tables[rows, :max_blocks]
-        tables[np.arange(max_blocks)[None, :] >= nb[:, None]] = 0  # past a request's own blocks: padding
+        if num_reqs > 1:  # past a request's own blocks: padding
+            tables[np.arange(max_blocks)[None, :] >= nb[:, None]] = 0
         ids[:] = np.fromiter(chain.from_iterable(r.token_ids for r in requests), np.int64, num_tokens)
         np.add(np.arange(num_tokens) - qsl[req_of], start_np[req_of], out=positions)
         block_idx = positions // bs
@@ -120,10 +128,13 @@ class InputBatcher:
         np.add(tables[req_of, block_idx] * bs, positions % bs, out=slots)
         tags[:] = self.state.tags[rows[req_of], block_idx]
         # sampling rows: each sampling request's last n_sample rows, in row order
-        k = n_sample[n_sample > 0]  # [B'] rows each sampling request samples
-        sample_req = np.repeat(np.flatnonzero(n_sample), k)  # [S]
-        within = np.arange(num_sample) - np.repeat(np.cumsum(k) - k, k)  # [S] 0..k-1 per request
-        sample_idx = qsl[sample_req + 1] - n_sample[sample_req] + within  # ascending: requests are in row order
+        if num_sample == num_tokens:  # every row samples (a decode or verify step)
+            sample_req, sample_idx = req_of, np.arange(num_tokens)
+        else:
+            k = n_sample[n_sample > 0]  # [B'] rows each sampling request samples
+            sample_req = np.repeat(np.flatnonzero(n_sample), k)  # [S]
+            within = np.arange(num_sample) - np.repeat(np.cumsum(k) - k, k)  # [S] 0..k-1 per request
+            sample_idx = qsl[sample_req + 1] - n_sample[sample_req] + within  # ascending: requests in row order
         buf[table_end:sample_end] = sample_idx
         sample_rows = [SampleRow(row, requests[b], pos + 1) for row, b, pos in
                        zip(sample_idx.tolist(), sample_req.tolist(), positions[sample_idx].tolist())]
@@ -140,10 +151,15 @@ class InputBatcher:
             num_tokens=t,
             input_ids=dev[:t], positions=dev[t : 2 * t], slot_mapping=dev[2 * t : 3 * t], tags=dev[3 * t : 4 * t],
             block_tables=dev[4 * t : table_end].view(num_reqs, max_blocks), sample_idx=dev[table_end:sample_end],
-            seq_lens_tensor=dev[sample_end : sample_end + num_reqs].to(torch.int32),
-            query_start_loc_tensor=dev[sample_end + num_reqs :].to(torch.int32),
+            seq_lens_tensor=dev[lens_at:].view(torch.int32)[:num_reqs],
+            query_start_loc_tensor=dev[qsl_at:].view(torch.int32)[: num_reqs + 1],
             positions_np=positions.copy(), slots_np=slots.copy(), tags_np=tags.copy(),
             query_start_loc=qsl.tolist(), query_lens=query_lens_np.tolist(), seq_lens=seq_lens_np.tolist(),
             sample_rows=sample_rows, placeholder_rows=placeholder_rows, placeholder_requests=req_of[placeholder_rows],
             state_rows=rows, sample_requests=sample_req,
         )
+
+
+def _even(i: int) -> int:
+    """i rounded up to even: an int64 index on a 16-byte boundary of the staging buffer."""
+    return i + (i & 1)

@@ -44,3 +44,21 @@ def test_a_verify_chunk_samples_its_last_rows_each_drawing_the_next_position() -
     assert [(s.request.request_id, s.position) for s in inp.sample_rows] == [("a", 4), ("v", 9), ("v", 10), ("v", 11)]
     with pytest.raises(ValueError, match="samples 4 rows of a 3-token chunk"):
         InputBatcher(block_size=4, device=torch.device("cpu")).prepare([replace(v, num_sample_rows=4)])
+
+
+def test_sequence_lengths_travel_as_int32_in_the_same_copy_each_on_a_16_byte_boundary() -> None:
+    """Three requests (an odd count: the int32 rows do not fill whole int64 slots): 'p' prefills 5
+    tokens without sampling, 'd' decodes, 'v' verifies 2 of its 3 rows. seq_lens and query_start_loc are
+    int32 views of the step's one buffer, each starting on a 16-byte boundary (the alignment class a
+    Triton kernel was compiled for), and keep their values when the next step refills the staging buffer."""
+    p = ScheduledRequestData("p", [1, 2, 3, 4, 5], 0, [3, 8], [30, 80], sample=False)
+    d = ScheduledRequestData("d", [6], 6, [2, 9], [20, 90], sample=True)
+    v = ScheduledRequestData("v", [7, 8, 9], 4, [5, 1], [50, 10], sample=True, num_sample_rows=2)
+    batcher = InputBatcher(block_size=4, device=torch.device("cpu"))
+    inp = batcher.prepare([p, d, v])
+    assert inp.sample_idx.tolist() == [5, 7, 8]
+    assert [(s.request.request_id, s.position) for s in inp.sample_rows] == [("d", 7), ("v", 6), ("v", 7)]
+    for t, want in ((inp.seq_lens_tensor, [5, 7, 7]), (inp.query_start_loc_tensor, [0, 5, 6, 9])):
+        assert t.dtype == torch.int32 and t.tolist() == want and t.data_ptr() % 16 == 0
+    batcher.prepare([ScheduledRequestData("c", [1, 2], 0, [4], [40], sample=True, num_sample_rows=2)])
+    assert inp.seq_lens_tensor.tolist() == [5, 7, 7] and inp.query_start_loc_tensor.tolist() == [0, 5, 6, 9]
