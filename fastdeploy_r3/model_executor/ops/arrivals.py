@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from fastdeploy_r3.model_executor.ops.triton_setup import jit, tl
+
 ARRIVAL_COUNTERS = 1 << 20  # int32 each: 4 MiB per device
 
 _buffers: dict[torch.device, torch.Tensor] = {}
@@ -34,3 +36,14 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
             return None
         buf = _buffers[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
     return buf
+
+
+@jit
+def ordered_sum(first, stride, COUNT: tl.constexpr, mask):
+    """first[0] + first[stride] + ... + first[(COUNT - 1) * stride] in float32, added in that order: the
+    partials the other programs of the launch wrote, read by the one that counted in last. Read through L2
+    (.cg), never a stale L1 line."""
+    total = tl.load(first, mask=mask, other=0.0, cache_modifier=".cg")
+    for i in tl.static_range(1, COUNT):
+        total = total + tl.load(first + i * stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return total

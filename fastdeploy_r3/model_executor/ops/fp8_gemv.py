@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
+from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters, ordered_sum
 from fastdeploy_r3.model_executor.ops.fp8_quant import GROUP, TL_DTYPES, e4m3_round, group_quotients
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import _sum_slots_kernel
 from fastdeploy_r3.model_executor.ops.rms_norm import normed_elements, row_inv_rms
@@ -194,11 +194,8 @@ def _fp8_gemv_kernel(
                 arrival = arrivals_ptr + token * tl.num_programs(0) + tl.program_id(0)
                 if tl.atomic_add(arrival, 1, sem="acq_rel") == TOP_K - 1:
                     tl.store(arrival, 0)  # zero again for the next launch
-                    # the other slots' programs wrote theirs: read through L2 (.cg), never a stale L1 line
-                    first = part_ptr + token * TOP_K * out_cols + n  # [BN] the token's slot 0
-                    total = tl.load(first, mask=n_ok, other=0.0, cache_modifier=".cg")
-                    for k in tl.static_range(1, TOP_K):
-                        total = total + tl.load(first + k * out_cols, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    # the token's slots in slot order, from its slot 0's row
+                    total = ordered_sum(part_ptr + token * TOP_K * out_cols + n, out_cols, TOP_K, n_ok)
                     tl.store(out_ptr + token * out_cols + n, total.to(ACT_DTYPE), mask=n_ok)
 
 

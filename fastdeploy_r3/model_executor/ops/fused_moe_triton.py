@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
+from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters, ordered_sum
 from fastdeploy_r3.model_executor.ops.fp8_quant import TL_DTYPES, quantize_groups
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks, align_to_blocks
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, require_triton, tl, triton
@@ -167,10 +167,7 @@ def _expert_gemm_kernel(
             tl.store(arrival, tl.zeros_like(token).to(tl.int32), mask=last)  # zero again for the next launch
             mask = last[:, None] & n_ok[None, :]
             slot0 = out_ptr + (token * TOP_K)[:, None] * stride_out + n[None, :]  # [BM, BN] part[t, 0]
-            # other programs wrote the other slots: read through L2 (.cg), never a stale L1 line
-            total = tl.load(slot0, mask=mask, other=0.0, cache_modifier=".cg")
-            for k in tl.static_range(1, TOP_K):  # slot order, as _sum_slots_kernel adds them
-                total = total + tl.load(slot0 + k * stride_out, mask=mask, other=0.0, cache_modifier=".cg")
+            total = ordered_sum(slot0, stride_out, TOP_K, mask)  # slot order, as _sum_slots_kernel adds them
             tl.store(final_ptr + token[:, None] * out_cols + n[None, :], total.to(final_ptr.dtype.element_ty),
                      mask=mask)
     elif SPLIT_K > 1:  # this split's sum, unrounded; the last of the tile's splits adds them in split order
@@ -181,10 +178,7 @@ def _expert_gemm_kernel(
         arrival = arrivals_ptr + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
             tl.store(arrival, 0)  # zero again for the next launch (the only program still counting)
-            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # through L2: others wrote them
-            for split in tl.static_range(1, SPLIT_K):
-                total = total + tl.load(part + split * num_rows * out_cols, mask=mask, other=0.0,
-                                        cache_modifier=".cg")
+            total = ordered_sum(part, num_rows * out_cols, SPLIT_K, mask)  # in split order
             rounded = total.to(ACT_DTYPE) if FP8_A else total.to(a_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], rounded.to(out_ptr.dtype.element_ty),
                      mask=mask)
