@@ -102,6 +102,43 @@ def test_kernel_equals_the_torch_routers_for_three_gatings_two_dtypes_and_both_l
     """)
 
 
+def test_a_few_tokens_without_an_alignment_route_a_program_each_with_the_bits_each_gets_alone() -> None:
+    """A verify step's 4 tokens for the GEMV experts (no block_m): one launch of 4 programs, no partial-count
+    launch; each token's ids and weights are, bit for bit, the ones it gets routed alone, for a softmax and a
+    grouped sigmoid router; the counts (summed when asked) are the ids' histogram; the padded token's
+    capture row stays as it was. 9 tokens (past PER_TOKEN_MAX_TOKENS) take the one-program path again."""
+    _run_interpreted("""
+        torch.manual_seed(5)
+        E = 16
+        bias = torch.randn(E) * 0.5
+        specs = (RouterSpec(4, "softmax", renormalize=True),
+                 RouterSpec(4, "sigmoid", True, n_group=4, topk_group=2, routed_scaling_factor=2.5))
+        assert fr.PER_TOKEN_MAX_TOKENS == 8
+        for spec in specs:
+            b = bias if spec.scoring == "sigmoid" else None
+            logits = torch.randn(4, E) * 2
+            buffer = torch.full((6, 2, 4), 77, dtype=torch.int32)
+            launches.clear()
+            got = fused_routing(logits, spec, b, buffer, moe_index=1, slot_mapping=torch.tensor([3, 4, 5, -1]))
+            assert launches == ["_fused_routing_kernel"], launches
+            assert got.count_rows.shape == (4, E), got.count_rows.shape
+            weights, ids = reference(logits, spec, b)
+            assert torch.equal(got.topk_ids, ids), spec
+            torch.testing.assert_close(got.topk_weights, weights, rtol=1e-6, atol=1e-7)
+            for t in range(4):
+                alone = fused_routing(logits[t : t + 1], spec, b)
+                assert torch.equal(got.topk_ids[t], alone.topk_ids[0]), (spec, t)
+                assert torch.equal(got.topk_weights[t], alone.topk_weights[0]), (spec, t)
+            assert got.counts.tolist() == torch.bincount(ids.flatten(), minlength=E).tolist()
+            assert torch.equal(buffer[:3, 1].long(), ids[:3]) and (buffer[3:] == 77).all()
+            assert (buffer[:, 0] == 77).all()  # the other layer's rows
+        launches.clear()
+        nine = fused_routing(torch.randn(9, E), specs[0])
+        assert launches == ["_fused_routing_kernel"] and nine.count_rows.shape == (1, E), launches
+        assert nine.counts.sum().item() == 9 * 4
+    """)
+
+
 def test_kernel_breaks_ties_by_lower_id_and_leaves_padded_tokens_rows_alone() -> None:
     """Ties built on purpose, in float32 and bf16: all-equal logits pick experts 0..K-1, a tie at the k-th
     place keeps the lower id, GLM keeps the lower of three tied groups. Token 3 is a CUDA graph's padding

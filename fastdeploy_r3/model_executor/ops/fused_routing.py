@@ -54,6 +54,10 @@ BLOCK_T = 16  # tokens per routing tile (fewer for a smaller batch on the one-la
 # Deterministic mode keeps 4 always (fused_routing's batch_invariant)
 ROUTING_WARPS = 2
 FEW_TOKENS = 1
+# 2 to this many tokens routed without an alignment (the few-token GEMV experts, quantization/fp8.py): a
+# program of ROUTING_WARPS per token, each the launch one token gets (the same reductions, so the same
+# bits), and no second launch for the counts (RoutingResult.counts sums them if asked)
+PER_TOKEN_MAX_TOKENS = 8
 
 
 def fused_routing_enabled() -> bool:
@@ -90,8 +94,15 @@ class RouterSpec:
 class RoutingResult:
     topk_weights: torch.Tensor  # [T, K] float32
     topk_ids: torch.Tensor  # [T, K] int64, logical expert ids
-    counts: torch.Tensor  # [E] int32 rows routed to each expert (padded tokens included: the experts run them)
+    # [P, E] int32: rows routed to each expert (padded tokens included: the experts run them), counted by each
+    # of the launch's P programs; P = 1 wherever the kernel summed them (one program, or an alignment)
+    count_rows: torch.Tensor
     blocks: MoeBlocks | None  # the alignment for block_m, when asked for
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """[E] int32 rows routed to each expert; summed here, on demand, where no kernel needed the sum."""
+        return self.count_rows[0] if self.count_rows.shape[0] == 1 else self.count_rows.sum(0, dtype=torch.int32)
 
 
 @jit
@@ -212,10 +223,11 @@ def _fused_routing_kernel(
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, CAPTURE: tl.constexpr, HAS_SLOTS: tl.constexpr, ONE_PROGRAM: tl.constexpr,
     ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False, PER_TOKEN: tl.constexpr = False,
 ):  # fmt: skip
-    """ONE_PROGRAM: route every tile, store counts [E], align (ALIGN). Else: program p routes tile p and
-    stores its counts in row p of counts_ptr [P, BE] (the partial table _align_partials_kernel sums)."""
+    """ONE_PROGRAM: route every tile, store counts [E], align (ALIGN). Else: program p routes tile p (PER_TOKEN:
+    token p) and stores its counts in row p of counts_ptr [P, BE] (the partial table _align_partials_kernel
+    sums, or, PER_TOKEN, RoutingResult.counts on demand)."""
     pdl_prologue(PDL)  # the experts' kernel may start; it waits for these ids (ops/triton_setup.py)
     e = tl.arange(0, BLOCK_E)  # [BE]
     if ONE_PROGRAM:
@@ -233,8 +245,11 @@ def _fused_routing_kernel(
                        num_tokens * TOP_K, num_experts, total_rows, num_blocks, BLOCK_M, BLOCK_E)
     else:
         pid = tl.program_id(0)
+        t0, limit = pid * BLOCK_T, num_tokens
+        if PER_TOKEN:  # token pid alone (a tile of BLOCK_T >= 2 lanes, the others masked)
+            t0, limit = pid, pid + 1
         counts = _route_and_store(
-            logits_ptr, bias_ptr, weights_ptr, ids_ptr, capture_ptr, slot_ptr, pid * BLOCK_T, num_tokens,
+            logits_ptr, bias_ptr, weights_ptr, ids_ptr, capture_ptr, slot_ptr, t0, limit,
             num_experts, stride_t, stride_cap_t, stride_cap_l, moe_index, scaling, eps, TOP_K, SIGMOID, RENORMALIZE,
             N_GROUP, TOPK_GROUP, CAPTURE, HAS_SLOTS, BLOCK_T, BLOCK_E, BLOCK_K, BLOCK_G,
         )  # fmt: skip
@@ -303,7 +318,8 @@ def fused_routing(
     capture_buffer [max_tokens, L, K] (the routing capture's step buffer, any integer dtype) receives
     row t = topk_ids[t] in layer moe_index for every token whose slot_mapping[t] >= 0 (all T without a
     slot_mapping). block_m: also align the rows for the Triton experts (ops/fused_moe_triton.py).
-    one_launch forces the one-program path (True) or the two-launch path (False); None picks by T.
+    one_launch forces the one-program path (True) or the two-launch path (False); None picks by T, and routes
+    2 to PER_TOKEN_MAX_TOKENS tokens without block_m in a program per token.
     batch_invariant (deterministic mode): the launch's warps never depend on T (see ROUTING_WARPS).
     """
     require_triton("fused_routing")
@@ -327,19 +343,22 @@ def fused_routing(
         counts.zero_()
         if blocks is not None:
             blocks.num_padded.zero_()
-        return RoutingResult(weights, ids, counts, blocks)
+        return RoutingResult(weights, ids, counts.view(1, num_experts), blocks)
     block_e = triton.next_power_of_2(num_experts)
     cursor = torch.empty(block_e, dtype=torch.int32, device=dev)  # scratch of the alignment
     sigmoid = spec.scoring == "sigmoid"
     align = (blocks.sorted_ids, blocks.block_expert, blocks.num_padded) if blocks else (cursor, cursor, cursor)
     sizes = (blocks.sorted_ids.shape[0], blocks.block_expert.shape[0]) if blocks else (0, 0)
-    one = num_tokens <= ONE_LAUNCH_MAX_TOKENS if one_launch is None else one_launch
+    per_token = (one_launch is None and blocks is None and not batch_invariant
+                 and FEW_TOKENS < num_tokens <= PER_TOKEN_MAX_TOKENS)  # fmt: skip
+    one = not per_token and (num_tokens <= ONE_LAUNCH_MAX_TOKENS if one_launch is None else one_launch)
     # a decode batch of a few tokens takes a tile its size (>= 2: no one-lane tiles), not 16 mostly-masked rows
     block_t = BLOCK_T if not one else max(2, min(BLOCK_T, triton.next_power_of_2(num_tokens)))
-    programs = 1 if one else triton.cdiv(num_tokens, BLOCK_T)
+    block_t = 2 if per_token else block_t
+    programs = 1 if one else num_tokens if per_token else triton.cdiv(num_tokens, BLOCK_T)
     early = pdl(router_logits)
     # deterministic mode keeps 4 warps at every batch size: a row's reductions then never change their order
-    warps = ROUTING_WARPS if num_tokens <= FEW_TOKENS and not batch_invariant else 4
+    warps = ROUTING_WARPS if (num_tokens <= FEW_TOKENS or per_token) and not batch_invariant else 4
     partial = counts if one else torch.empty(programs, block_e, dtype=torch.int32, device=dev)  # [P, BE]
     _fused_routing_kernel[(programs,)](
         router_logits, e_score_correction_bias if sigmoid else router_logits, weights, ids, partial,
@@ -352,11 +371,13 @@ def fused_routing(
         TOPK_GROUP=spec.topk_group, CAPTURE=capture_buffer is not None, HAS_SLOTS=slot_mapping is not None,
         ONE_PROGRAM=one, ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(spec.n_group),
-        PDL=early, launch_pdl=early, num_warps=warps,
+        PDL=early, launch_pdl=early, num_warps=warps, PER_TOKEN=per_token,
     )  # fmt: skip
+    if per_token:
+        return RoutingResult(weights, ids, partial[:, :num_experts], blocks)
     if not one:
         _align_partials_kernel[(1,)](
             partial, ids, counts, *align, cursor, programs, num_rows, num_experts, *sizes,
             ALIGN=blocks is not None, BLOCK_M=block_m or 1, BLOCK_E=block_e, num_warps=4,
         )  # fmt: skip
-    return RoutingResult(weights, ids, counts, blocks)
+    return RoutingResult(weights, ids, counts.view(1, num_experts), blocks)
