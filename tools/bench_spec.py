@@ -2,7 +2,7 @@
 step, per batch size, and the tokens/s it would give at a per-draft acceptance rate.
 
     python tools/bench_spec.py --preset qwen3-30b-a3b --device cuda [--layers 48] [--batches 1,8,32] [--ks 1,2,3,4,5]
-        [--quantization fp8] [--profile-k 3 --out DIR]
+        [--quantization fp8] [--profile-k 3] [--out DIR]
     python tools/bench_spec.py --preset glm-4.5-air --device cuda
     python tools/bench_spec.py --preset glm-4.5-air --device cuda --method mtp [--layers 8]
     python tools/bench_spec.py --device cpu        # the fake tiny qwen3_moe (tests/tools/test_bench_spec.py)
@@ -196,6 +196,41 @@ def print_table(res: dict, title: str) -> None:
         print(f"| {r['batch']} | {r['k'] or 'plain'} | {step} | {r['cost']:.2f} | {cells} | {vs_piped:.2f} |")
 
 
+def plot(res: dict, path: str, title: str) -> None:
+    """Per batch: the verify step's ms against k beside the plain step (synchronous and pipelined), and the
+    modelled tokens/s of each acceptance rate over the pipelined plain step's, with the issue's 1.8x mark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in res["rows"]})
+    fig, axes = plt.subplots(2, len(batches), figsize=(4.5 * len(batches), 7), squeeze=False)
+    for col, b in enumerate(batches):
+        rows = [r for r in res["rows"] if r["batch"] == b]
+        plain = next(r for r in rows if not r["k"])
+        verify = [r for r in rows if r["k"]]
+        ks = [r["k"] for r in verify]
+        top, bottom = axes[0][col], axes[1][col]
+        top.plot(ks, [r["step_ms"] for r in verify], "o-", label="verify step")
+        top.axhline(plain["step_ms"], color="gray", label="plain step")
+        top.axhline(plain["pipelined_ms"], color="gray", linestyle="--", label="plain step, pipelined")
+        top.set(xlabel="drafts k", ylabel="ms", title=f"batch {b}", xticks=ks)
+        top.legend(fontsize=7)
+        for a in RATES:
+            bottom.plot(ks, [r["speedup_vs_pipelined"][str(a)] for r in verify], "o-", label=f"a = {a}")
+        bottom.axhline(1.0, color="gray")
+        bottom.axhline(TARGET_SPEEDUP, color="red", linestyle=":", label=f"{TARGET_SPEEDUP}x")
+        bottom.set(xlabel="drafts k", ylabel="tokens/s over the pipelined plain step", xticks=ks)
+        bottom.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+TARGET_SPEEDUP = 1.8  # the aim at batch 1, k = 3, a = 0.7 (docs/speculative.md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -211,7 +246,7 @@ def main() -> None:
     ap.add_argument("--profile-k", type=int, default=None,
                     help=f"with --out: torch.profiler tables of {PROFILE_STEPS} plain and {PROFILE_STEPS} verify steps "
                     "of this k at the first batch (profile_plain_bsB.txt, profile_verify_kK_bsB.txt)")
-    ap.add_argument("--out", default=None, help="write bench_spec.json here")
+    ap.add_argument("--out", default=None, help="write bench_spec.json and bench_spec.png here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.method == "mtp" and not args.preset:  # the fake GLM with a draft layer
@@ -234,6 +269,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_spec.json"), "w") as f:
             json.dump({"title": title, "args": vars(args)} | res, f, indent=1)
+        plot(res, os.path.join(args.out, "bench_spec.png"), title)
     print_table(res, title)
 
 

@@ -22,7 +22,7 @@ def test_expected_tokens_per_verify_step() -> None:
 def test_spec_bench_runs_on_cpu_and_writes_the_table(tmp_path: Path) -> None:
     """batch 1 and 2, k 1 and 2, 2 timed steps each: a plain row (with its pipelined step) and a row per k for
     each batch, each with its speedup against the pipelined plain step too; the profiler tables of batch 1's
-    plain and k = 2 steps."""
+    plain and k = 2 steps; the plot."""
     cmd = [sys.executable, "tools/bench_spec.py", "--device", "cpu", "--batches", "1,2", "--ks", "1,2", "--steps", "2",
            "--prompt-len", "8", "--profile-k", "2", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -32,6 +32,7 @@ def test_spec_bench_runs_on_cpu_and_writes_the_table(tmp_path: Path) -> None:
     assert [(r["batch"], r["k"]) for r in res["rows"]] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
     assert sorted(p.name for p in tmp_path.glob("profile_*")) == ["profile_plain_bs1.txt", "profile_verify_k2_bs1.txt"]
     assert "aten::" in (tmp_path / "profile_verify_k2_bs1.txt").read_text()
+    assert (tmp_path / "bench_spec.png").read_bytes()[:4] == b"\x89PNG"
     plain = {r["batch"]: r for r in res["rows"] if r["k"] == 0}
     for r in res["rows"]:
         assert r["step_ms"] > 0
