@@ -234,7 +234,7 @@ def test_the_gemvs_with_the_norm_before_them_inside_give_the_norm_kernel_then_th
     """ops/fp8_gemv.py fp8_gemv_normed_linear (a batch-1 step's input RMSNorm and residual add inside the qkv
     GEMV, Qwen3-30B-A3B's and GLM-4.5-Air's hidden sizes): the bits of ops/rms_norm.py's kernel followed
     by the one-row GEMV, eagerly and replayed in a CUDA graph with early launches, and at a verify step's 4
-    rows each row's bits launched alone; ops/gemv.py normed_gemv
+    rows each row's bits launched alone; ops/gemv.py normed_gemv at 1 and 4 rows
     (the post-attention norm inside the router gate's GEMV): the norm kernel's row and sum, and their logits."""
     from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_linear, fp8_gemv_normed_linear
     from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
@@ -276,6 +276,9 @@ def test_the_gemvs_with_the_norm_before_them_inside_give_the_norm_kernel_then_th
     for r in range(4):
         alone = fp8_gemv_normed_linear(x4[r : r + 1], res4[r : r + 1], norm_w, 1e-6, codes, rows)
         assert torch.equal(got[r], alone[0][0]) and torch.equal(got_total[r], alone[1][0]), r
+    logits4, h4_got, total4_got = normed_gemv(x4, res4, norm_w, 1e-6, gate)
+    assert torch.equal(h4_got, h4) and torch.equal(total4_got, total4)
+    assert torch.equal(logits4, one_row_gemv(h4, gate))
 
 
 def test_a_verify_steps_few_row_linears_split_over_k_agree_with_the_whole_sum_and_replay_in_a_graph() -> None:

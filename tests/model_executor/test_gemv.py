@@ -66,7 +66,8 @@ def test_only_few_16_bit_cuda_rows_outside_deterministic_mode_take_it() -> None:
 def test_the_gate_gemv_with_the_norm_before_it_gives_the_norm_kernels_row_and_the_gemv_of_it() -> None:
     """normed_gemv: a batch-1 step's post-attention RMSNorm (with its residual add) inside the router gate's
     GEMV. On a row of 3000 (two K steps, a partial norm block) it returns the Triton norm kernel's normed
-    row and sum, and the logits the GEMV gives that row, bit for bit; two rows are refused."""
+    row and sum, and the logits the GEMV gives that row, bit for bit; on a verify step's 3 rows each row's
+    logits, normed row and sum are the ones it gets alone; 9 rows are refused."""
     run_interpreted("""
         import pytest
         import torch
@@ -82,6 +83,12 @@ def test_the_gate_gemv_with_the_norm_before_it_gives_the_norm_kernels_row_and_th
             logits, got_h, got_total = normed_gemv(x, residual, norm_weight, 1e-6, w)
             assert torch.equal(got_total, total) and torch.equal(got_h, h), red_dim
             assert torch.equal(logits, one_row_gemv(h, w)), red_dim
-        with pytest.raises(ValueError, match="must be one row of 3000"):
-            normed_gemv(torch.zeros(2, 3000).bfloat16(), torch.zeros(2, 3000).bfloat16(), norm_weight, 1e-6, w)
+        xs, residuals = (torch.randn(3, red_dim, generator=gen).bfloat16() * s for s in (3, 1))
+        logits, got_h, got_total = normed_gemv(xs, residuals, norm_weight, 1e-6, w)
+        assert logits.shape == (3, 7) and got_h.shape == got_total.shape == (3, red_dim)
+        for r in range(3):
+            alone = normed_gemv(xs[r : r + 1], residuals[r : r + 1], norm_weight, 1e-6, w)
+            assert all(torch.equal(a[r], b[0]) for a, b in zip((logits, got_h, got_total), alone)), r
+        with pytest.raises(ValueError, match="must be 1 to 8 rows of 3000"):
+            normed_gemv(torch.zeros(9, 3000).bfloat16(), torch.zeros(9, 3000).bfloat16(), norm_weight, 1e-6, w)
     """)

@@ -48,6 +48,8 @@ from fastdeploy_r3.model_executor.quantization import MoEMethod, moe_method
 # a batch-1 step's post-attention RMSNorm inside the router gate's GEMV (SparseMoeBlock.forward_normed):
 # tools/bench_r3.py, batch-1 fp8 step, pipelined, one call on the H200: 2.52, 2.51 ms against 2.56, 2.56
 FUSED_GATE_NORM = True
+# ... and a verify step's rows up to this many (ops/gemv.py normed_gemv: a grid column per row)
+FUSED_GATE_NORM_MAX_ROWS = 4
 
 
 def loop_experts(
@@ -315,13 +317,15 @@ class SparseMoeBlock(nn.Module):
     def forward_normed(self, x: torch.Tensor, norm: nn.Module,
                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(forward(norm(x + residual)), x + residual): the decoder layer's post-attention RMSNorm before this
-        block. One softmax-routed row on CUDA (a batch-1 decode step) computes it inside the router gate's
-        GEMV, which writes the normed row for the experts (ops/gemv.py normed_gemv): one launch less."""
+        block. 1 to FUSED_GATE_NORM_MAX_ROWS softmax-routed rows on CUDA (a batch-1 decode or verify step)
+        compute it inside the router gate's GEMV, which writes the normed rows for the experts (ops/gemv.py
+        normed_gemv): one launch less."""
         weight = self.gate.weight
-        if (FUSED_GATE_NORM and self.router == "softmax" and self.use_fused_routing and x.shape[0] == 1
-                and use_one_row_gemv(x, self.batch_invariant) and weight.dtype == x.dtype == norm.weight.dtype
+        if (FUSED_GATE_NORM and self.router == "softmax" and self.use_fused_routing
+                and use_one_row_gemv(x, self.batch_invariant, FUSED_GATE_NORM_MAX_ROWS)
+                and weight.dtype == x.dtype == norm.weight.dtype
                 and getattr(self.gate, "bias", None) is None):  # fmt: skip
-            logits, h, total = normed_gemv(x, residual, norm.weight, norm.eps, weight)  # [1, E], [1, H], [1, H]
+            logits, h, total = normed_gemv(x, residual, norm.weight, norm.eps, weight)  # [T, E], [T, H], [T, H]
             return self.forward(h, logits), total
         h, total = norm(x, residual)
         return self.forward(h), total

@@ -45,9 +45,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, rows_x, st
                  BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
                  residual_ptr=None, norm_weight_ptr=None, h_out_ptr=None, sum_out_ptr=None, eps=0.0,
                  NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):  # fmt: skip
-    """NORM (one row): x is first normalized, x + residual through the RMSNorm norm_weight / eps, as it is
-    loaded (ops/rms_norm.py's roundings); the first program writes the normed row to h_out_ptr and the sum
-    to sum_out_ptr for the kernels after it."""
+    """NORM (one row a grid column, program_id(1)): x's row is first normalized, x + residual through the
+    RMSNorm norm_weight / eps, as it is loaded (ops/rms_norm.py's roundings); the row's first program writes
+    the normed row to h_out_ptr and the sum to sum_out_ptr (all of x's row stride) for the kernels after it."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = n < out_cols
     let_dependents_launch(PDL)  # the routing kernel may launch; it waits for these logits
@@ -55,6 +55,12 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, out_cols, red_dim, stride_wn, rows_x, st
         prefetch_rows(w_ptr, n, n_ok, red_dim, stride_wn, ROW_CHUNKS, 16)  # 16-bit: 16 values a sector
         wait_for_inputs(PDL)
     if NORM:
+        row = tl.program_id(1)
+        x_ptr += row * stride_x
+        out_ptr += row * out_cols
+        residual_ptr += row * stride_x
+        h_out_ptr += row * stride_x
+        sum_out_ptr += row * stride_x
         inv_rms = row_inv_rms(x_ptr, residual_ptr, red_dim, eps, NORM_BLOCK)
     k = tl.arange(0, BLOCK_K)  # [BK]
     rows = n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
@@ -86,44 +92,55 @@ def use_one_row_gemv(x: torch.Tensor, batch_invariant: bool = False, max_rows: i
             and x.dtype in (torch.bfloat16, torch.float16) and not batch_invariant)  # fmt: skip
 
 
-def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, norm: dict | None = None) -> torch.Tensor:
+def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] (1 <= T <= MAX_ROWS) @ weight [O, K]^T -> [T, O] in x.dtype, one launch (float32 sums; each
-    row's are those it gets alone). norm: normed_gemv's kernel arguments."""
+    row's are those it gets alone)."""
     require_triton("one_row_gemv")
-    out_cols, red_dim = weight.shape
-    if (x.dim() != 2 or x.shape[1] != red_dim or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1
-            or weight.stride(-1) != 1):  # fmt: skip
-        raise ValueError(f"one_row_gemv: x {tuple(x.shape)} must be 1 to {MAX_ROWS} rows of {red_dim} contiguous "
-                         f"values and weight {tuple(weight.shape)} contiguous along K")
-    rows = x.shape[0]
-    out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
-    use_pdl = pdl(x)
-    norm_args = norm or {}
-    _gemv_kernel[(triton.cdiv(out_cols, BLOCK_N),)](
-        x, weight, out, out_cols, red_dim, weight.stride(0), rows, x.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_K=min(MAX_BLOCK_K, triton.next_power_of_2(red_dim)), PDL=use_pdl,
-        ROW_CHUNKS=triton.next_power_of_2(triton.cdiv(red_dim, 16)), ROWS=triton.next_power_of_2(rows),
-        num_warps=4, launch_pdl=use_pdl, **norm_args,
-    )  # fmt: skip
-    return out
+    _check(x, weight, "one_row_gemv")
+    return _launch(x, weight, x.shape[0], {})
 
 
 def normed_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The RMSNorm before a gate fused into its GEMV, one row: s = x + residual, h = rms_norm(s, norm_weight,
-    eps) -> (h @ weight^T [1, O], h, s), one launch instead of two; each program normalizes the row itself
-    as it loads it (ops/rms_norm.py's roundings), the first writes h and s for the kernels after it."""
+    """The RMSNorm before a gate fused into its GEMV, 1 to MAX_ROWS rows: s = x + residual, h = rms_norm(s,
+    norm_weight, eps) -> (h @ weight^T [T, O], h, s), one launch instead of two; a grid column per row, each
+    program normalizing its row itself as it loads it (ops/rms_norm.py's roundings: every row gets the bits
+    it gets alone), the row's first writing h and s for the kernels after it."""
+    require_triton("normed_gemv")
     red_dim = weight.shape[1]
-    if (x.shape != (1, red_dim) or residual.shape != x.shape or residual.stride(-1) != 1
-            or norm_weight.shape != (red_dim,) or norm_weight.dtype != x.dtype):  # fmt: skip
-        raise ValueError(f"normed_gemv: x {tuple(x.shape)} and residual {tuple(residual.shape)} must be one row "
-                         f"of {red_dim} and norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} [{red_dim}] "
-                         f"{x.dtype}")
+    _check(x, weight, "normed_gemv")
+    if residual.shape != x.shape or norm_weight.shape != (red_dim,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"normed_gemv: residual {tuple(residual.shape)} must match x {tuple(x.shape)} and "
+                         f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} be [{red_dim}] {x.dtype}")
+    x, residual = x.contiguous(), residual.contiguous()  # the kernel steps all four by x's row stride
     h, total = torch.empty_like(x), torch.empty_like(x)
-    out = one_row_gemv(x, weight, dict(residual_ptr=residual, norm_weight_ptr=norm_weight, h_out_ptr=h,
-                                       sum_out_ptr=total, eps=eps, NORM=True,
-                                       NORM_BLOCK=triton.next_power_of_2(red_dim)))  # fmt: skip
+    out = _launch(x, weight, 1, dict(residual_ptr=residual, norm_weight_ptr=norm_weight, h_out_ptr=h,
+                                     sum_out_ptr=total, eps=eps, NORM=True,
+                                     NORM_BLOCK=triton.next_power_of_2(red_dim)))  # fmt: skip
     return out, h, total
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
+    red_dim = weight.shape[1]
+    if (x.dim() != 2 or x.shape[1] != red_dim or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1
+            or weight.stride(-1) != 1):  # fmt: skip
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be 1 to {MAX_ROWS} rows of {red_dim} contiguous "
+                         f"values and weight {tuple(weight.shape)} contiguous along K")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, rows_per_program: int, norm: dict) -> torch.Tensor:
+    """rows_per_program = T: each weight tile loaded once for all of x's rows; 1: a grid column per row."""
+    out_cols, red_dim = weight.shape
+    rows = x.shape[0]
+    out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
+    use_pdl = pdl(x)
+    _gemv_kernel[(triton.cdiv(out_cols, BLOCK_N), rows // rows_per_program)](
+        x, weight, out, out_cols, red_dim, weight.stride(0), rows_per_program, x.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_K=min(MAX_BLOCK_K, triton.next_power_of_2(red_dim)), PDL=use_pdl,
+        ROW_CHUNKS=triton.next_power_of_2(triton.cdiv(red_dim, 16)), ROWS=triton.next_power_of_2(rows_per_program),
+        num_warps=4, launch_pdl=use_pdl, **norm,
+    )  # fmt: skip
+    return out
 
 
 def router_gate(x: torch.Tensor, gate: nn.Module, batch_invariant: bool = False) -> torch.Tensor:
