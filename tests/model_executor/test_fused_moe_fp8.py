@@ -233,16 +233,13 @@ def test_few_token_gemv_moe_gives_each_token_its_one_token_bits() -> None:
     """, PRELUDE)
 
 
-def test_the_dense_gemv_with_the_norm_before_it_fused_equals_the_norm_kernel_then_the_gemv_row_by_row() -> None:
+def test_one_row_gemv_with_the_norm_before_it_fused_equals_the_norm_kernel_then_the_gemv() -> None:
     """fp8_gemv_normed_linear: a decoder layer's input RMSNorm (with its residual add) inside the qkv GEMV
     of a batch-1 step. On a row of 200 (a partial scale group, a partial norm block) it gives the Triton
-    norm kernel's output fed to the GEMV bit for bit, in bf16 and float32, and returns the norm's sum. On 3
-    rows (a k = 2 verify step) each row's outputs and sum are, bit for bit, the ones it gets launched alone,
-    fused or not, and the W8A8 tile kernels' within float32 order; 17 rows are refused with the way out."""
+    norm kernel's output fed to the GEMV bit for bit, in bf16 and float32, and returns the norm's sum."""
     run_interpreted("""
         import torch
-        from fastdeploy_r3.model_executor.ops.fp8_gemv import MAX_DENSE_ROWS, fp8_gemv_linear, fp8_gemv_normed_linear
-        from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
+        from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_linear, fp8_gemv_normed_linear
         from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
         from fastdeploy_r3.model_executor.quantization.fp8 import expand_scale_rows, quantize_blockwise
 
@@ -258,31 +255,19 @@ def test_the_dense_gemv_with_the_norm_before_it_fused_equals_the_norm_kernel_the
                 got, got_total = fp8_gemv_normed_linear(x, residual, norm_weight, 1e-6, codes, rows, tiles)
                 assert torch.equal(got_total, total), dtype
                 assert torch.equal(got, want), (dtype, tiles, (got.float() - want.float()).abs().max().item())
-        xs, residuals = torch.randn(3, 200) * torch.tensor([[1.0], [40.0], [0.01]]), torch.randn(3, 200)
-        got, got_total = fp8_gemv_normed_linear(xs, residuals, norm_weight, 1e-6, codes, rows)
-        plain = fp8_gemv_linear(xs, codes, rows)
-        assert got.shape == plain.shape == (3, 300) and got_total.shape == (3, 200)
-        for r in range(3):
-            alone, alone_total = fp8_gemv_normed_linear(xs[r : r + 1], residuals[r : r + 1], norm_weight, 1e-6, codes,
-                                                        rows)
-            assert torch.equal(got[r], alone[0]) and torch.equal(got_total[r], alone_total[0]), r
-            assert torch.equal(plain[r], fp8_gemv_linear(xs[r : r + 1], codes, rows)[0]), r
-        tile = fp8_linear(xs, codes, rows, fp8_activations=True)
-        assert (plain - tile).abs().max() <= 1e-6 * tile.abs().max()
         try:
             fp8_gemv_normed_linear(x, residual[:, :100], norm_weight, 1e-6, codes, rows)
         except ValueError as e:
             assert "residual (1, 100) must match x (1, 200)" in str(e), e
         else:
             raise AssertionError("a residual of another shape was accepted")
-        n = MAX_DENSE_ROWS + 1
-        for fn, args in ((fp8_gemv_linear, ()), (fp8_gemv_normed_linear, (residual.repeat(n, 1), norm_weight, 1e-6))):
+        for fn, args in ((fp8_gemv_linear, ()), (fp8_gemv_normed_linear, (residual.repeat(2, 1), norm_weight, 1e-6))):
             try:
-                fn(x.repeat(n, 1), *args, codes, rows)
+                fn(x.repeat(2, 1), *args, codes, rows)
             except ValueError as e:
-                assert f"x ({n}, 200) must be 1 to {n - 1} rows of 200; more rows take ops/fp8_linear.py" in str(e), e
+                assert "x (2, 200) must be one row of 200; more rows take ops/fp8_linear.py" in str(e), e
             else:
-                raise AssertionError(f"{fn.__name__} took {n} rows")
+                raise AssertionError(f"{fn.__name__} took 2 rows")
     """, PRELUDE)
 
 

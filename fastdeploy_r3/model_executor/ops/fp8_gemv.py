@@ -121,10 +121,10 @@ def _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn
 
 @jit
 def _fp8_gemv_kernel(
-    a_ptr,  # 16-bit: DENSE the rows [R, red_dim]; GATED the tokens' rows [T, red_dim]; DOWN the slots' [T * K, red_dim]
+    a_ptr,  # 16-bit: DENSE one row [red_dim]; GATED the tokens' rows [T, red_dim]; DOWN the slots' [T * K, red_dim]
     w_ptr,  # DENSE [O, red_dim]; GATED w13 [E, 2I, H]; DOWN w2 [E, H, I]; fp8 codes
     w_scale_ptr,  # the weight's scale rows [.., rows, ceil(red_dim / 128)] float32
-    out_ptr,  # DENSE [R, O]; GATED act [T * K, I]; DOWN [T, H]; the model dtype
+    out_ptr,  # DENSE [O]; GATED act [T * K, I]; DOWN [T, H]; the model dtype
     ids_ptr,  # GATED / DOWN: topk_ids [T * K], flat slot s = t * K + k
     topk_weights_ptr,  # DOWN: [T * K]
     part_ptr,  # DOWN: [T * K, H] float32, each slot's weighted output
@@ -146,9 +146,9 @@ def _fp8_gemv_kernel(
     PDL: tl.constexpr = False,
     ROW_CHUNKS: tl.constexpr = 1,
     EVICT: tl.constexpr = "",
-    residual_ptr=None,  # DENSE with NORM: the residual rows [R, red_dim] added to a_ptr's before the norm
+    residual_ptr=None,  # DENSE with NORM: the residual row [red_dim] added to a_ptr's row before the norm
     norm_weight_ptr=None,  # DENSE with NORM: the RMSNorm's weight [red_dim]
-    sum_out_ptr=None,  # DENSE with NORM: the sums [R, red_dim], each row written by its first program
+    sum_out_ptr=None,  # DENSE with NORM: the sum's row [red_dim], written by the first program
     eps=0.0,
     NORM: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1,
@@ -157,16 +157,11 @@ def _fp8_gemv_kernel(
     n_ok = n < out_cols
     if MODE != 1:  # DENSE, DOWN: the small kernel after this one may launch (it waits for this one)
         let_dependents_launch(PDL)
-    if MODE == 0:  # DENSE: row program_id(1) of x, its programs the ones it gets launched alone
-        row = tl.program_id(1)
-        residual_row, sum_row = residual_ptr, sum_out_ptr
-        if NORM:  # the residual and the sum have x's row stride (_launch)
-            residual_row = residual_ptr + row * stride_a
-            sum_row = sum_out_ptr + row * stride_a
-        y, _ = _gemv_rows(a_ptr + row * stride_a, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, 0,
-                          BLOCK_N, BLOCK_K, False, PDL, ROW_CHUNKS, EVICT, NORM, residual_row, norm_weight_ptr,
-                          sum_row, eps, NORM_BLOCK)  # fmt: skip
-        tl.store(out_ptr + row * out_cols + n, y.to(ACT_DTYPE), mask=n_ok)
+    if MODE == 0:  # DENSE
+        y, _ = _gemv_rows(a_ptr, w_ptr, w_scale_ptr, n, n_ok, red_dim, stride_wn, stride_sn, 0, BLOCK_N, BLOCK_K,
+                          False, PDL, ROW_CHUNKS, EVICT, NORM, residual_ptr, norm_weight_ptr, sum_out_ptr, eps,
+                          NORM_BLOCK)  # fmt: skip
+        tl.store(out_ptr + n, y.to(ACT_DTYPE), mask=n_ok)
     else:  # GATED / DOWN: one slot of one token a program
         slot = tl.program_id(1)  # flat: token slot // TOP_K, its slot slot % TOP_K
         if MODE == 1:
@@ -261,50 +256,44 @@ def _launch(mode: int, grid: tuple[int, ...], a: torch.Tensor, w: torch.Tensor, 
 
 def fp8_gemv_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
-    """x [R, I] (16-bit, 1 <= R <= MAX_DENSE_ROWS) @ weight [O, I] fp8 (scale rows [O, ceil(I/128)]) -> [R, O]
-    in x.dtype: each row quantized per 128-wide group as it is loaded, ops/fp8_linear.py's W8A8 arithmetic,
-    one launch with a program per (output tile, row), so each row gets the bits it gets launched alone."""
+    """x [1, I] (16-bit) @ weight [O, I] fp8 (scale rows [O, ceil(I/128)]) -> [1, O] in x.dtype: x quantized
+    per 128-wide group as it is loaded, ops/fp8_linear.py's W8A8 arithmetic for one row, one launch."""
     require_triton("fp8_gemv_linear")
     out_features, in_features = weight.shape
-    x = _check_rows("fp8_gemv_linear", x, in_features)
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
-    _launch(DENSE, (x.shape[0],), x, weight, scale_rows, out, tiles, out_features, in_features)
+    _check_one_row("fp8_gemv_linear", x, in_features)
+    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
+    _launch(DENSE, (), x, weight, scale_rows, out, tiles, out_features, in_features)
     return out
 
 
 def fp8_gemv_normed_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, scale_rows: torch.Tensor,
                            tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The RMSNorm before a linear fused into its GEMV: s = x + residual (both [R, I], 16-bit), then
-    rms_norm(s, norm_weight, eps) @ weight [O, I] fp8 -> ([R, O], s), in one launch instead of two. Each
-    program normalizes its row itself as it loads it (ops/rms_norm.py's roundings); a row's first writes s."""
+    """The RMSNorm before a linear fused into its GEMV: s = x + residual (both [1, I], 16-bit), then
+    rms_norm(s, norm_weight, eps) @ weight [O, I] fp8 -> ([1, O], s), in one launch instead of two. Each
+    program normalizes the row itself as it loads it (ops/rms_norm.py's roundings); the first writes s."""
     require_triton("fp8_gemv_normed_linear")
     out_features, in_features = weight.shape
-    x = _check_rows("fp8_gemv_normed_linear", x, in_features)
-    if residual.shape != x.shape or norm_weight.shape != (in_features,) or norm_weight.dtype != x.dtype:
+    _check_one_row("fp8_gemv_normed_linear", x, in_features)
+    if (residual.shape != x.shape or residual.stride(-1) != 1 or norm_weight.shape != (in_features,)
+            or norm_weight.dtype != x.dtype):  # fmt: skip
         raise ValueError(f"fp8_gemv_normed_linear: residual {tuple(residual.shape)} must match x {tuple(x.shape)} "
                          f"and norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} be [{in_features}] "
                          f"{x.dtype}")  # fmt: skip
-    residual = residual.contiguous()  # the kernel steps the residual and the sum by x's row stride
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     total = torch.empty_like(x)
-    _launch(DENSE, (x.shape[0],), x, weight, scale_rows, out, tiles, out_features, in_features,
+    _launch(DENSE, (), x, weight, scale_rows, out, tiles, out_features, in_features,
             norm=(residual, norm_weight, eps, total))  # fmt: skip
     return out, total
 
 
-# the most rows a dense GEMV launch takes: each row's programs stream the whole weight (from L2 after the
-# first), so past a few rows the tile kernels of ops/fp8_linear.py, which load a weight tile once for 16
-# rows, win (quantization/fp8.py GEMV_DENSE_MAX_ROWS says where on the H200)
-MAX_DENSE_ROWS = 16
-
-
-def _check_rows(name: str, x: torch.Tensor, in_features: int) -> torch.Tensor:
-    """x as the dense GEMV reads it: [R, in_features], 1 <= R <= MAX_DENSE_ROWS, contiguous."""
-    if x.dim() != 2 or x.shape[1] != in_features or not 1 <= x.shape[0] <= MAX_DENSE_ROWS:
-        raise ValueError(f"{name}: x {tuple(x.shape)} must be 1 to {MAX_DENSE_ROWS} rows of {in_features}; more "
-                         "rows take ops/fp8_linear.py")
-    return x.contiguous()
+def _check_one_row(name: str, x: torch.Tensor, in_features: int) -> None:
+    """The dense GEMV takes one row: at a verify step's 4 rows, a GEMV that loads each weight tile once for
+    all rows (quantizing every row in each of its programs) made the verify step 1.1-3.6 ms slower than the
+    split-K tile kernels (docs/perf_h200.md)."""
+    if x.dim() != 2 or x.shape != (1, in_features):
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be one row of {in_features}; more rows take "
+                         "ops/fp8_linear.py")
 
 
 def fp8_gemv_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,

@@ -46,8 +46,6 @@ FUSED_NORM = True
 # tile kernels): batch 2 3.62, 3.63 / 4.01, 4.01; batch 4 4.57, 4.57 / 4.86, 4.86; up to 8 tokens lost at
 # batch 8 (6.84, 6.84 / 6.69, 6.69). docs/perf_h200.md, 2026-12-04, fifth session
 GEMV_MOE_MAX_TOKENS = 4
-# the dense linears of 1 to this many 16-bit rows take ops/fp8_gemv.py (the qkv one with the input norm inside)
-GEMV_DENSE_MAX_ROWS = 4
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 # amax floor: an all-zero block gets a tiny positive scale and zero codes instead of 0 / 0
 _AMAX_FLOOR = 1e-12
@@ -118,8 +116,8 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # W8A8 for 16-bit x (ops/fp8_linear.py's docstring): fp8 MMAs
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_LINEAR_MAX_ROWS and not layer.batch_invariant:
-            if _gemv_dense(layer, x):
-                y = fp8_gemv_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
+            if _one_row(layer, x):
+                y = fp8_gemv_linear(x, layer.weight, layer.weight_scale_inv)  # [1, O]
             else:
                 y = fp8_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
             return y if bias is None else y.add_(bias)
@@ -128,9 +126,9 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
                      bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """1 to GEMV_DENSE_MAX_ROWS rows: the norm and its residual add inside the GEMV's loads (ops/fp8_gemv.py
+        """One row: the norm and its residual add inside the GEMV's loads (ops/fp8_gemv.py
         fp8_gemv_normed_linear), one launch less; the same roundings as the norm kernel then the GEMV."""
-        if FUSED_NORM and residual is not None and _gemv_dense(layer, x) and norm.weight.dtype == x.dtype:
+        if FUSED_NORM and residual is not None and _one_row(layer, x) and norm.weight.dtype == x.dtype:
             y, total = fp8_gemv_normed_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale_inv)
             return (y if bias is None else y.add_(bias)), total
         return super().apply_normed(layer, x, norm, residual, bias)
@@ -188,12 +186,12 @@ class Fp8MoEMethod(MoEMethod):
         return not _gemv_moe(layer, x)
 
 
-def _gemv_dense(layer: nn.Module, x: torch.Tensor) -> bool:
-    """1 to GEMV_DENSE_MAX_ROWS rows of 16-bit activations on CUDA outside deterministic mode (a batch-1 decode
-    step, a batch-1 verify step): the dense W8A8 GEMV's case (ONE_ROW_GEMV)."""
-    return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant, max_rows=GEMV_DENSE_MAX_ROWS)
+def _one_row(layer: nn.Module, x: torch.Tensor) -> bool:
+    """A batch-1 decode row of 16-bit activations on CUDA outside deterministic mode: the one-row W8A8
+    GEMV's case (ONE_ROW_GEMV)."""
+    return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant)
 
 
 def _gemv_moe(layer: nn.Module, x: torch.Tensor) -> bool:
-    """1 to GEMV_MOE_MAX_TOKENS tokens, otherwise as _gemv_dense: the GEMV fused MoE's case."""
+    """1 to GEMV_MOE_MAX_TOKENS tokens, otherwise as _one_row: the GEMV fused MoE's case."""
     return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant, max_rows=GEMV_MOE_MAX_TOKENS)
