@@ -288,9 +288,10 @@ def fp8_gemv_normed_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight:
 
 
 def _check_one_row(name: str, x: torch.Tensor, in_features: int) -> None:
-    """The dense GEMV takes one row: at a verify step's 4 rows, a GEMV that loads each weight tile once for
+    """The dense GEMV takes one row. At a verify step's 4 rows, a GEMV that loads each weight tile once for
     all rows (quantizing every row in each of its programs) made the verify step 1.1-3.6 ms slower than the
-    split-K tile kernels (docs/perf_h200.md)."""
+    split-K tile kernels, and one with a program per (tile, row) 0.77 ms slower: a row costs what the
+    one-row launch costs, bound by its own conversions and FMAs rather than by HBM (docs/perf_h200.md)."""
     if x.dim() != 2 or x.shape != (1, in_features):
         raise ValueError(f"{name}: x {tuple(x.shape)} must be one row of {in_features}; more rows take "
                          "ops/fp8_linear.py")

@@ -13,9 +13,11 @@ alone. 48 gate layers in one CUDA graph on the H200 (early launches off): 1 row 
 Launched early (ops/triton_setup.py): the weight rows are prefetched into L2 while the kernel before the
 gate still runs, then the kernel waits for the activation.
 
-normed_gemv: at one row the decoder layer's post-attention RMSNorm (and its residual add) runs inside the
-gate's loads, one launch less; each program normalizes the row itself (ops/rms_norm.py's arithmetic, the
-same bits) and the first writes the normed row, which the experts read, and the sum, the next residual.
+normed_gemv: at 1 to 4 rows (layers/moe.py FUSED_GATE_NORM_MAX_ROWS) the decoder layer's post-attention
+RMSNorm (and its residual add) runs inside the gate's loads, one launch less; a grid column per row, each
+program normalizing its row itself (ops/rms_norm.py's arithmetic, the same bits), the row's first writing
+the normed row, which the experts read, and the sum, the next residual. (Normalizing every row in every
+program, the tile loaded once for all, lost at 4 rows: docs/perf_h200.md, 2026-12-04, fifth session.)
 """
 
 from __future__ import annotations
