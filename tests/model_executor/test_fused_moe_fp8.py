@@ -300,3 +300,40 @@ def test_a_few_row_w8a8_linear_splits_k_and_its_last_split_adds_the_chunks_in_or
         assert torch.equal(got, halves[0] + halves[1])
         assert not arrival_counters(x.device, 1).any()
     """, PRELUDE)
+
+
+def test_the_norm_that_quantizes_gives_the_codes_of_the_norm_kernels_rows() -> None:
+    """ops/fp8_quant.py norm_quantize, a verify step's input RMSNorm writing the qkv tile GEMM's W8A8 operand
+    (quantization/fp8.py apply_normed at 2-16 rows): on 3 rows of 200 (a partial scale group, a partial norm
+    block), bf16 and float32, the codes and scales of quantize_groups on the norm kernel's rows and its sum,
+    bit for bit, and the linear on them the linear on those rows; a residual of another shape is refused."""
+    run_interpreted("""
+        import torch
+        from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear, fp8_linear_quantized
+        from fastdeploy_r3.model_executor.ops.fp8_quant import norm_quantize, quantize_groups
+        from fastdeploy_r3.model_executor.ops.rms_norm import rms_norm
+        from fastdeploy_r3.model_executor.quantization.fp8 import expand_scale_rows, quantize_blockwise
+
+        torch.manual_seed(4)
+        codes_w, scale = quantize_blockwise(torch.randn(300, 200) * 0.1)
+        rows = expand_scale_rows(scale, 300)
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(3, 200) * torch.tensor([[1.0], [30.0], [0.01]])).to(dtype)
+            residual = torch.randn(3, 200, dtype=dtype)
+            norm_weight = (torch.rand(200) + 0.5).to(dtype)
+            h, total = rms_norm(x, norm_weight, 1e-6, residual)
+            want_codes, want_scales = quantize_groups(h)
+            codes, scales, got_total = norm_quantize(x, residual, norm_weight, 1e-6)
+            assert codes.dtype == torch.float8_e4m3fn and scales.shape == (3, 2), (codes.dtype, scales.shape)
+            assert torch.equal(got_total, total), dtype
+            assert torch.equal(scales, want_scales), dtype
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), dtype
+            got = fp8_linear_quantized(codes, scales, dtype, codes_w, rows)
+            assert torch.equal(got, fp8_linear(h, codes_w, rows, fp8_activations=True)), dtype
+        try:
+            norm_quantize(x, residual[:, :100], norm_weight, 1e-6)
+        except ValueError as e:
+            assert "residual (3, 100) must match x (3, 200)" in str(e), e
+        else:
+            raise AssertionError("a residual of another shape was accepted")
+    """, PRELUDE)
