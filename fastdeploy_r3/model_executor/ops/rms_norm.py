@@ -60,25 +60,39 @@ def _rms_norm_kernel(
         r = tl.load(residual_ptr + i0 * stride_r0 + i1 * stride_r1 + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the sum, rounded as torch rounds it
         tl.store(residual_out_ptr + row * N + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xf * xf, 0) / N + eps))  # IEEE-rounded, not the fast approximations
-    normed = (xf * inv_rms).to(dtype).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    inv_rms = inverse_rms(x.to(tl.float32), N, eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * N + cols, weighted(x, inv_rms, w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# The norm's arithmetic, written once: _rms_norm_kernel, and the kernels that normalize a row as they load it
+# (ops/fp8_gemv.py, ops/gemv.py, ops/fp8_quant.py norm_quantize) through row_inv_rms and normed_elements
+
+
+@jit
+def inverse_rms(v, n, eps):
+    """1 / sqrt(mean(v^2) + eps) of a row's float32 values v (zeros past its n): the mean divided and the
+    root and reciprocal taken IEEE-rounded, not with the fast approximations."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(v * v, 0), n * 1.0) + eps))
+
+
+@jit
+def weighted(s, inv_rms, w):
+    """w * (s * inv_rms).to(dtype) in float32, s in the row's dtype: the value rounded to the row's dtype
+    before the weight multiplies, as the HF models do (rms_norm_ref)."""
+    return w.to(tl.float32) * (s.to(tl.float32) * inv_rms).to(s.dtype).to(tl.float32)
 
 
 @jit
 def row_inv_rms(x_ptr, residual_ptr, n, eps, BLOCK: tl.constexpr):
     """1 / rms(x + residual) of one 16-bit row of n values (BLOCK >= n), the sum rounded to the row's dtype
-    first: _rms_norm_kernel's arithmetic, for a GEMV that normalizes its input row as it loads it
-    (ops/fp8_gemv.py, ops/gemv.py). tests/gpu/test_fp8_w8a8_gpu.py holds the result to the kernel's, bit for
-    bit, at hidden 2048 and 4096 in 4- and 8-warp GEMVs."""
+    first, for a GEMV that normalizes its input row as it loads it. tests/gpu/test_fp8_w8a8_gpu.py holds the
+    result to _rms_norm_kernel's, bit for bit, at hidden 2048 and 4096 in 4- and 8-warp GEMVs."""
     c = tl.arange(0, BLOCK)
     c_ok = c < n
     x = tl.load(x_ptr + c, mask=c_ok, other=0.0)
     r = tl.load(residual_ptr + c, mask=c_ok, other=0.0)
-    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
-    return tl.div_rn(1.0, tl.sqrt_rn(tl.sum(s * s, 0) / n + eps))
+    return inverse_rms((x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32), n, eps)
 
 
 @jit
@@ -87,8 +101,7 @@ def normed_elements(x, k, k_ok, inv_rms, residual_ptr, weight_ptr):
     residual).to(dtype): _rms_norm_kernel's output and sum there, rounded where it rounds them (the
     weight in x's dtype)."""
     s = (x.to(tl.float32) + tl.load(residual_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
-    normed = (s.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
-    return (tl.load(weight_ptr + k, mask=k_ok, other=0.0).to(tl.float32) * normed).to(x.dtype), s
+    return weighted(s, inv_rms, tl.load(weight_ptr + k, mask=k_ok, other=0.0)).to(x.dtype), s
 
 
 def rms_norm(
