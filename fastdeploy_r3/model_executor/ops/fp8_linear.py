@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from fastdeploy_r3.model_executor.ops.arrivals import arrival_counters
-from fastdeploy_r3.model_executor.ops.fused_moe_triton import _expert_gemm_kernel, fp8_operand, quantized_operand
+from fastdeploy_r3.model_executor.ops.fused_moe_triton import _expert_gemm_kernel, fp8_operand
 from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, num_sms, require_triton, triton
 
 MAX_ROWS = 4096  # longer prefill chunks: a dequantised copy and cuBLAS (o at 8192 rows: 12.3 ms / 48 layers
@@ -82,55 +82,38 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     y = dequantize(x's codes, their scales) @ dequantize(W)^T up to the float32 summation order, rounded
     to x.dtype. None: W8A8 for 16-bit x, weight-only for float32."""
     require_triton("fp8_linear")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if fp8_activations is None:
-        fp8_activations = x.dtype != torch.float32
-    w8a8 = fp8_operand(x if fp8_activations and x.shape[0] else None)  # x's codes and group scales, else {}
-    return _launch(w8a8.pop("a", x), w8a8, x.dtype, weight, scale_rows, tiles)
-
-
-def fp8_linear_quantized(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor,
-                         scale_rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """The W8A8 fp8_linear of activations quantized already (ops/fp8_quant.py norm_quantize): codes [M, I]
-    float8_e4m3fn and their group scales [M, ceil(I/128)] -> [M, O] in dtype (16-bit)."""
-    require_triton("fp8_linear_quantized")
-    if codes.dim() != 2 or codes.stride(1) != 1 or scales.shape != (codes.shape[0], triton.cdiv(codes.shape[1], 128)):
-        raise ValueError(f"fp8_linear_quantized: codes {tuple(codes.shape)} must be [M, I] contiguous along I and "
-                         f"scales {tuple(scales.shape)} [M, ceil(I / 128)]")
-    return _launch(codes, quantized_operand(codes, scales, dtype), dtype, weight, scale_rows, None)
-
-
-def _launch(a: torch.Tensor, w8a8: dict, dtype: torch.dtype, weight: torch.Tensor, scale_rows: torch.Tensor,
-            tiles: tuple[int, int, int, int, int] | None) -> torch.Tensor:  # fmt: skip
-    """One launch of the dense GEMM over A = a (16-bit or float32 rows, or fp8 codes with w8a8's scales)."""
-    rows, in_features = a.shape
+    rows, in_features = x.shape
     out_features = weight.shape[0]
-    out = torch.empty(rows, out_features, dtype=dtype, device=a.device)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
     if weight.stride(1) != 1 or scale_rows.stride(1) != 1:
         raise ValueError("fp8_linear: the weight and its scale rows must be contiguous in their last dimension")
-    fp8_activations = bool(w8a8)
+    if fp8_activations is None:
+        fp8_activations = x.dtype != torch.float32
     block_m, block_n, block_k, warps, stages = tiles or _tiles(rows, out_features, fp8_activations)
     if 128 % block_k:
         raise ValueError(f"fp8_linear: BLOCK_K {block_k} must divide 128 (one scale column a tile)")
+    w8a8 = fp8_operand(x if fp8_activations else None)  # x's codes and group scales, else {}
+    a = w8a8.pop("a", x)
     grid_m, grid_n = triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n)
     k_steps = triton.cdiv(in_features, block_k)
-    splits = split_k(rows, grid_m * grid_n, k_steps, a.device) if fp8_activations and tiles is None else 1
-    arrivals = arrival_counters(a.device, grid_m * grid_n) if splits > 1 else None
+    splits = split_k(rows, grid_m * grid_n, k_steps, x.device) if fp8_activations and tiles is None else 1
+    arrivals = arrival_counters(x.device, grid_m * grid_n) if splits > 1 else None
     if arrivals is not None:  # k_chunk: whole BLOCK_K steps, the last split maybe shorter, none empty
         k_chunk = -(-k_steps // splits) * block_k
         splits = -(-in_features // k_chunk)
-        w8a8 |= {"part_ptr": torch.empty(splits, rows, out_features, dtype=torch.float32, device=a.device),
+        w8a8 |= {"part_ptr": torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device),
                  "arrivals_ptr": arrivals, "k_chunk": k_chunk, "SPLIT_K": splits}
-    # DENSE: row r of the tile is a's row r (no routing metadata, nothing for a CUDA graph to keep)
+    # DENSE: row r of the tile is x's row r (no routing metadata, nothing for a CUDA graph to keep)
     _expert_gemm_kernel[(grid_m, grid_n, w8a8.get("SPLIT_K", 1))](
         a, weight, out, None, None, None, None,
         rows, out_features, in_features, a.stride(0), 0, weight.stride(0), out.stride(0),
         scale_rows, 0, scale_rows.stride(0),
         A_ROW_DIV=1, GATED=False, ROUTED_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=dtype == torch.float32, UPCAST=INTERPRET, FP8_W=True, DENSE=True, num_warps=warps, num_stages=stages,
+        IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, FP8_W=True, DENSE=True, num_warps=warps, num_stages=stages,
         **w8a8,
     )  # fmt: skip
     return out

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_r3.model_executor.ops.rms_norm import normed_elements, row_inv_rms
-from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, pdl, pdl_prologue, require_triton, tl, triton
+from fastdeploy_r3.model_executor.ops.triton_setup import INTERPRET, jit, require_triton, tl, triton
 
 GROUP = 128
 # the model dtypes as Triton dtypes (the W8A8 kernels' ACT_DTYPE constexpr: what their outputs round to)
@@ -81,51 +80,6 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         GROUP_SIZE=GROUP, ROWS=block_rows,
     )  # fmt: skip
     return (codes.to(torch.float8_e4m3fn) if INTERPRET else codes), scales
-
-
-@jit
-def _norm_quantize_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, sum_ptr, cols, eps, stride_x, stride_q,
-                          stride_s, GROUPS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                          PDL: tl.constexpr = False):  # fmt: skip
-    """One program a row: s = x + residual, h = rms_norm(s) (ops/rms_norm.py's roundings), h's codes and
-    group scales (_quantize_groups_kernel's arithmetic) and s; h itself is never written."""
-    pdl_prologue(PDL)  # the GEMM after this may stream its weight meanwhile (ops/triton_setup.py)
-    row = tl.program_id(0).to(tl.int64)
-    x_row, r_row = x_ptr + row * stride_x, residual_ptr + row * stride_x
-    inv_rms = row_inv_rms(x_row, r_row, cols, eps, NORM_BLOCK)
-    g = tl.arange(0, GROUPS)  # [G]
-    k = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
-    k_ok = k < cols
-    h, total = normed_elements(tl.load(x_row + k, mask=k_ok, other=0.0), k, k_ok, inv_rms, r_row, weight_ptr)
-    tl.store(sum_ptr + row * stride_x + k, total, mask=k_ok)
-    scale, q = group_quotients(tl.where(k_ok, h.to(tl.float32), 0.0))  # [G], [G, 128]
-    tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k_ok)
-    tl.store(s_ptr + row * stride_s + g, scale, mask=g * 128 < cols)
-
-
-def norm_quantize(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The RMSNorm (weight, eps) of s = x + residual, quantized for a W8A8 GEMM, in one launch instead of
-    two: x, residual [M, C] 16-bit -> (codes [M, C] float8_e4m3fn, scales [M, ceil(C/128)] float32, s),
-    the bits of quantize_groups(rms_norm(x, weight, eps, residual)[0]) and of rms_norm's s."""
-    require_triton("norm_quantize")
-    rows, cols = x.shape
-    if residual.shape != x.shape or weight.shape != (cols,) or weight.dtype != x.dtype:
-        raise ValueError(f"norm_quantize: residual {tuple(residual.shape)} must match x {tuple(x.shape)} and "
-                         f"weight {tuple(weight.shape)} {weight.dtype} be [{cols}] {x.dtype}")
-    x, residual = x.contiguous(), residual.contiguous()  # the kernel steps both, and the sum, by x's row stride
-    groups = triton.cdiv(cols, GROUP)
-    codes = torch.empty(rows, cols, dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    total = torch.empty_like(x)
-    if rows:
-        early = pdl(x)
-        _norm_quantize_kernel[(rows,)](
-            x, residual, weight, codes, scales, total, cols, eps, x.stride(0), codes.stride(0), scales.stride(0),
-            GROUPS=triton.next_power_of_2(groups), NORM_BLOCK=triton.next_power_of_2(cols), PDL=early,
-            launch_pdl=early,
-        )  # fmt: skip
-    return (codes.to(torch.float8_e4m3fn) if INTERPRET else codes), scales, total
 
 
 def quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

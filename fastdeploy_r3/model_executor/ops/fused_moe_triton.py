@@ -338,11 +338,6 @@ def fp8_operand(a: torch.Tensor | None) -> dict:
     and the rounding dtype; {} for a None a (the plain operand). Also ops/fp8_linear.py's."""
     if a is None:
         return {}
-    return quantized_operand(*quantize_groups(a), a.dtype)
-
-
-def quantized_operand(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> dict:
-    """fp8_operand's arguments for an A operand quantized already: codes [M, K] float8_e4m3fn, their group
-    scales [M, ceil(K/128)], the model dtype the GEMM's outputs round to."""
+    codes, scales = quantize_groups(a)
     return {"a": codes, "a_scale_ptr": scales, "stride_as": scales.stride(0), "FP8_A": True,
-            "ACT_DTYPE": TL_DTYPES[dtype]}
+            "ACT_DTYPE": TL_DTYPES[a.dtype]}

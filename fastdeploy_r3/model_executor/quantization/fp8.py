@@ -25,8 +25,7 @@ from fastdeploy_r3.model_executor.batch_invariant import linear
 from fastdeploy_r3.model_executor.layers.fused_moe import choose_backend
 from fastdeploy_r3.model_executor.ops.fp8_gemv import fp8_gemv_experts, fp8_gemv_linear, fp8_gemv_normed_linear
 from fastdeploy_r3.model_executor.ops.fp8_linear import MAX_ROWS as FP8_LINEAR_MAX_ROWS
-from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear, fp8_linear_quantized
-from fastdeploy_r3.model_executor.ops.fp8_quant import norm_quantize
+from fastdeploy_r3.model_executor.ops.fp8_linear import fp8_linear
 from fastdeploy_r3.model_executor.ops.fused_moe_triton import triton_experts
 from fastdeploy_r3.model_executor.ops.gemv import use_one_row_gemv
 from fastdeploy_r3.model_executor.ops.moe_align import MoeBlocks
@@ -41,9 +40,6 @@ ONE_ROW_GEMV = True
 # ... and takes the decoder layer's input RMSNorm into the qkv projection's GEMV (apply_normed): tools/bench_r3.py,
 # batch-1 fp8 step, pipelined, one call on the H200: 2.63, 2.63 ms fused against 2.66 with the norm's own launch
 FUSED_NORM = True
-# ... and at 2 to this many rows (a verify step, a small decode batch) into the activation quantization the
-# W8A8 tile kernel needs (ops/fp8_quant.py norm_quantize)
-NORM_QUANT_MAX_ROWS = 16
 # the fused MoE of 1 to this many 16-bit tokens takes ops/fp8_gemv.py too (the dense linears one row only).
 # fp8 Qwen3-30B-A3B on the H200: the batch-1 k = 3 verify graph 4.42-4.46 ms against 4.70-4.76 with the tile
 # kernels (in-process, 30 replays); tools/bench_spec.py pipelined decode steps (ms, two runs each, this / the
@@ -131,17 +127,9 @@ class Fp8LinearMethod(LinearMethod):
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
                      bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One row: the norm and its residual add inside the GEMV's loads (ops/fp8_gemv.py
-        fp8_gemv_normed_linear); 2 to NORM_QUANT_MAX_ROWS rows: the norm kernel writes the activation's fp8
-        codes and scales instead of the normed rows (ops/fp8_quant.py norm_quantize). One launch less
-        either way, with the roundings of the norm kernel followed by the unfused linear."""
+        fp8_gemv_normed_linear), one launch less; the same roundings as the norm kernel then the GEMV."""
         if FUSED_NORM and residual is not None and _one_row(layer, x) and norm.weight.dtype == x.dtype:
             y, total = fp8_gemv_normed_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale_inv)
-            return (y if bias is None else y.add_(bias)), total
-        if (FUSED_NORM and residual is not None and use_one_row_gemv(x, layer.batch_invariant, NORM_QUANT_MAX_ROWS)
-                and norm.weight.dtype == x.dtype):  # fmt: skip
-            # 2 to NORM_QUANT_MAX_ROWS rows: the norm writes the W8A8 tile kernel's codes and scales itself
-            codes, scales, total = norm_quantize(x, residual, norm.weight, norm.eps)  # [T, I] fp8, [T, G], [T, I]
-            y = fp8_linear_quantized(codes, scales, x.dtype, layer.weight, layer.weight_scale_inv)  # [T, O]
             return (y if bias is None else y.add_(bias)), total
         return super().apply_normed(layer, x, norm, residual, bias)
 
