@@ -1,6 +1,7 @@
 """Host time of the engine process per decode step, on the CPU with a tiny fake model.
 
     python tools/engine_host_bench.py --batch 64 256 --steps 40 [--disable-overlap-schedule] [--profile N]
+        [--speculative K]
 
 Starts an EngineService (one worker process running HostOnlyRunner: it prepares each step's inputs as
 the real runner does but skips the model and answers token 7 for every sampling request, so that
@@ -9,7 +10,9 @@ ignore_eos, R3 on), lets every one reach decode, then times --steps decode steps
 wall ms, and the engine process's host work in CPU ms (time.process_time in step() outside the wait for
 the workers' answers: scheduling, building and pickling the step message, unpickling the answer, stop
 checks, deltas; the polling while it waits and the worker's own time are not in it), and with --profile
-the N functions of the engine process with the most cumulative time (cProfile).
+the N functions of the engine process with the most cumulative time (cProfile). --speculative K: n-gram
+speculation with K drafts (the engine drafts from each request's history; the runner still answers one
+token, so every draft is rejected): the host work of a speculative engine's steps, which run one at a time.
 """
 
 from __future__ import annotations
@@ -48,11 +51,14 @@ class HostOnlyRunner(ModelRunner):
 
 
 def measure(model_dir: str, batch: int, steps: int, prompt_len: int, overlap_off: bool,
-            profile: int) -> dict[str, float]:
+            profile: int, speculative: int = 0) -> dict[str, float]:
     max_len = prompt_len + steps + 64
     kwargs = dict(block_size=16, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len),
                   max_model_len=max_len, num_gpu_blocks_override=batch * max_len // 16,
                   routing_replay_config={"enable_routing_replay": True})
+    if speculative:
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative,
+                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if "disable_overlap_schedule" in inspect.signature(EngineConfig.from_kwargs).parameters or overlap_off:
         kwargs["disable_overlap_schedule"] = overlap_off
     import engine_host_bench  # the runner by its module name: the spawned worker imports it (not __main__)
@@ -110,10 +116,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     ap.add_argument("--profile", type=int, default=0, help="print the top N functions by cumulative time")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K", help="n-gram speculation, K drafts a step")
     args = ap.parse_args()
     model_dir = make_fake_model("qwen3_moe", tempfile.mkdtemp(prefix="fdr3-bench-"))
     for b in args.batch:
-        r = measure(model_dir, b, args.steps, args.prompt_len, args.disable_overlap_schedule, args.profile)
+        r = measure(model_dir, b, args.steps, args.prompt_len, args.disable_overlap_schedule, args.profile,
+                    args.speculative)
         print(f"batch {b:4d}: {r['wall_ms']:.2f} ms/step wall, "
               f"{r['engine_cpu_ms']:.2f} ms/step engine-process host work (CPU)")
 
