@@ -69,4 +69,3 @@ def test_seeded_sampled_speculation_on_cuda_reproduces_itself(model_dir: str) ->
     a, _ = _generate(model_dir, True, params)
     b, _ = _generate(model_dir, True, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-

@@ -110,11 +110,11 @@ def normed_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     it gets alone), the row's first writing h and s for the kernels after it."""
     require_triton("normed_gemv")
     red_dim = weight.shape[1]
+    x, residual = x.contiguous(), residual.contiguous()  # the kernel steps all four by x's row stride
     _check(x, weight, "normed_gemv")
     if residual.shape != x.shape or norm_weight.shape != (red_dim,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"normed_gemv: residual {tuple(residual.shape)} must match x {tuple(x.shape)} and "
                          f"norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} be [{red_dim}] {x.dtype}")
-    x, residual = x.contiguous(), residual.contiguous()  # the kernel steps all four by x's row stride
     h, total = torch.empty_like(x), torch.empty_like(x)
     out = _launch(x, weight, 1, dict(residual_ptr=residual, norm_weight_ptr=norm_weight, h_out_ptr=h,
                                      sum_out_ptr=total, eps=eps, NORM=True,

@@ -65,8 +65,8 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + cols, weighted(x, inv_rms, w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# The norm's arithmetic, written once: _rms_norm_kernel, and the kernels that normalize a row as they load it
-# (ops/fp8_gemv.py, ops/gemv.py, ops/fp8_quant.py norm_quantize) through row_inv_rms and normed_elements
+# The norm's arithmetic, written once: _rms_norm_kernel, and the GEMVs that normalize a row as they load it
+# (ops/fp8_gemv.py, ops/gemv.py) through row_inv_rms and normed_elements
 
 
 @jit
