@@ -19,7 +19,9 @@ mean engine step beside the server TPOT. `--r3 both` runs R3 off and on alternat
 servers started here and prints their ratio (per concurrency with --concurrency-sweep, each server
 running the whole sweep). --png plots tokens/s and requests in flight over time. Each run also prints
 the host CPU per output token of the client (this process) and of the API server it started: a process
-near 100 % of the wall time is what the rollout waits on, not the engine.
+near 100 % of the wall time is what the rollout waits on, not the engine. A speculative server
+(`'--server-arg=--speculative-config={"method": "ngram", "num_speculative_tokens": 3}'`) also gets the
+drafts its steps fed and the share accepted (/metrics).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class RunResult:
     timeline: list[tuple[float, int, int]]  # (t, tokens so far, in flight)
     step_split_ms: dict[str, float] = field(default_factory=dict)  # mean ms per step of each STEP_PARTS
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds of the run: "API server", "client"
+    spec: dict[str, float] = field(default_factory=dict)  # a speculative server's verify_steps, draft / accepted_tokens
 
     @property
     def output_tokens(self) -> int:
@@ -149,7 +152,7 @@ async def _one(client: httpx.AsyncClient, url: str, s: Sample, args: argparse.Na
 
 _STEP_RE = re.compile(
     r"^fastdeploy_r3_engine_(steps|step_seconds|step_(?:schedule|input|worker|output|send)_seconds|decode_steps"
-    r"|decode_step_seconds)(?:_total)? "
+    r"|decode_step_seconds|spec_verify_steps|spec_draft_tokens|spec_accepted_tokens)(?:_total)? "
     r"([0-9.eE+-]+)$", re.M)
 STEP_PARTS = ("schedule", "input", "worker", "output", "send")  # engine/step_counters.py
 
@@ -244,6 +247,9 @@ async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace,
             cpu["API server"] = api - cpu_before[0]
         after = await _step_counters(client, url)
     step_ms = None
+    # a speculative server (--server-arg=--speculative-config=...): what the run's steps drafted and kept
+    spec = {k[5:]: after[k] - before.get(k, 0.0) for k in ("spec_verify_steps", "spec_draft_tokens",
+                                                           "spec_accepted_tokens") if k in after}  # fmt: skip
     if {"steps", "step_seconds"} <= before.keys() & after.keys() and after["steps"] > before["steps"]:
         steps = after["steps"] - before["steps"]
         step_ms = 1e3 * (after["step_seconds"] - before["step_seconds"]) / steps
@@ -253,8 +259,8 @@ async def run_rollout(url: str, samples: list[Sample], args: argparse.Namespace,
         if decode > 0:  # the steps that fed one token per request, no prompt chunk (send excluded)
             split[f"decode-only step ({decode:.0f} steps)"] = 1e3 * (
                 after["decode_step_seconds"] - before["decode_step_seconds"]) / decode
-        return RunResult(label, wall, samples, step_ms, timeline, split, cpu)
-    return RunResult(label, wall, samples, step_ms, timeline, cpu_s=cpu)
+        return RunResult(label, wall, samples, step_ms, timeline, split, cpu, spec)
+    return RunResult(label, wall, samples, step_ms, timeline, cpu_s=cpu, spec=spec)
 
 
 def vocab_size(model_dir: str | None) -> int:
@@ -350,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host CPU, {r.label}: " + ", ".join(
             f"{who} {1e6 * s / max(r.output_tokens, 1):.0f} us per output token ({s / r.wall_s:.0%} of the wall time)"
             for who, s in r.cpu_s.items()))
+    for r in results:
+        if r.spec.get("draft_tokens"):
+            print(f"speculation, {r.label}: {r.spec['draft_tokens']:.0f} drafts fed in {r.spec['verify_steps']:.0f} "
+                  f"steps, {r.spec['accepted_tokens']:.0f} accepted "
+                  f"({r.spec['accepted_tokens'] / r.spec['draft_tokens']:.0%})")
     for c, ratios in r3_ratios(results).items():
         if ratios:
             at = f" at concurrency {c}" if c else ""
@@ -363,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "rollout.json"), "w") as f:
             json.dump([{"label": r.label, "wall_s": r.wall_s, "output_tokens": r.output_tokens, "tok_s": r.tok_s,
-                        "step_ms": r.step_ms, "cpu_s": r.cpu_s, "failed": sum(s.error is not None for s in r.samples),
+                        "step_ms": r.step_ms, "cpu_s": r.cpu_s, "spec": r.spec,
+                        "failed": sum(s.error is not None for s in r.samples),
                         "errors": sorted({s.error for s in r.samples if s.error})[:5]} for r in results], f, indent=1)
     return 1 if any(s.error for r in results for s in r.samples) else 0
 

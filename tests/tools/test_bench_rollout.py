@@ -34,6 +34,25 @@ def test_rollout_bench_streams_every_sample_and_writes_table_json_and_png(tmp_pa
     assert "host CPU, R3 on: client " in proc.stdout and "API server " in proc.stdout
 
 
+def test_rollout_bench_reports_what_a_speculative_server_drafted_and_kept(tmp_path: Path) -> None:
+    """A server started with n-gram speculation (its flag passed through --server-arg): the samples all
+    finish with their 16 tokens, and the run reports the drafts its steps fed and how many were accepted."""
+    model = tmp_path / "model"
+    make_fake_model("qwen3_moe", str(model))
+    out = tmp_path / "out"
+    spec = '--speculative-config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    cmd = [sys.executable, "tools/bench_rollout.py", "--model", str(model), "--prompts", "2", "--n", "2",
+           "--prompt-len", "8:24", "--max-tokens", "16", "--output-len", "fixed", "--ignore-eos",
+           "--temperature", "0", f"--server-arg={spec}", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (res,) = json.loads((out / "rollout.json").read_text())
+    assert res["failed"] == 0 and res["output_tokens"] == 64, res
+    drafts, accepted = res["spec"]["draft_tokens"], res["spec"]["accepted_tokens"]
+    assert drafts > 0 and 0 <= accepted <= drafts and res["spec"]["verify_steps"] > 0, res["spec"]
+    assert f"speculation, R3 on: {drafts:.0f} drafts fed in " in proc.stdout, proc.stdout[-1500:]
+
+
 def test_r3_ratios_pair_each_on_run_with_the_off_run_before_it_per_concurrency() -> None:
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from bench_rollout import RunResult, Sample
