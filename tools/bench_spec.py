@@ -198,7 +198,7 @@ def print_table(res: dict, title: str) -> None:
 
 def plot(res: dict, path: str, title: str) -> None:
     """Per batch: the verify step's ms against k beside the plain step (synchronous and pipelined), and the
-    modelled tokens/s of each acceptance rate over the pipelined plain step's, with the issue's 1.8x mark."""
+    modelled tokens/s of each acceptance rate over the pipelined plain step's, with the 1.8x aim marked."""
     import matplotlib
 
     matplotlib.use("Agg")
