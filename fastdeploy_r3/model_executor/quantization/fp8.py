@@ -116,7 +116,7 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # W8A8 for 16-bit x (ops/fp8_linear.py's docstring): fp8 MMAs
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_LINEAR_MAX_ROWS and not layer.batch_invariant:
-            if _one_row(layer, x):
+            if _takes_gemv(layer, x):
                 y = fp8_gemv_linear(x, layer.weight, layer.weight_scale_inv)  # [1, O]
             else:
                 y = fp8_linear(x, layer.weight, layer.weight_scale_inv)  # [T, O]
@@ -128,7 +128,7 @@ class Fp8LinearMethod(LinearMethod):
                      bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One row: the norm and its residual add inside the GEMV's loads (ops/fp8_gemv.py
         fp8_gemv_normed_linear), one launch less; the same roundings as the norm kernel then the GEMV."""
-        if FUSED_NORM and residual is not None and _one_row(layer, x) and norm.weight.dtype == x.dtype:
+        if FUSED_NORM and residual is not None and _takes_gemv(layer, x) and norm.weight.dtype == x.dtype:
             y, total = fp8_gemv_normed_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale_inv)
             return (y if bias is None else y.add_(bias)), total
         return super().apply_normed(layer, x, norm, residual, bias)
@@ -171,7 +171,7 @@ class Fp8MoEMethod(MoEMethod):
         # on CUDA the auto backend's eager grouped_mm would dequantise all E experts first: the Triton kernel
         # reads the codes (W8A8 for 16-bit activations, prefill included)
         if backend == "triton" or (backend == "grouped_mm" and layer.backend == "auto"):
-            if _gemv_moe(layer, x):
+            if _takes_gemv(layer, x, GEMV_MOE_MAX_TOKENS):
                 return fp8_gemv_experts(x, layer.w13, layer.w13_weight_scale_inv, layer.w2, layer.w2_weight_scale_inv,
                                         topk_weights, topk_ids)  # fmt: skip
             return triton_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, blocks=blocks,
@@ -183,15 +183,10 @@ class Fp8MoEMethod(MoEMethod):
 
     def uses_alignment(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """The GEMV reads topk_ids as they are: its routing skips the alignment."""
-        return not _gemv_moe(layer, x)
+        return not _takes_gemv(layer, x, GEMV_MOE_MAX_TOKENS)
 
 
-def _one_row(layer: nn.Module, x: torch.Tensor) -> bool:
-    """A batch-1 decode row of 16-bit activations on CUDA outside deterministic mode: the one-row W8A8
-    GEMV's case (ONE_ROW_GEMV)."""
-    return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant)
-
-
-def _gemv_moe(layer: nn.Module, x: torch.Tensor) -> bool:
-    """1 to GEMV_MOE_MAX_TOKENS tokens, otherwise as _one_row: the GEMV fused MoE's case."""
-    return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant, max_rows=GEMV_MOE_MAX_TOKENS)
+def _takes_gemv(layer: nn.Module, x: torch.Tensor, max_rows: int = 1) -> bool:
+    """1 to max_rows rows of 16-bit activations on CUDA outside deterministic mode: ops/fp8_gemv.py's case
+    (ONE_ROW_GEMV), the dense linears at one row (a batch-1 decode step), the MoE at GEMV_MOE_MAX_TOKENS."""
+    return ONE_ROW_GEMV and use_one_row_gemv(x, layer.batch_invariant, max_rows)
