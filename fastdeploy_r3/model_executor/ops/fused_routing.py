@@ -329,7 +329,6 @@ def fused_routing(
     dev, top_k = router_logits.device, spec.top_k
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)  # [T, K]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=dev)  # [T, K]
-    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)  # [E]
     num_rows = num_tokens * top_k
     blocks = None
     if block_m is not None:
@@ -341,10 +340,9 @@ def fused_routing(
             block_m=block_m,
         )
     if num_tokens == 0:
-        counts.zero_()
         if blocks is not None:
             blocks.num_padded.zero_()
-        return RoutingResult(weights, ids, counts.view(1, num_experts), blocks)
+        return RoutingResult(weights, ids, torch.zeros(1, num_experts, dtype=torch.int32, device=dev), blocks)
     block_e = triton.next_power_of_2(num_experts)
     cursor = torch.empty(block_e, dtype=torch.int32, device=dev)  # scratch of the alignment
     sigmoid = spec.scoring == "sigmoid"
@@ -354,12 +352,13 @@ def fused_routing(
                  and FEW_TOKENS < num_tokens <= PER_TOKEN_MAX_TOKENS)  # fmt: skip
     one = not per_token and (num_tokens <= ONE_LAUNCH_MAX_TOKENS if one_launch is None else one_launch)
     # a decode batch of a few tokens takes a tile its size (>= 2: no one-lane tiles), not 16 mostly-masked rows
-    block_t = BLOCK_T if not one else max(2, min(BLOCK_T, triton.next_power_of_2(num_tokens)))
-    block_t = 2 if per_token else block_t
+    block_t = 2 if per_token else BLOCK_T if not one else max(2, min(BLOCK_T, triton.next_power_of_2(num_tokens)))
     programs = 1 if one else num_tokens if per_token else triton.cdiv(num_tokens, BLOCK_T)
     early = pdl(router_logits)
     # deterministic mode keeps 4 warps at every batch size: a row's reductions then never change their order
     warps = ROUTING_WARPS if (num_tokens <= FEW_TOKENS or per_token) and not batch_invariant else 4
+    # [E] summed by the kernel(s), or per_token's [P, BE] rows, which RoutingResult.counts sums if asked
+    counts = None if per_token else torch.empty(num_experts, dtype=torch.int32, device=dev)
     partial = counts if one else torch.empty(programs, block_e, dtype=torch.int32, device=dev)  # [P, BE]
     _fused_routing_kernel[(programs,)](
         router_logits, e_score_correction_bias if sigmoid else router_logits, weights, ids, partial,
