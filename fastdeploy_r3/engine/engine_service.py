@@ -10,9 +10,13 @@ starts and supervises its children (workers, CacheTransferManager).
 
 One step:  schedule ─► send to the workers ─► [overlap.py: plan and send the next step ahead] ─► collect
            (a failure bisected: step_isolation.py) ─► advance cursors ─► append each request's sampled
-           tokens (TokenProcessor: stops, R3 at finish) ─► deltas
+           tokens (TokenProcessor: stops, R3 at finish) ─► [send early: schedule and send the next step]
+           ─► deltas
 With overlap one step is in flight between calls of step(); every other worker call (control.py)
-and retract_running first drain it (`drain`).
+and retract_running first drain it (`drain`). Where no step can ever be planned ahead though overlap is
+not disabled (speculative decoding, tensor parallelism: overlap.py), the next step is scheduled and
+sent as soon as this one's tokens are applied, exactly as the next call would have scheduled it, and
+this step's deltas are built (and sent by the engine loop) while the workers run it: `send_early`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fastdeploy_r3.config import EngineConfig
 from fastdeploy_r3.engine.builder import EngineParts, build_engine
 from fastdeploy_r3.engine.control import EngineControl
 from fastdeploy_r3.engine.control_error import WeightVersionError
+from fastdeploy_r3.engine.engine_metrics import engine_metrics
 from fastdeploy_r3.engine.overlap import OverlapCounters, overlap_enabled, schedule_ahead
 from fastdeploy_r3.engine.request import Request, RequestStatus
 from fastdeploy_r3.engine.request_groups import RequestGroups, validate_prompt
@@ -71,6 +76,8 @@ class EngineService:
         self._pending_outputs: list[str] = []  # user requests whose news go out with the next step
         self.overlap = overlap_enabled(config.scheduler_config.disable_overlap_schedule,
                                        config.parallel_config.tensor_parallel_size, p.scheduler.num_lookahead_tokens)
+        # no step planned ahead, ever, though not disabled: each step is sent before the last one's outputs
+        self.send_early = not self.overlap and not config.scheduler_config.disable_overlap_schedule
         self.overlap_counters = OverlapCounters()
         sp = config.speculative_config
         self.speculation = None if sp is None else Speculation(
@@ -161,13 +168,10 @@ class EngineService:
             if out is None:
                 # paused: nothing advances (in_place requests keep their blocks); aborts still go out
                 out = self.scheduler.schedule() if self.control.paused is None else SchedulerOutput()
-                if not out.chunks:
-                    self._wait_for_tiers()
                 if out.chunks:
-                    self.overlap_counters.sync_steps += 1
-                    if self.speculation is not None:  # no overlap then: num_lookahead_tokens > 0
-                        self.speculation.assign(out.chunks, self.parts.max_model_len)
-                    self.workers.broadcast(self._build(out.chunks, False))
+                    self._send(out)
+                else:
+                    self._wait_for_tiers()
             if out.chunks:
                 if self.overlap and self.control.paused is None:
                     ahead = schedule_ahead(self.scheduler, out.chunks, self.parts.max_model_len)
@@ -175,21 +179,43 @@ class EngineService:
                         self.overlap_counters.overlapped_steps += 1
                         self.workers.broadcast(self._build(ahead.chunks, False))
                         self._in_flight = ahead
-                # the step's parts (/metrics): scheduling (this one's and the one planned ahead), inputs built,
-                # waiting for the workers, and the rest: applying tokens and building the deltas
+                # the step's parts (/metrics): scheduling (this one's and the one planned ahead or sent early),
+                # inputs built, waiting for the workers, and the rest: applying tokens and building the deltas
                 input_at_schedule = self._input_seconds - input_before
                 schedule_s = watch.lap() - input_at_schedule
                 touched |= self._finish_step(out)
+                early_s = self._send_next() if self.send_early and self.control.paused is None else 0.0
+                schedule_s += early_s
         except Exception as e:
             self._die(f"{type(e).__name__}: {e}")
             raise EngineDeadError(self._dead) from e
         deltas = self.groups.collect(touched)
         if out.chunks:
             input_s, worker_s = self._input_seconds - input_before, self._worker_seconds - worker_before
-            output_s = watch.lap() - worker_s - (input_s - input_at_schedule)  # since the schedule's lap
+            output_s = watch.lap() - worker_s - (input_s - input_at_schedule) - early_s  # since the schedule's lap
             decode_only = all(c.num_new_tokens == 1 and c.samples for c in out.chunks)
             self.step_counters.add_step(schedule_s, input_s, worker_s, output_s, len(deltas), decode_only)
         return deltas
+
+    def _send_next(self) -> float:
+        """Schedule and send the next step now, before this one's deltas are built and sent (the loop's
+        output work then runs beside the workers' step), when no step could be planned ahead of this one
+        (overlap.py: speculative decoding, tensor parallelism). It is scheduled exactly as the next call
+        would have scheduled it, nothing in flight; the next step() collects it. Its seconds of scheduling."""
+        watch, input_before = Stopwatch(), self._input_seconds
+        nxt = self.scheduler.schedule()
+        if nxt.chunks:  # (nothing to run: the next step() schedules again, and waits for the tiers)
+            self.overlap_counters.early_sent_steps += 1
+            self._send(nxt)
+            self._in_flight = nxt
+        return watch.lap() - (self._input_seconds - input_before)
+
+    def _send(self, out: SchedulerOutput) -> None:
+        """Send a step scheduled with nothing in flight, its drafts assigned first."""
+        self.overlap_counters.sync_steps += 1
+        if self.speculation is not None:  # no overlap then: num_lookahead_tokens > 0
+            self.speculation.assign(out.chunks, self.parts.max_model_len)
+        self.workers.broadcast(self._build(out.chunks, False))
 
     def _wait_for_tiers(self) -> None:
         """Nothing to run: wait (briefly, so that new requests are taken) for what the next step waits
@@ -321,46 +347,8 @@ class EngineService:
         return outs
 
     def metrics(self) -> dict[str, float]:
-        c, res, r3 = self.kv.counters, self.parts.resources, self.token_processor.r3
-        return {
-            "num_gpu_blocks": self.num_gpu_blocks,
-            "num_cpu_blocks": self.num_cpu_blocks,
-            "num_free_gpu_blocks": self.kv.gpu.num_free_blocks,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_loading": len(self.scheduler.loading),
-            "prefix_hit_blocks": c.gpu_hit_blocks,
-            "swap_out_blocks": c.swap_out_blocks,
-            "swap_in_blocks": c.swap_in_blocks,
-            "storage_load_blocks": c.storage_load_blocks,
-            "storage_load_failed_blocks": c.storage_load_failed_blocks,
-            "storage_put_blocks": c.storage_put_blocks,
-            "cache_transfer_replacements": 0 if res.transfers is None else res.transfers.replacements,
-            "kv_storage_lookup_failures": 0 if res.lookup is None else res.lookup.health.counters.failures,
-            **(res.transfers.store_counters if res.transfers is not None else {}),
-            "evicted_blocks": c.evicted_blocks,
-            "preemptions": self.scheduler.num_preemptions,
-            "weight_updates": self.control.num_weight_updates,
-            "overlapped_steps": self.overlap_counters.overlapped_steps,
-            "sync_steps": self.overlap_counters.sync_steps,
-            "discarded_chunks": self.overlap_counters.discarded_chunks,
-            "discarded_steps": self.overlap_counters.discarded_steps,
-            "launched_ahead_steps": self.overlap_counters.launched_ahead_steps,
-            "r3_rows_delivered": r3.rows_delivered,
-            "r3_bytes": r3.bytes_delivered,
-            "r3_failures": r3.failures,
-            "r3_gather_seconds": r3.gather_seconds,
-            **self.step_counters.as_metrics(),
-            **self._spec_metrics(),
-        }
-
-    def _spec_metrics(self) -> dict[str, float]:
-        """Speculative decoding (engine/speculative.py): absent when it is off."""
-        if self.speculation is None:
-            return {}
-        c = self.speculation.counters
-        return {"spec_verify_steps": c.verify_steps, "spec_draft_tokens": c.draft_tokens,
-                "spec_accepted_tokens": c.accepted_tokens}
+        """The engine's counters and gauges, by /metrics name (engine_metrics.py)."""
+        return engine_metrics(self)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -35,6 +35,12 @@ is synchronous (scheduled after the step in flight is collected), exactly the no
   - the step after a failed one (engine/step_isolation.py re-runs its parts synchronously; the step
     planned ahead fed the failed step's tokens and is discarded, see worker/model_runner.py)
 A request certain to finish on the token in flight (max_tokens, max_model_len) is not planned ahead.
+
+With multi-token steps (speculation) or tensor parallelism no step is ever planned ahead; the engine then
+sends each step as soon as the one before is collected and its tokens applied, before building that
+one's deltas (engine_service.py `_send_next`): scheduled with nothing in flight, so none of the rules
+above applies to it, while the deltas and the engine loop's sending run beside the workers' step. A
+request finished meanwhile (an abort) has its chunk discarded under the same invariant.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class OverlapCounters:
     discarded_steps: int = 0  # steps planned ahead of a step that failed: discarded, their base re-run
     discarded_chunks: int = 0  # chunks of requests that finished while their step ran (the invariant above)
     launched_ahead_steps: int = 0  # steps the worker launched on the device before finishing the one before
+    early_sent_steps: int = 0  # sync steps sent before the outputs of the one before (engine_service._send_next)
 
 
 def schedule_ahead(scheduler: Scheduler, in_flight: list[ScheduledChunk], max_model_len: int) -> SchedulerOutput | None:

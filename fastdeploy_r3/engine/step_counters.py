@@ -6,7 +6,7 @@ device's time included):
     |- schedule -|- input -|------- worker -------|- output -|- send -|
     |<------------------------- step_seconds ------------------------->|
 
-    schedule  Scheduler.schedule (admission, blocks, preemption)
+    schedule  Scheduler.schedule (admission, blocks, preemption), also of a step planned ahead or sent early
     input     building the step's inputs (engine/step_builder.py)
     worker    the workers' call: sending the inputs, the forward, sampling, the answer
               (input and worker include the re-runs of a failed step's bisection)

@@ -228,6 +228,40 @@ def test_logprobs_chunked_prefill_and_penalties_are_the_plain_engine_s(
     assert got["pen"].outputs[0].spec.draft_tokens == 0
 
 
+def test_each_verify_step_leaves_before_the_outputs_of_the_one_before(
+    spec: EngineService, plain: EngineService, reference: dict[str, RequestOutput]
+) -> None:
+    """No verify step can be planned ahead (its drafts follow what the step before accepted), so the
+    engine sends it as soon as the step before is collected and only then builds that step's deltas:
+    every step() returns with the next one on the workers. A pause collects that one (its tokens go out,
+    none lost) and sends nothing more; after the resume the request ends with the plain engine's tokens
+    and rows. The plain engine plans its decode steps ahead instead and sends none early."""
+    def sent_early() -> float:
+        return spec.metrics()["early_sent_steps"]
+
+    asm = OutputAssembler("early")
+    spec.add_request("early", WORKLOAD["rep"], GREEDY)
+    for _ in range(3):
+        before = sent_early()
+        for delta in spec.step():
+            asm.add(delta)
+        assert sent_early() == before + 1
+    got_before_pause = len(asm.output().outputs[0].token_ids)
+    spec.control.pause("in_place")
+    steps = spec.metrics()["steps"]
+    for _ in range(2):
+        for delta in spec.step():
+            asm.add(delta)
+    assert spec.metrics()["steps"] == steps  # paused: no step ran or was sent
+    assert len(asm.output().outputs[0].token_ids) > got_before_pause  # the collected step's tokens went out
+    spec.control.resume()
+    while spec.has_unfinished_requests():
+        for delta in spec.step():
+            asm.add(delta)
+    _assert_same(asm.output(), reference["rep"])
+    assert plain.metrics()["early_sent_steps"] == 0 and plain.metrics()["overlapped_steps"] > 0
+
+
 # -- the two ends, in debug mode (rows are positions) -----------------------------------------------
 
 
