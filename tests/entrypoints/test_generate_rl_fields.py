@@ -270,7 +270,8 @@ def test_non_finite_logits_fail_that_request_alone(server: ServerHandle) -> None
     # the same tokens; their logprobs to float32 rounding: a step of two rows runs other GEMM shapes than a step
     # of one, which need not give the same bits (on AVX-512 CPUs they differ in the 7th digit); bits equal across
     # batch shapes are --enable-deterministic-inference's promise (tests/engine/test_deterministic.py)
-    got, want = answers["good"].json()["meta_info"]["output_token_logprobs"], alone["meta_info"]["output_token_logprobs"]
+    got = answers["good"].json()["meta_info"]["output_token_logprobs"]
+    want = alone["meta_info"]["output_token_logprobs"]
     assert [e[1:] for e in got] == [e[1:] for e in want]
     assert [e[0] for e in got] == pytest.approx([e[0] for e in want], abs=1e-5)
     assert answers["bad"].status_code == 500

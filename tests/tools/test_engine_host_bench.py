@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PATH = os.pathsep.join(str(p) for p in (REPO_ROOT, REPO_ROOT / "tools", REPO_ROOT / "tests"))  # tools/ for the spawned worker
+# tools/ on the spawned worker's path too: it imports the runner by its module name
+PATH = os.pathsep.join(str(p) for p in (REPO_ROOT, REPO_ROOT / "tools", REPO_ROOT / "tests"))
 
 
 def test_speculative_steps_with_a_device_stand_in_report_the_exposed_host_time() -> None:
