@@ -136,11 +136,7 @@ def _serve(state: _RankState, config: EngineConfig, rank: int, world_size: int, 
     spec = runner.init_kv_cache(num_blocks)
     conn.send(WorkerReady(rank, num_blocks, spec, runner.num_lookahead_tokens))
     freeze_startup_heap()
-    # one rank, a runner whose steps split into launch and finish: the next step is launched before
-    # this one is finished whenever the engine sent it already (engine/overlap.py plans it ahead),
-    # so the device runs it while this process waits for, packs and sends the previous one
-    steps = StepPipeline(runner, conn, pipelined=world_size == 1 and type(runner).execute is ModelRunner.execute
-                         and pipeline_steps(config.device))  # fmt: skip
+    steps = StepPipeline(runner, conn, pipelined=pipelines(runner, world_size, config.device))
     while True:
         try:
             steps.wait_for_message()
@@ -161,6 +157,21 @@ def _serve(state: _RankState, config: EngineConfig, rank: int, world_size: int, 
         elif isinstance(msg, (InitWeightUpdateGroup, DestroyWeightUpdateGroup, UpdateWeights, ReleaseMemory,
                               ResumeMemory, ChecksumWeights, ExpertDistribution, RebalanceExperts)):
             conn.send(runner.control(msg))
+
+
+def pipelines(runner: ModelRunner, world_size: int, device: str) -> bool:
+    """Whether this rank launches the next step before finishing the one before (StepPipeline): one rank,
+    a runner whose steps split into launch and finish, on a device where a launch returns early
+    (pipeline_steps), and an engine that may send the next step first (engine/overlap.py plans it ahead),
+    so that the device runs it while this process waits for, packs and sends the previous one. Never
+    for a runner that verifies drafts (num_lookahead_tokens > 0): no step is planned ahead of a verify
+    step, so the next one cannot come first; such a rank finishes each step at once, waiting on its
+    event, instead of polling the pipe every POLL_S for a message that cannot come first (up to POLL_S
+    added to every verify step)."""
+    from fastdeploy_r3.worker.model_runner import ModelRunner
+
+    return (world_size == 1 and runner.num_lookahead_tokens == 0 and type(runner).execute is ModelRunner.execute
+            and pipeline_steps(device))
 
 
 def pipeline_steps(device: str) -> bool:
