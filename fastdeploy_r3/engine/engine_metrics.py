@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
 
 def engine_metrics(svc: EngineService) -> dict[str, float]:
-    c, res, r3, steps = svc.kv.counters, svc.parts.resources, svc.token_processor.r3, svc.overlap_counters
+    c, res, r3, ov = svc.kv.counters, svc.parts.resources, svc.token_processor.r3, svc.overlap_counters
     return {
         "num_gpu_blocks": svc.num_gpu_blocks,
         "num_cpu_blocks": svc.num_cpu_blocks,
@@ -30,12 +30,12 @@ def engine_metrics(svc: EngineService) -> dict[str, float]:
         "evicted_blocks": c.evicted_blocks,
         "preemptions": svc.scheduler.num_preemptions,
         "weight_updates": svc.control.num_weight_updates,
-        "overlapped_steps": steps.overlapped_steps,
-        "sync_steps": steps.sync_steps,
-        "early_sent_steps": steps.early_sent_steps,
-        "discarded_chunks": steps.discarded_chunks,
-        "discarded_steps": steps.discarded_steps,
-        "launched_ahead_steps": steps.launched_ahead_steps,
+        "overlapped_steps": ov.overlapped_steps,
+        "sync_steps": ov.sync_steps,
+        "early_sent_steps": ov.early_sent_steps,
+        "discarded_chunks": ov.discarded_chunks,
+        "discarded_steps": ov.discarded_steps,
+        "launched_ahead_steps": ov.launched_ahead_steps,
         "r3_rows_delivered": r3.rows_delivered,
         "r3_bytes": r3.bytes_delivered,
         "r3_failures": r3.failures,
